@@ -1,0 +1,146 @@
+"""Command line: ``ntpflow {train,probe,demo} ...``. Parses input, builds configs, calls library functions."""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+EXAMPLES = """
+examples:
+  ntpflow train --task majority --regime myopic --seed 0 --out runs/maj-myopic-s0
+  ntpflow train --task cond_majority --regime untied --set steps=500 lr=3e-4
+  ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'
+  ntpflow demo --out runs/demo          # the four regimes of majority at a small size
+
+Python equivalents:
+  ntpflow.train(ntpflow.TrainConfig(task="majority", regime="myopic", seed=0), "runs/maj-myopic-s0")
+  ntpflow.probe_runs.probe_run(ntpflow.Run.open("runs/maj-myopic-s0"))
+"""
+
+log = logging.getLogger("ntpflow")
+
+# The demo's "small size": about a minute per regime on a 2-core CPU.
+DEMO_SETTINGS = ["steps=600", "n_train=25600", "n_eval=4096", "eval_every=200", "ckpt_every=200"]
+
+
+def _config(args):
+    from .config import TrainConfig, apply_overrides
+
+    base = {k: v for k, v in (("task", args.task), ("regime", args.regime), ("seed", args.seed),
+                              ("device", args.device)) if v is not None}
+    return apply_overrides(TrainConfig(**base), args.set or [])
+
+
+def cmd_train(args) -> int:
+    from .training import train
+
+    cfg = _config(args)
+    out = Path(args.out or f"runs/{cfg.task}-{cfg.regime}-s{cfg.seed}")
+    run = train(cfg, out, progress=not args.quiet)
+    final = run.metrics()[-1]
+    log.info("finished %s: eval_loss=%.4f legal_acc=%.3f first_acc=%.3f", out, final["eval_loss"],
+             final["legal_acc"], final["first_acc"])
+    print(out)
+    return 0
+
+
+def cmd_probe(args) -> int:
+    from .probe_runs import probe_run
+    from .probes import probe_table
+    from .training import Run
+
+    run = Run.open(args.run_dir)
+    if not run.done and args.weights == "final":
+        raise ValueError(f"{args.run_dir} has not finished training; probe a checkpoint with --weights STEP")
+    probes = probe_run(run, args.weights, device=args.device or "auto")
+    for name in [args.feature] if args.feature else probes.feature_names:
+        print(probe_table(probes, name))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .config import REGIMES
+    from .probe_runs import load_or_probe
+    from .training import train
+
+    out = Path(args.out)
+    rows = {}
+    for regime in REGIMES:
+        args.regime, args.task = regime, "majority"
+        cfg = _config(argparse.Namespace(**{**vars(args), "set": DEMO_SETTINGS + (args.set or [])}))
+        run = train(cfg, out / f"majority-{regime}-s{cfg.seed}", progress=not args.quiet)
+        if regime == "vanilla":
+            rows["untrained"] = load_or_probe(run, "init", cfg.device)
+        rows[regime] = load_or_probe(run, "final", cfg.device)
+    print(demo_table(rows))
+    return 0
+
+
+def demo_table(rows: dict) -> str:
+    """Mean over v of Pearson r of ``is_majority_<v>`` at input positions 1..9 (NTP-useless), per layer."""
+    first = next(iter(rows.values()))
+    names = [n for n in first.feature_names if n.startswith("is_majority")]
+    idx = [first.feature_index(n) for n in names]
+    positions = list(range(1, 10))
+    lines = ["probe quality (test Pearson r, mean over v) of is_majority_<v> at input positions, "
+             "where it is NTP-useless"]
+    for layer in range(first.r.shape[0]):
+        lines.append(f"\nlayer {layer}")
+        lines.append(f"{'regime':<15}" + "".join(f"{'p' + str(p):>6}" for p in positions) + f"{'mean':>7}")
+        for name, probes in rows.items():
+            r = probes.r[layer][positions][:, idx].float().nanmean(-1)
+            lines.append(f"{name:<15}" + "".join(f"{v:6.2f}" for v in r.tolist()) + f"{r.nanmean().item():7.2f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="ntpflow", description=__doc__, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings only")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp):
+        sp.add_argument("--seed", type=int, help="seed of initialisation and data order (default 0)")
+        sp.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
+        sp.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="override any TrainConfig field")
+
+    t = sub.add_parser("train", help="train one model into a run directory (resumes if interrupted)",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--task", help="majority | cond_majority")
+    t.add_argument("--regime", help="vanilla | myopic | untied | myopic-untied")
+    t.add_argument("--out", help="run directory (default runs/<task>-<regime>-s<seed>)")
+    common(t)
+    t.set_defaults(fn=cmd_train)
+
+    pr = sub.add_parser("probe", help="fit ridge probes of a finished run and print r tables")
+    pr.add_argument("run_dir")
+    pr.add_argument("--weights", default="final", help="final (default), init, or a checkpoint step")
+    pr.add_argument("--feature", help="print only this feature")
+    pr.add_argument("--device")
+    pr.set_defaults(fn=cmd_probe)
+
+    d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table")
+    d.add_argument("--out", default="runs/demo")
+    common(d)
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    if not sys.stderr.isatty():
+        args.quiet = True
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, PermissionError, OSError, KeyError) as e:
+        msg = str(e).strip("'\"").splitlines()[0] if str(e) else type(e).__name__
+        print(f"ntpflow: error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("ntpflow: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

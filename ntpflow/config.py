@@ -1,0 +1,120 @@
+"""Training configuration: a typed, frozen dataclass with ``key=value`` overrides and a stable hash."""
+
+import ast
+import hashlib
+import json
+import types
+import typing
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Literal
+
+REGIMES = ("vanilla", "myopic", "untied", "myopic-untied")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a training run (model, data, optimiser, schedule).
+
+    ``regime`` picks the ablation: ``myopic`` cuts pre-caching (attention mode ``myopic_mode``), ``untied`` cuts
+    circuit sharing across the split: positions < ``split_at`` and >= ``split_at`` get separate parameters
+    (``split_at=0`` unties every position). ``seed`` drives the initialisation and the data order; ``data_seed``
+    (default: ``seed``) the generated train/eval sets.
+    """
+
+    task: str = "majority"
+    regime: Literal["vanilla", "myopic", "untied", "myopic-untied"] = "vanilla"
+    myopic_mode: Literal["kv", "resid"] = "kv"
+    split_at: int = 10
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    steps: int = 3000
+    batch_size: int = 256
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
+    n_train: int = 102_400
+    n_eval: int = 10_240
+    seed: int = 0
+    data_seed: int | None = None
+    eval_every: int = 500
+    ckpt_every: int = 500
+    log_every: int = 50
+    device: str = "auto"
+
+    def __post_init__(self):
+        from .tasks import TASKS
+
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r}; choose one of {sorted(TASKS)}")
+        if self.regime not in REGIMES:
+            raise ValueError(f"unknown regime {self.regime!r}; choose one of {REGIMES}")
+        if self.myopic_mode not in ("kv", "resid"):
+            raise ValueError(f"unknown myopic_mode {self.myopic_mode!r}; choose 'kv' or 'resid'")
+        for name in ("steps", "batch_size", "n_train", "n_eval", "eval_every", "ckpt_every", "log_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.batch_size > self.n_train:
+            raise ValueError(f"batch_size={self.batch_size} exceeds n_train={self.n_train}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+    @property
+    def myopic(self) -> str:
+        return self.myopic_mode if self.regime.startswith("myopic") else "none"
+
+    @property
+    def untied(self) -> bool:
+        return self.regime.endswith("untied")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown config key(s) {sorted(unknown)}; known keys: {sorted(known)}")
+        return cls(**d)
+
+    def hash(self) -> str:
+        """SHA-256 of the canonical JSON of the fields that change results (not ``device`` or logging)."""
+        d = {k: v for k, v in self.to_dict().items() if k not in ("device", "log_every")}
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
+
+
+def apply_overrides(cfg, overrides: list[str]):
+    """Return ``cfg`` with ``["key=value", ...]`` applied; values are Python literals, checked against the type."""
+    types_ = typing.get_type_hints(type(cfg))
+    changes = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"override {item!r} is not of the form key=value")
+        if key not in types_:
+            raise ValueError(f"unknown config key {key!r}; known keys: {sorted(types_)}")
+        changes[key] = _coerce(key, raw.strip(), types_[key])
+    return replace(cfg, **changes)
+
+
+def _coerce(key: str, raw: str, typ):
+    try:
+        value = ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        value = raw  # a bare string such as regime=myopic
+    allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) or typing.get_origin(typ) else (typ,)
+    if typing.get_origin(typ) is Literal:
+        allowed = (str,)
+    for t in allowed:
+        if t is type(None) and value is None:
+            return None
+        if t is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(t, type) and t is not type(None) and isinstance(value, t) and not (
+            t is int and isinstance(value, bool)
+        ):
+            return value
+    raise ValueError(f"bad value for {key}: {raw!r} (expected {typ})")

@@ -1,0 +1,330 @@
+"""GPT-2 in plain PyTorch, with myopic attention and position-grouped (untied) parameters.
+
+Layer/position convention (see ``ntpflow.sites``): ``resid[0]`` is the embedding sum, ``resid[k]`` the output of
+block k-1, ``resid[n_layer]`` the last block's output *before* the final LayerNorm. Logits at position p predict
+token p+1.
+
+Every parameter carries a leading *group* axis ``[n_groups, ...]``. Position p uses copy ``groups[p]``; with one
+group this is exactly GPT-2. Grouped layers run as one batched matmul over positions, never a loop over them.
+"""
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .hooks import HookPoint, name_hook_points
+from .sites import Site
+
+Myopic = Literal["none", "kv", "resid"]
+MYOPIC_MODES = ("none", "kv", "resid")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Architecture of a GPT-2 model.
+
+    Args:
+        vocab_size: number of token ids.
+        n_ctx: number of positions (sequence length T).
+        n_layer, n_head, d_model: GPT-2 sizes; the MLP is 4·d_model wide.
+        myopic: ``"none"``; ``"kv"`` (reference code: query t sees stop-gradient keys/values of every other
+            position, its own keep their gradient) or ``"resid"`` (Wu et al. 2024: other positions' keys/values
+            are re-projected from stop-gradient residuals with live weights). Forward values never change.
+        position_groups: ``None`` (shared parameters), ``"untied"`` (one copy per position) or a list of length
+            n_ctx giving each position's group id (0..G-1, every id used), e.g. ``[0]*10 + [1]*11``.
+        layer_norm_eps: LayerNorm epsilon (GPT-2: 1e-5).
+    """
+
+    vocab_size: int
+    n_ctx: int
+    n_layer: int = 2
+    n_head: int = 4
+    d_model: int = 128
+    myopic: Myopic = "none"
+    position_groups: None | str | tuple[int, ...] = None
+    layer_norm_eps: float = 1e-5
+    groups: tuple[int, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_ctx", "n_layer", "n_head", "d_model"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_head={self.n_head}")
+        if self.myopic not in MYOPIC_MODES:
+            raise ValueError(f"unknown myopic mode {self.myopic!r}; choose one of {MYOPIC_MODES}")
+        pg = self.position_groups
+        if pg is None:
+            groups = (0,) * self.n_ctx
+        elif pg == "untied":
+            groups = tuple(range(self.n_ctx))
+        elif isinstance(pg, str):
+            raise ValueError(f"position_groups must be None, 'untied' or a list of ints, got {pg!r}")
+        else:
+            groups = tuple(int(g) for g in pg)
+            if len(groups) != self.n_ctx:
+                raise ValueError(f"position_groups has length {len(groups)}, expected n_ctx={self.n_ctx}")
+            if sorted(set(groups)) != list(range(max(groups) + 1)):
+                raise ValueError(f"position_groups must use every id 0..G-1, got {sorted(set(groups))}")
+            object.__setattr__(self, "position_groups", groups)
+        object.__setattr__(self, "groups", groups)
+
+    @property
+    def n_groups(self) -> int:
+        return max(self.groups) + 1
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_head
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("groups")
+        if isinstance(d["position_groups"], tuple):
+            d["position_groups"] = list(d["position_groups"])
+        return d
+
+
+def split_groups(n_ctx: int, m: int) -> tuple[int, ...]:
+    """The paper's m-untied split: positions < m use group 0, positions >= m use group 1."""
+    if not 0 < m < n_ctx:
+        raise ValueError(f"split index {m} must be in 1..{n_ctx - 1}")
+    return (0,) * m + (1,) * (n_ctx - m)
+
+
+class GroupedLinear(nn.Module):
+    """``y[b, p] = x[b, p] @ weight[g_p].T + bias[g_p]``; weight [G, d_out, d_in], bias [G, d_out]."""
+
+    def __init__(self, n_groups: int, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_groups, d_out, d_in))
+        self.bias = nn.Parameter(torch.zeros(n_groups, d_out))
+
+    def forward(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        """x [batch, pos, d_in], groups [pos] or None (single group) -> [batch, pos, d_out]."""
+        if groups is None:
+            return F.linear(x, self.weight[0], self.bias[0])
+        w = self.weight[groups]  # [pos, d_out, d_in]
+        y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+        return y + self.bias[groups]
+
+
+class GroupedLayerNorm(nn.Module):
+    """LayerNorm with per-group affine parameters weight, bias [G, d]."""
+
+    def __init__(self, n_groups: int, d: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n_groups, d))
+        self.bias = nn.Parameter(torch.zeros(n_groups, d))
+        self.hook_normalized = HookPoint()
+
+    def normalize(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        """x [batch, pos, d] -> [batch, pos, d], without calling the hook."""
+        if groups is None:
+            return F.layer_norm(x, x.shape[-1:], self.weight[0], self.bias[0], self.eps)
+        return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * self.weight[groups] + self.bias[groups]
+
+    def forward(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        return self.hook_normalized(self.normalize(x, groups))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = GroupedLinear(cfg.n_groups, cfg.d_model, 3 * cfg.d_model)
+        self.c_proj = GroupedLinear(cfg.n_groups, cfg.d_model, cfg.d_model)
+        self.hook_q, self.hook_k, self.hook_v = HookPoint(), HookPoint(), HookPoint()
+        self.hook_pattern, self.hook_z = HookPoint(), HookPoint()
+
+    def _heads(self, qkv: torch.Tensor) -> list[torch.Tensor]:
+        b, t, _ = qkv.shape  # -> 3 tensors [batch, pos, head, d_head]
+        return [z.reshape(b, t, self.n_head, -1) for z in qkv.chunk(3, dim=-1)]
+
+    def forward(self, x: torch.Tensor, x_in: torch.Tensor, groups, myopic: str) -> torch.Tensor:
+        """x = ln1(resid) [batch, pos, d_model]; x_in = the stop-gradient input for ``myopic="resid"``."""
+        q, k, v = (h(z) for h, z in zip((self.hook_q, self.hook_k, self.hook_v), self._heads(self.c_attn(x, groups))))
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [batch, head, pos, d_head]
+        if myopic == "none" and not self.hook_pattern.active:
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            if myopic == "kv":
+                k_off, v_off = k.detach(), v.detach()
+            elif myopic == "resid":
+                _, k_off, v_off = (z.transpose(1, 2) for z in self._heads(self.c_attn(x_in, groups)))
+            else:
+                k_off, v_off = k, v
+            z = _attend(q, k, v, k_off, v_off, self.hook_pattern)
+        z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
+        return self.c_proj(z.flatten(2), groups)
+
+
+def _attend(q, k, v, k_off, v_off, hook_pattern: HookPoint) -> torch.Tensor:
+    """Causal attention where query t uses (k, v) at s == t and (k_off, v_off) at s != t.
+
+    Value-identical to ordinary attention when k_off, v_off equal k, v in value. All [batch, head, pos, d_head].
+    """
+    t = q.shape[-2]
+    eye = torch.eye(t, dtype=torch.bool, device=q.device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    scores = q @ k_off.transpose(-1, -2)
+    if k_off is not k:
+        scores = torch.where(eye, (q * k).sum(-1, keepdim=True), scores)
+    scores = (scores / math.sqrt(q.shape[-1])).masked_fill(~causal, float("-inf"))
+    pattern = hook_pattern(scores.softmax(-1))
+    out = pattern @ v_off
+    if v_off is not v:
+        out = out + pattern.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * (v - v_off)
+    return out
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.c_fc = GroupedLinear(cfg.n_groups, cfg.d_model, 4 * cfg.d_model)
+        self.c_proj = GroupedLinear(cfg.n_groups, 4 * cfg.d_model, cfg.d_model)
+        self.hook_post = HookPoint()
+
+    def forward(self, x, groups):
+        return self.c_proj(self.hook_post(F.gelu(self.c_fc(x, groups), approximate="tanh")), groups)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = GroupedLayerNorm(cfg.n_groups, cfg.d_model, cfg.layer_norm_eps)
+        self.attn = Attention(cfg)
+        self.ln2 = GroupedLayerNorm(cfg.n_groups, cfg.d_model, cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+        self.hook_resid_pre, self.hook_resid_mid, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
+        self.hook_attn_out, self.hook_mlp_out = HookPoint(), HookPoint()
+
+    def forward(self, resid, groups, myopic: str):
+        resid = self.hook_resid_pre(resid)
+        x = self.ln1(resid, groups)
+        x_in = self.ln1.normalize(resid.detach(), groups) if myopic == "resid" else x
+        resid = self.hook_resid_mid(resid + self.hook_attn_out(self.attn(x, x_in, groups, myopic)))
+        return self.hook_resid_post(resid + self.hook_mlp_out(self.mlp(self.ln2(resid, groups), groups)))
+
+
+class GPT(nn.Module):
+    """GPT-2 with myopic attention and position groups.
+
+    ``GPT(cfg, seed=0)`` initialises N(0, 0.02) weights (residual output projections scaled by 1/sqrt(2·n_layer))
+    from its own generator on the CPU; all position groups start identical.
+    """
+
+    def __init__(self, cfg: GPTConfig, seed: int = 0):
+        super().__init__()
+        self.cfg = cfg
+        G = cfg.n_groups
+        self.wte = nn.Parameter(torch.empty(G, cfg.vocab_size, cfg.d_model))
+        self.wpe = nn.Parameter(torch.empty(G, cfg.n_ctx, cfg.d_model))
+        self.hook_embed, self.hook_pos_embed = HookPoint(), HookPoint()
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_final = GroupedLayerNorm(G, cfg.d_model, cfg.layer_norm_eps)
+        self.register_buffer("groups", torch.tensor(cfg.groups, dtype=torch.long), persistent=False)
+        name_hook_points(self)
+        self._init_weights(seed)
+
+    @property
+    def myopic(self) -> str:
+        return self.cfg.myopic
+
+    @torch.no_grad()
+    def _init_weights(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        proj_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                std = proj_std
+            elif name in ("wte", "wpe") or name.endswith(".weight") and p.dim() == 3:
+                std = 0.02
+            else:
+                continue  # biases zero, LayerNorm weight one (set in constructors)
+            one = torch.randn(p.shape[1:], generator=gen) * std
+            p.copy_(one.expand_as(p))
+
+    def _groups(self, t: int) -> torch.Tensor | None:
+        return None if self.cfg.n_groups == 1 else self.groups[:t]
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        stop_grad_at: Sequence[Site] = (),
+        myopic: Myopic | None = None,
+        return_resid: bool = False,
+    ):
+        """tokens [batch, pos] -> logits [batch, pos, vocab] (position p predicts token p+1).
+
+        Args:
+            stop_grad_at: residual sites whose gradient is blocked (forward values unchanged): sg(k, i) of the paper.
+            myopic: override the model's myopic mode for this call (e.g. ``"none"`` for a true-sensitivity forward).
+            return_resid: also return ``resid``, a list of n_layer+1 tensors [batch, pos, d_model] in the graph.
+        """
+        cfg = self.cfg
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
+        b, t = tokens.shape
+        if t > cfg.n_ctx:
+            raise ValueError(f"sequence length {t} exceeds n_ctx={cfg.n_ctx}")
+        mode = cfg.myopic if myopic is None else myopic
+        if mode not in MYOPIC_MODES:
+            raise ValueError(f"unknown myopic mode {mode!r}; choose one of {MYOPIC_MODES}")
+        stops = _stop_masks(stop_grad_at, cfg.n_layer, t, tokens.device)
+        groups = self._groups(t)
+        pos = torch.arange(t, device=tokens.device)
+        if groups is None:
+            tok, pe = F.embedding(tokens, self.wte[0]), self.wpe[0, :t]
+        else:
+            tok, pe = self.wte[groups.unsqueeze(0), tokens], self.wpe[groups, pos]
+        resid = self.hook_embed(tok) + self.hook_pos_embed(pe)
+        resids = []
+        for k in range(cfg.n_layer + 1):
+            if k in stops:
+                resid = torch.where(stops[k], resid.detach(), resid)
+            resids.append(resid)
+            if k < cfg.n_layer:
+                resid = self.blocks[k](resid, groups, mode)
+        x = self.ln_final(resid, groups)
+        if groups is None:
+            logits = x @ self.wte[0].T
+        else:
+            logits = torch.bmm(x.transpose(0, 1), self.wte[groups].transpose(1, 2)).transpose(0, 1)
+        return (logits, resids) if return_resid else logits
+
+    def run_with_resid(self, tokens: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(logits [batch, pos, vocab], resid list of n_layer+1 [batch, pos, d_model]), residuals in the graph."""
+        return self(tokens, return_resid=True, **kwargs)
+
+    # ---- conversion to and from transformers.GPT2LMHeadModel ----
+    def to_hf(self):
+        """Return an equivalent ``transformers.GPT2LMHeadModel`` (single position group only)."""
+        from .hf import gpt_to_hf
+
+        return gpt_to_hf(self)
+
+    @classmethod
+    def from_hf(cls, hf_model, **overrides) -> "GPT":
+        """Build a GPT from a ``transformers.GPT2LMHeadModel``; ``overrides`` may set e.g. ``myopic``."""
+        from .hf import gpt_from_hf
+
+        return gpt_from_hf(cls, hf_model, **overrides)
+
+
+def _stop_masks(sites: Sequence[Site], n_layer: int, t: int, device) -> dict[int, torch.Tensor]:
+    """{layer: bool mask [pos, 1]} of the positions whose residual is stop-gradiented."""
+    masks: dict[int, torch.Tensor] = {}
+    for s in sites:
+        s.check(n_layer, t)
+        if s.layer not in masks:
+            masks[s.layer] = torch.zeros(t, 1, dtype=torch.bool, device=device)
+        masks[s.layer][s.pos] = True
+    return masks

@@ -1,0 +1,55 @@
+"""Probing a trained run: residuals of its eval set, ridge probes per (layer, position), saved in the run dir."""
+
+import logging
+
+import torch
+
+from .io import resolve_device
+from .model import GPT
+from .probes import ProbeSet, fit_probes
+from .training import Run, make_datasets
+
+log = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def collect_resid(model: GPT, tokens: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Residual stream of ``tokens`` [n, pos] as [n_layer+1, n, pos, d_model] on the CPU (ordinary forward)."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    parts = []
+    for s in range(0, len(tokens), chunk):
+        _, resid = model(tokens[s:s + chunk].to(device), myopic="none", return_resid=True)
+        parts.append(torch.stack(resid).cpu())
+    model.train(was_training)
+    return torch.cat(parts, dim=1)
+
+
+def probe_dir_name(which: str | int) -> str:
+    return "probes" if str(which) == "final" else f"probes_{which}"
+
+
+def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train_frac: float = 0.7,
+              device: str = "auto") -> ProbeSet:
+    """Fit ridge probes for every task feature on the run's eval set with the weights ``which``
+    (``"final"``, ``"init"`` = step 0, or a checkpoint step), as the reference does: first 70% fit, last 30% test,
+    positions 1..T-1. Saved to ``RUN_DIR/probes`` (final) or ``RUN_DIR/probes_<which>``."""
+    model = run.load_model(which, resolve_device(device))
+    _, eval_set = make_datasets(run.cfg, run.task)
+    resid = collect_resid(model, torch.as_tensor(eval_set.tokens))
+    ft = None if eval_set.feature_types is None else torch.as_tensor(eval_set.feature_types).long()
+    probes = fit_probes(resid, torch.as_tensor(eval_set.features), alpha=alpha, train_frac=train_frac,
+                        feature_types=ft, feature_names=run.task.feature_names)
+    out = run.dir / probe_dir_name(which)
+    out.mkdir(exist_ok=True)
+    probes.save(out)
+    return probes
+
+
+def load_or_probe(run: Run, which: str | int = "final", device: str = "auto") -> ProbeSet:
+    """The saved probes of ``run`` for weights ``which``, fitting them first if absent."""
+    path = run.dir / probe_dir_name(which)
+    if (path / "probes.json").exists():
+        return ProbeSet.load(path)
+    return probe_run(run, which, device=device)

@@ -1,0 +1,28 @@
+"""Synthetic next-token tasks with ground-truth features.
+
+Every task yields :class:`Batch` objects whose sequences start with ``<bos>``
+at position 0; logits at position ``p`` predict token ``p + 1``.
+"""
+
+from __future__ import annotations
+
+from .base import Batch, Task, concat_batches
+from .majority import CondMajority, Majority
+
+__all__ = ["Batch", "Task", "Majority", "CondMajority", "TASKS", "make_task", "concat_batches"]
+
+TASKS: dict[str, type] = {
+    "majority": Majority,
+    "cond_majority": CondMajority,
+}
+
+
+def make_task(name: str, **kwargs) -> Task:
+    """Build the task registered under ``name`` with constructor ``kwargs``."""
+    try:
+        cls = TASKS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}"
+        ) from None
+    return cls(**kwargs)

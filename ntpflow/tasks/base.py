@@ -1,0 +1,133 @@
+"""Common containers and the task protocol for synthetic next-token tasks.
+
+Conventions shared by every task:
+
+* Position 0 of every sequence is ``<bos>``; vocabulary ids 0 and 1 are
+  ``<pad>`` and ``<bos>``, task symbols start at id 2.
+* Logits at position ``p`` predict token ``p + 1``. Every per-position array
+  that concerns a *prediction* (``loss_mask``, ``legal``) is aligned with the
+  logits, i.e. row ``p`` talks about token ``p + 1``; the last row (``T - 1``)
+  has no next token.
+* Features are properties of the residual stream *at* position ``t`` (after
+  reading token ``t``); ``useful[t, f]`` says whether feature ``f`` at position
+  ``t`` helps predict token ``t + 1``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+__all__ = ["PAD_ID", "BOS_ID", "N_SPECIAL", "Batch", "Task", "concat_batches"]
+
+PAD_ID = 0
+BOS_ID = 1
+N_SPECIAL = 2  # number of special tokens before the task symbols
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A batch of ``n`` sequences of length ``T`` with ``F`` features and vocab ``V``.
+
+    Attributes:
+        tokens: int64 ``[n, T]``; ``tokens[:, 0]`` is ``<bos>``.
+        loss_mask: bool ``[n, T]``; ``loss_mask[:, p]`` says whether the
+            prediction made at position ``p`` (of token ``p + 1``) counts in the loss.
+        legal: bool ``[n, T, V]``; ``legal[:, p, v]`` says whether ``v`` is a
+            legal value of token ``p + 1``. Row ``T - 1`` is all False.
+        features: float32 ``[n, T, F]`` ground-truth feature values at each position.
+        feature_types: optional int8 ``[n, T, F]`` per-example feature type
+            (task specific, e.g. empty / NTP-useless / NTP-useful), or None.
+    """
+
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    legal: np.ndarray
+    features: np.ndarray
+    feature_types: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        n, T = self.tokens.shape
+        if self.loss_mask.shape != (n, T):
+            raise ValueError(f"loss_mask shape {self.loss_mask.shape} != {(n, T)}")
+        if self.legal.ndim != 3 or self.legal.shape[:2] != (n, T):
+            raise ValueError(f"legal shape {self.legal.shape} != {(n, T)} + (V,)")
+        if self.features.ndim != 3 or self.features.shape[:2] != (n, T):
+            raise ValueError(f"features shape {self.features.shape} != {(n, T)} + (F,)")
+        if self.feature_types is not None and self.feature_types.shape != self.features.shape:
+            raise ValueError(
+                f"feature_types shape {self.feature_types.shape} != features shape "
+                f"{self.features.shape}"
+            )
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __getitem__(self, idx) -> "Batch":
+        """Select rows (int, slice, integer or boolean array); always returns a Batch.
+
+        An integer index returns a batch of one sequence.
+        """
+        if isinstance(idx, (int, np.integer)):
+            i = int(idx)
+            if not -len(self) <= i < len(self):
+                raise IndexError(f"index {i} out of range for batch of size {len(self)}")
+            idx = slice(i, i + 1) if i != -1 else slice(i, None)
+        return Batch(
+            tokens=self.tokens[idx],
+            loss_mask=self.loss_mask[idx],
+            legal=self.legal[idx],
+            features=self.features[idx],
+            feature_types=None if self.feature_types is None else self.feature_types[idx],
+        )
+
+
+def concat_batches(batches: Sequence[Batch]) -> Batch:
+    """Concatenate batches along the sequence (row) axis."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    has_types = [b.feature_types is not None for b in batches]
+    if any(has_types) and not all(has_types):
+        raise ValueError("cannot concatenate batches with and without feature_types")
+    return Batch(
+        tokens=np.concatenate([b.tokens for b in batches], axis=0),
+        loss_mask=np.concatenate([b.loss_mask for b in batches], axis=0),
+        legal=np.concatenate([b.legal for b in batches], axis=0),
+        features=np.concatenate([b.features for b in batches], axis=0),
+        feature_types=(
+            np.concatenate([b.feature_types for b in batches], axis=0) if all(has_types) else None
+        ),
+    )
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A synthetic sequence task with ground-truth features.
+
+    Attributes:
+        name: registry name of the task.
+        vocab: token strings, index = token id (``vocab[0] == "<pad>"``, ``vocab[1] == "<bos>"``).
+        seq_len: ``T``, sequence length including ``<bos>``.
+        feature_names: the ``F`` feature names.
+        useful: bool ``[T, F]``; whether feature ``f`` at position ``t`` is
+            NTP-useful (helps predict token ``t + 1``).
+        first_output_pos: position whose logits predict the first output token.
+    """
+
+    name: str
+    vocab: tuple[str, ...]
+    seq_len: int
+    feature_names: tuple[str, ...]
+    useful: np.ndarray
+    first_output_pos: int
+
+    def sample(self, n: int, rng: np.random.Generator) -> Batch:
+        """Draw ``n`` sequences using only ``rng`` for randomness."""
+        ...

@@ -1,0 +1,281 @@
+"""One deterministic, resumable training loop for every task and regime, and the run directory it writes.
+
+Run directory::
+
+    config.json   env.json   metrics.jsonl   init.safetensors(+.json)   model.safetensors(+.json)   DONE
+    ckpt/step_000500.safetensors + step_000500.json    (model and Adam state; the sidecar is written last)
+
+The same config gives bit-identical weights; a killed run resumes from its last checkpoint to the same result.
+"""
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from .config import TrainConfig
+from .io import (
+    atomic_write,
+    ensure_writable_dir,
+    environment,
+    load_tensors,
+    read_json,
+    resolve_device,
+    save_tensors,
+    write_json,
+)
+from .loss import lm_loss
+from .model import GPT, GPTConfig, split_groups
+from .tasks import Batch, Task, make_task
+
+log = logging.getLogger(__name__)
+
+
+def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
+    """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
+    T = task.seq_len
+    groups = None
+    if cfg.untied:
+        groups = "untied" if cfg.split_at == 0 else split_groups(T, cfg.split_at)
+    return GPTConfig(vocab_size=len(task.vocab), n_ctx=T, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     d_model=cfg.d_model, myopic=cfg.myopic, position_groups=groups)
+
+
+def make_datasets(cfg: TrainConfig, task: Task) -> tuple[Batch, Batch]:
+    """(train, eval) sets generated from ``data_seed`` (default ``seed``) by independent streams."""
+    seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    train = task.sample(cfg.n_train, np.random.default_rng([seed, 0]))
+    evals = task.sample(cfg.n_eval, np.random.default_rng([seed, 1]))
+    return train, evals
+
+
+class DataOrder:
+    """Indices of the training batch at each step: a fresh permutation per epoch, drop-last, seeded by
+    ``(seed, epoch)`` only, so any step's batch can be recomputed (for resuming and replaying)."""
+
+    def __init__(self, seed: int, n_train: int, batch_size: int):
+        self.seed, self.n, self.bs = seed, n_train, batch_size
+        self.per_epoch = n_train // batch_size
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, step: int) -> torch.Tensor:
+        epoch, i = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            state = np.random.SeedSequence([self.seed, 7, epoch]).generate_state(1, dtype=np.uint64)[0]
+            gen = torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen)
+        return self._perm[i * self.bs:(i + 1) * self.bs]
+
+
+def to_torch(batch: Batch, device) -> dict[str, torch.Tensor]:
+    return {"tokens": torch.as_tensor(batch.tokens, device=device),
+            "loss_mask": torch.as_tensor(batch.loss_mask, device=device),
+            "legal": torch.as_tensor(batch.legal, device=device)}
+
+
+@torch.no_grad()
+def evaluate(model: GPT, data: dict[str, torch.Tensor], task: Task, chunk: int = 2048) -> dict[str, float]:
+    """Eval loss, legal-output accuracy (argmax legal at every output prediction) and first-output accuracy."""
+    was_training = model.training
+    model.eval()
+    n = len(data["tokens"])
+    p0, T = task.first_output_pos, task.seq_len
+    loss_sum, legal_hits, first_hits = 0.0, 0.0, 0.0
+    for s in range(0, n, chunk):
+        tok, mask, legal = (data[k][s:s + chunk] for k in ("tokens", "loss_mask", "legal"))
+        logits = model(tok)
+        loss_sum += lm_loss(logits, tok, mask).item() * len(tok)
+        pred = logits[:, p0:T - 1].argmax(-1)  # predictions of the output tokens
+        ok = legal[:, p0:T - 1].gather(-1, pred.unsqueeze(-1)).squeeze(-1)
+        legal_hits += ok.float().mean(1).sum().item()
+        first_hits += ok[:, 0].float().sum().item()
+    model.train(was_training)
+    return {"eval_loss": loss_sum / n, "legal_acc": legal_hits / n, "first_acc": first_hits / n}
+
+
+def _adam_state(opt: torch.optim.Adam, names: list[str]) -> tuple[dict[str, torch.Tensor], int]:
+    tensors, step = {}, 0
+    for name, p in zip(names, opt.param_groups[0]["params"]):
+        st = opt.state.get(p)
+        if st:
+            tensors[f"adam.exp_avg.{name}"] = st["exp_avg"]
+            tensors[f"adam.exp_avg_sq.{name}"] = st["exp_avg_sq"]
+            step = int(st["step"])
+    return tensors, step
+
+
+def _load_adam_state(opt: torch.optim.Adam, names: list[str], tensors: dict, step: int):
+    if step == 0:
+        return
+    sd = opt.state_dict()
+    sd["state"] = {i: {"step": torch.tensor(float(step)),
+                       "exp_avg": tensors[f"adam.exp_avg.{name}"],
+                       "exp_avg_sq": tensors[f"adam.exp_avg_sq.{name}"]} for i, name in enumerate(names)}
+    opt.load_state_dict(sd)
+
+
+@dataclass
+class Run:
+    """A run directory: its config, task and model builders. ``Run.open(dir)`` reads an existing one."""
+
+    dir: Path
+    cfg: TrainConfig
+
+    @classmethod
+    def open(cls, run_dir: str | Path) -> "Run":
+        run_dir = Path(run_dir)
+        if not (run_dir / "config.json").exists():
+            raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+        d = read_json(run_dir / "config.json")
+        return cls(run_dir, TrainConfig.from_dict(d["train"]))
+
+    @property
+    def task(self) -> Task:
+        return make_task(self.cfg.task)
+
+    @property
+    def done(self) -> bool:
+        return (self.dir / "DONE").exists()
+
+    def model_config(self) -> GPTConfig:
+        return model_config(self.cfg, self.task)
+
+    def load_model(self, which: str = "final", device="cpu") -> GPT:
+        """Load weights ``"final"``, ``"init"`` or a step number (a checkpoint) into a new GPT."""
+        path = self.weights_path(which)
+        model = GPT(self.model_config())
+        tensors = load_tensors(path)
+        state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise ValueError(f"checkpoint {path} does not match the run's model: {str(e).splitlines()[0]}") from None
+        return model.to(resolve_device(device) if isinstance(device, str) else device)
+
+    def weights_path(self, which: str | int) -> Path:
+        """File holding the weights ``"final"``, ``"init"`` or a checkpoint step."""
+        if str(which) in ("final", "init"):
+            return self.dir / ("model.safetensors" if str(which) == "final" else "init.safetensors")
+        try:
+            return self.dir / "ckpt" / f"step_{int(which):06d}.safetensors"
+        except ValueError:
+            raise ValueError(f"unknown weights {which!r}; use 'final', 'init' or a checkpoint step") from None
+
+    def checkpoints(self) -> list[int]:
+        """Steps of the complete checkpoints (those whose JSON sidecar exists), ascending."""
+        return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "ckpt").glob("step_*.json"))
+
+    def metrics(self) -> list[dict]:
+        path = self.dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
+    """Create the run dir, or check that an existing one holds the same config (never overwrite another run)."""
+    if (run_dir / "config.json").exists():
+        old = Run.open(run_dir).cfg
+        if old.hash() != cfg.hash():
+            diff = [k for k, v in cfg.to_dict().items() if old.to_dict().get(k) != v and k not in ("device", "log_every")]
+            raise ValueError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}); "
+                             "choose another output directory")
+        return
+    ensure_writable_dir(run_dir)
+    (run_dir / "ckpt").mkdir(exist_ok=True)
+    write_json(run_dir / "config.json", {"train": cfg.to_dict(), "model": model_config(cfg, make_task(cfg.task)).to_dict(),
+                                         "config_hash": cfg.hash()})
+    write_json(run_dir / "env.json", environment())
+
+
+def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Run:
+    """Train ``cfg`` into ``run_dir``, resuming from its last checkpoint if one exists. Returns the Run.
+
+    Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
+    no weight decay, no schedule.
+    """
+    run_dir = Path(run_dir)
+    _prepare_run_dir(cfg, run_dir)
+    run = Run(run_dir, cfg)
+    if run.done:
+        log.info("%s is already finished", run_dir)
+        return run
+    device = resolve_device(cfg.device)
+    task = run.task
+    train_set, eval_set = make_datasets(cfg, task)
+    train_data, eval_data = to_torch(train_set, device), to_torch(eval_set, device)
+    model = GPT(model_config(cfg, task), seed=cfg.seed)
+    names = [n for n, _ in model.named_parameters()]
+    if not (run_dir / "init.json").exists():
+        save_tensors(run_dir / "init.safetensors", {f"model.{k}": v for k, v in model.state_dict().items()},
+                     {"step": 0, "config_hash": cfg.hash()})
+    model.to(device).train()
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    start = 0
+    if run.checkpoints():
+        start = run.checkpoints()[-1]
+        tensors = load_tensors(run_dir / "ckpt" / f"step_{start:06d}.safetensors", device)
+        model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+        _load_adam_state(opt, names, tensors, read_json(run_dir / "ckpt" / f"step_{start:06d}.json")["adam_step"])
+        log.info("resuming %s from step %d", run_dir, start)
+    _truncate_metrics(run_dir / "metrics.jsonl", start)
+    order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
+    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    try:
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
+                   desc=run_dir.name, leave=False)
+        for step in bar:
+            if step % cfg.eval_every == 0:
+                _log(metrics_file, {"step": step, "kind": "eval", **evaluate(model, eval_data, task)})
+            idx = order(step).to(device)
+            tokens, mask = train_data["tokens"][idx], train_data["loss_mask"][idx]
+            loss = lm_loss(model(tokens), tokens, mask)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            if (step + 1) % cfg.log_every == 0:
+                _log(metrics_file, {"step": step + 1, "kind": "train", "loss": loss.item()})
+                bar.set_postfix(loss=f"{loss.item():.4f}")
+            if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+                metrics_file.flush()
+                _save_checkpoint(run_dir, model, opt, names, step + 1, cfg)
+        final = evaluate(model, eval_data, task)
+        _log(metrics_file, {"step": cfg.steps, "kind": "eval", **final})
+    finally:
+        metrics_file.close()
+    adam, adam_step = _adam_state(opt, names)
+    save_tensors(run_dir / "model.safetensors", {f"model.{k}": v for k, v in model.state_dict().items()} | adam,
+                 {"step": cfg.steps, "adam_step": adam_step, "config_hash": cfg.hash()})
+    write_json(run_dir / "DONE", {"step": cfg.steps, **final})
+    return run
+
+
+def _save_checkpoint(run_dir: Path, model: GPT, opt, names, step: int, cfg: TrainConfig):
+    adam, adam_step = _adam_state(opt, names)
+    save_tensors(run_dir / "ckpt" / f"step_{step:06d}.safetensors",
+                 {f"model.{k}": v for k, v in model.state_dict().items()} | adam,
+                 {"step": step, "adam_step": adam_step, "config_hash": cfg.hash()})
+
+
+def _log(f, record: dict):
+    f.write(json.dumps(record) + "\n")
+
+
+def _truncate_metrics(path: Path, step: int):
+    """Drop metric lines written after ``step`` (by a run that was killed later than its last checkpoint)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and _complete(line) and (json.loads(line)["step"] < step or
+                                                     json.loads(line)["kind"] == "train" and json.loads(line)["step"] <= step)]
+    atomic_write(path, "".join(line + "\n" for line in keep))
+
+
+def _complete(line: str) -> bool:
+    try:
+        json.loads(line)
+        return True
+    except json.JSONDecodeError:
+        return False
