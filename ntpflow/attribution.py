@@ -1,0 +1,121 @@
+"""Exact decomposition of the training gradient at residual sites (paper Prop. 3.1).
+
+For a site ⟨k, i⟩ (layer/position convention of ``ntpflow.sites``; the loss at position i predicts token i+1):
+
+    direct     = ∇L_i − ∇L_i^{sg(k,i)}
+    pre_cached = Σ_{j≠i} ∇(L_j − L_j^{sg(k,i)})
+    shared     = Σ_j ∇L_j^{sg(k,i)}
+    full       = ∇L = direct + pre_cached + shared
+
+with L = Σ_j L_j the training loss (``lm_loss``: mean over counted positions of per-position batch means).
+
+How it is computed: ∇L − ∇L^{sg(k,i)} = (∂r^k_i/∂θ)ᵀ ∂L/∂r^k_i, a vector–Jacobian product of the site's residual.
+The cotangents of every site come from two backward passes: the ordinary one gives ∂L/∂r^k, and a myopic
+(``"kv"``) one gives ∂L_i/∂r^k_i for every position i at once, because under myopic attention no later loss
+reaches r^k_i. The VJPs of all sites of a layer run as one batched backward.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .loss import lm_loss
+from .model import GPT
+from .sites import Site
+
+
+@dataclass
+class Components:
+    """The four gradients at one site, each a flat vector [n_params] in ``model.parameters()`` order."""
+
+    direct: torch.Tensor
+    pre_cached: torch.Tensor
+    shared: torch.Tensor
+    full: torch.Tensor
+
+    def as_dict(self) -> dict[str, torch.Tensor]:
+        return {"direct": self.direct, "pre_cached": self.pre_cached, "shared": self.shared, "full": self.full}
+
+
+def flat_grads(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tensor], batch: int | None = None):
+    """Concatenate per-parameter gradients (None = zero) into [n_params] (or [batch, n_params] if batched)."""
+    parts = []
+    for g, p in zip(grads, params):
+        if g is None:
+            g = p.new_zeros(((batch,) if batch is not None else ()) + p.shape)
+        parts.append(g.reshape(batch, -1) if batch is not None else g.reshape(-1))
+    return torch.cat(parts, dim=-1)
+
+
+def site_vjp(resid: torch.Tensor, params: Sequence[torch.Tensor], cotangents: torch.Tensor) -> torch.Tensor:
+    """Batched VJP of one residual layer: cotangents [n, batch, pos, d_model] -> [n, n_params].
+
+    Needs the graph of ``resid`` (use ``retain_graph``); falls back to a loop if the batched backward fails.
+    """
+    try:
+        grads = torch.autograd.grad(resid, params, grad_outputs=cotangents, is_grads_batched=True,
+                                    retain_graph=True, allow_unused=True)
+        return flat_grads(grads, params, batch=len(cotangents))
+    except RuntimeError:  # an op without a batching rule
+        rows = [flat_grads(torch.autograd.grad(resid, params, grad_outputs=c, retain_graph=True, allow_unused=True),
+                           params) for c in cotangents]
+        return torch.stack(rows)
+
+
+def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, layers: Sequence[int]):
+    """Forward in the model's own regime and the cotangents of the residual layers.
+
+    Returns (resid, full_grad [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i at every i}), all
+    cotangents [batch, pos, d_model]. ``resid`` keeps its graph for the site VJPs.
+    """
+    params = list(model.parameters())
+    logits, resid = model.run_with_resid(tokens)
+    loss = lm_loss(logits, tokens, loss_mask)
+    grads = torch.autograd.grad(loss, params + [resid[k] for k in layers], retain_graph=True, allow_unused=True)
+    full = flat_grads(grads[:len(params)], params)
+    c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
+    if model.myopic != "none":
+        c_own = c_all  # a myopic loss already reaches r^k_i only from position i
+    else:
+        logits_m, resid_m = model.run_with_resid(tokens, myopic="kv")
+        loss_m = lm_loss(logits_m, tokens, loss_mask)
+        g_m = torch.autograd.grad(loss_m, [resid_m[k] for k in layers], allow_unused=True)
+        c_own = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, g_m)}
+    return resid, full, c_all, c_own
+
+
+def decompose(
+    model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None,
+    *, chunk: int = 64,
+) -> dict[Site, Components]:
+    """Split the training gradient at each site into direct, pre-cached and shared parts (module docstring).
+
+    Args:
+        model: a GPT in any regime (vanilla, myopic, untied, split). Its ``.grad`` fields are not touched.
+        tokens: [batch, pos]; loss_mask: bool [batch, pos] or None (see ``per_position_loss``).
+        sites: residual sites ⟨layer, pos⟩, layer in 0..n_layer.
+        chunk: at most this many VJPs per batched backward (bounds memory at chunk × n_params).
+    Returns:
+        {site: Components}, each gradient a flat vector [n_params] in ``model.parameters()`` order.
+    """
+    sites = list(dict.fromkeys(sites))
+    for s in sites:
+        s.check(model.cfg.n_layer, tokens.shape[1])
+    layers = sorted({s.layer for s in sites})
+    params = list(model.parameters())
+    resid, full, c_all, c_own = resid_cotangents(model, tokens, loss_mask, layers)
+    out: dict[Site, Components] = {}
+    for k in layers:
+        layer_sites = [s for s in sites if s.layer == k]
+        for start in range(0, len(layer_sites), max(1, chunk // 2)):
+            part = layer_sites[start:start + max(1, chunk // 2)]
+            cot = resid[k].new_zeros((2 * len(part),) + tuple(resid[k].shape))
+            for n, s in enumerate(part):
+                cot[2 * n, :, s.pos] = c_own[k][:, s.pos]
+                cot[2 * n + 1, :, s.pos] = c_all[k][:, s.pos] - c_own[k][:, s.pos]
+            vjps = site_vjp(resid[k], params, cot)
+            for n, s in enumerate(part):
+                direct, pre = vjps[2 * n], vjps[2 * n + 1]
+                out[s] = Components(direct=direct, pre_cached=pre, shared=full - direct - pre, full=full)
+    return {s: out[s] for s in sites}
