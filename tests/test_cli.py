@@ -1,0 +1,198 @@
+"""The command line, called in-process through ``ntpflow.cli.main`` (plus one real ``python -m ntpflow``)."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ntpflow import TrainConfig
+from ntpflow.cli import main
+from ntpflow.training import Run
+
+TINY_SET = ["n_layer=1", "d_model=32", "n_head=2", "steps=12", "batch_size=32", "n_train=256", "n_eval=128",
+            "eval_every=6", "ckpt_every=4", "log_every=2"]
+
+
+def train_args(out: Path, *extra: str) -> list[str]:
+    return ["train", "--task", "majority", "--regime", "vanilla", "--device", "cpu", "--out", str(out), *extra,
+            "--set", *TINY_SET]
+
+
+def snapshot(d: Path) -> dict:
+    return {str(p.relative_to(d)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def assert_one_line_error(capsys, *fragments: str):
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("ntpflow: error: "), err
+    for f in fragments:
+        assert f in lines[0], err
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    from ntpflow.training import train
+
+    out = tmp_path_factory.mktemp("cli") / "run"
+    cfg = TrainConfig(task="majority", n_layer=1, d_model=32, n_head=2, steps=12, batch_size=32, n_train=256,
+                      n_eval=128, eval_every=6, ckpt_every=4, log_every=2, device="cpu")
+    train(cfg, out, progress=False)
+    return out
+
+
+# ---------------------------------------------------------------- working commands
+
+
+def test_train_then_probe(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(train_args(out, "--seed", "2")) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    run = Run.open(out)
+    assert run.done
+    assert run.cfg == TrainConfig(task="majority", regime="vanilla", seed=2, device="cpu", n_layer=1, d_model=32,
+                                  n_head=2, steps=12, batch_size=32, n_train=256, n_eval=128, eval_every=6,
+                                  ckpt_every=4, log_every=2)
+
+    assert main(["probe", str(out), "--feature", "is_majority_<1>", "--device", "cpu"]) == 0
+    table = capsys.readouterr().out
+    assert "is_majority_<1>" in table and "is_majority_<0>" not in table
+    lines = table.strip().splitlines()
+    assert lines[1].split()[0] == "layer" and "p1" in lines[1].split()
+    assert [line.split()[0] for line in lines[2:]] == ["0", "1"]  # resid layers 0..n_layer
+    assert (out / "probes" / "probes.json").exists()
+
+    assert main(["probe", str(out), "--weights", "4", "--device", "cpu"]) == 0  # a checkpoint, all features
+    table = capsys.readouterr().out
+    assert all(f"is_majority_<{v}>" in table for v in range(3))
+    assert (out / "probes_4" / "probes.json").exists()
+
+
+def test_train_rerun_of_finished_run_is_a_noop(finished_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    before = snapshot(out)
+    assert main(train_args(out)) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert snapshot(out) == before
+
+
+# ---------------------------------------------------------------- bad input: exit 2, one line
+
+
+@pytest.mark.parametrize("args,fragments", [
+    (["--task", "nope"], ["unknown task", "nope"]),
+    (["--regime", "sideways"], ["unknown regime", "sideways"]),
+    (["--set", "bogus=1"], ["unknown config key", "bogus"]),
+    (["--set", "steps=abc"], ["bad value", "steps"]),
+    (["--set", "lr=fast"], ["bad value", "lr"]),
+    (["--set", "steps"], ["key=value"]),
+    (["--set", "steps=0"], ["steps must be positive"]),
+])
+def test_train_bad_config(tmp_path, capsys, args, fragments):
+    out = tmp_path / "run"
+    assert main(["train", "--device", "cpu", "--out", str(out), *args]) == 2
+    assert_one_line_error(capsys, *fragments)
+    assert not out.exists()
+
+
+def test_probe_bad_weights(finished_run, capsys):
+    before = snapshot(finished_run)
+    assert main(["probe", str(finished_run), "--weights", "abc", "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, "unknown weights", "abc")
+    assert main(["probe", str(finished_run), "--weights", "999", "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, "missing checkpoint", "step_000999")
+    assert snapshot(finished_run) == before
+
+
+def test_probe_unknown_feature(finished_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    assert main(["probe", str(run), "--feature", "nonsense", "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, "unknown feature", "nonsense")
+
+
+def test_probe_non_run_directory(tmp_path, capsys):
+    assert main(["probe", str(tmp_path), "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, "not a run directory")
+    assert main(["probe", str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, "not a run directory")
+
+
+def test_probe_unfinished_run_needs_a_checkpoint(finished_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (run / "DONE").unlink()
+    assert main(["probe", str(run), "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, "has not finished training")
+
+
+def test_probe_corrupted_weights(finished_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    path = run / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:100])
+    assert main(["probe", str(run), "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, "corrupted checkpoint")
+
+
+def test_train_unwritable_output(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    assert main(train_args(blocker / "run")) == 2
+    assert_one_line_error(capsys, "cannot write to")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_train_different_config_into_existing_run(finished_run, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    (out / "DONE").unlink()  # an unfinished run would otherwise be resumed with the new config
+    before = snapshot(out)
+    assert main(train_args(out) + ["lr=3e-3"]) == 2
+    assert_one_line_error(capsys, "different config", "lr")
+    assert main(train_args(out, "--seed", "1")) == 2
+    assert_one_line_error(capsys, "different config", "seed")
+    assert snapshot(out) == before
+    assert json.loads((out / "config.json").read_text())["train"]["lr"] == 1e-3
+
+
+def test_argparse_errors_exit_2(capsys):
+    for argv in ([], ["train", "--seed", "x"], ["fly"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        assert "ntpflow" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- help
+
+
+def test_help_shows_examples(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "examples:" in out
+    assert "ntpflow train --task majority --regime myopic --seed 0 --out runs/maj-myopic-s0" in out
+    assert "ntpflow probe runs/maj-myopic-s0" in out
+    assert "Python equivalents:" in out
+    for cmd in ("train", "probe", "demo"):
+        assert cmd in out
+
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--set KEY=VALUE" in out and "examples:" in out
+
+
+def test_python_m_help():
+    res = subprocess.run([sys.executable, "-m", "ntpflow", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("usage: ntpflow")
+    assert "examples:" in res.stdout and "ntpflow demo --out runs/demo" in res.stdout

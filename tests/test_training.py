@@ -1,0 +1,467 @@
+"""Training loop, run directories, resuming, data order, evaluation and config overrides."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ntpflow import GPT, TrainConfig, apply_overrides
+from ntpflow.tasks import make_task
+from ntpflow.training import DataOrder, Run, evaluate, make_datasets, model_config, to_torch, train
+
+TINY = TrainConfig(n_layer=1, d_model=32, n_head=2, steps=12, batch_size=32, n_train=256, n_eval=128,
+                   eval_every=6, ckpt_every=4, log_every=2, device="cpu")
+
+
+def snapshot(d: Path) -> dict:
+    """Bytes and mtime of every file under ``d`` (to check that nothing was touched)."""
+    return {str(p.relative_to(d)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def assert_same_tensors(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Run:
+    return train(TINY, tmp_path_factory.mktemp("tiny") / "run", progress=False)
+
+
+# ---------------------------------------------------------------- determinism
+
+
+def test_same_seed_bit_identical_and_other_seed_differs(tmp_path, tiny_run):
+    again = train(TINY, tmp_path / "again", progress=False)
+    a = load_file(tiny_run.dir / "model.safetensors")
+    b = load_file(again.dir / "model.safetensors")
+    assert any(k.startswith("adam.") for k in a)  # the final file also holds the optimiser state
+    assert_same_tensors(a, b)
+    assert tiny_run.metrics() == again.metrics()
+
+    other = train(replace(TINY, seed=1), tmp_path / "seed1", progress=False)
+    c = load_file(other.dir / "model.safetensors")
+    assert a.keys() == c.keys()
+    assert not all(torch.equal(a[k], c[k]) for k in a if k.startswith("model."))
+    assert not torch.equal(a["model.wte"], c["model.wte"])
+
+
+# ---------------------------------------------------------------- resuming
+
+
+# One thread per process: the two runs below train concurrently on a small machine (and the same env everywhere).
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _cli_cmd(out: Path) -> list[str]:
+    sets = ["n_layer=1", "d_model=32", "n_head=2", "steps=100", "batch_size=32", "n_train=256", "n_eval=128",
+            "eval_every=10", "ckpt_every=5", "log_every=1"]
+    return [sys.executable, "-m", "ntpflow", "-q", "train", "--task", "majority", "--regime", "vanilla",
+            "--seed", "3", "--device", "cpu", "--out", str(out), "--set", *sets]
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
+    with open(tmp_path / "ref.err", "w") as ref_err, open(tmp_path / "killed.err", "w") as killed_err:
+        ref = subprocess.Popen(_cli_cmd(ref_dir), cwd=tmp_path, env=_ENV, stdout=subprocess.DEVNULL, stderr=ref_err)
+        proc = subprocess.Popen(_cli_cmd(killed_dir), cwd=tmp_path, env=_ENV, stdout=subprocess.DEVNULL, stderr=killed_err)
+        try:
+            deadline = time.monotonic() + 120
+            while not list((killed_dir / "ckpt").glob("step_*.json")):
+                assert proc.poll() is None, (tmp_path / "killed.err").read_text()
+                assert time.monotonic() < deadline, "no checkpoint appeared"
+                time.sleep(0.002)
+            os.kill(proc.pid, signal.SIGKILL)
+            assert proc.wait(30) == -signal.SIGKILL
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert ref.wait(120) == 0, (tmp_path / "ref.err").read_text()
+
+    # The kill came mid-run.
+    assert not (killed_dir / "DONE").exists()
+    assert not (killed_dir / "model.safetensors").exists()
+    killed = Run.open(killed_dir)
+    assert killed.checkpoints() and max(killed.checkpoints()) < killed.cfg.steps
+
+    done = subprocess.run(_cli_cmd(killed_dir), cwd=tmp_path, env=_ENV, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (killed_dir / "DONE").exists()
+
+    assert_same_tensors(load_file(killed_dir / "model.safetensors"), load_file(ref_dir / "model.safetensors"))
+    assert_same_tensors(load_file(killed_dir / "init.safetensors"), load_file(ref_dir / "init.safetensors"))
+
+    resumed, uninterrupted = Run.open(killed_dir).metrics(), Run.open(ref_dir).metrics()
+    keys = [(m["step"], m["kind"]) for m in resumed]
+    assert len(keys) == len(set(keys)), "duplicate (step, kind) records"
+    assert resumed == uninterrupted  # same records, same order, float-identical values
+    assert len(uninterrupted) == 100 + 11  # 100 train records (log_every=1), evals at 0, 10, ..., 100
+
+
+def test_resume_truncates_metrics_written_after_last_checkpoint(tmp_path, tiny_run):
+    """A run killed after its checkpoint at step 4 but after logging up to the end (and half a line) resumes
+    to exactly the records of the uninterrupted run."""
+    d = tmp_path / "run"
+    train(TINY, d, progress=False)
+    full_metrics = (d / "metrics.jsonl").read_text()
+    for name in ("DONE", "model.safetensors", "model.json", "ckpt/step_000008.safetensors", "ckpt/step_000008.json"):
+        (d / name).unlink()
+    with open(d / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "kind": "tra')  # a line cut by the kill
+    assert Run.open(d).checkpoints() == [4]
+    train(TINY, d, progress=False)
+    assert (d / "metrics.jsonl").read_text() == full_metrics
+    assert Run.open(d).metrics() == tiny_run.metrics()
+    assert_same_tensors(load_file(d / "model.safetensors"), load_file(tiny_run.dir / "model.safetensors"))
+
+
+def test_incomplete_checkpoint_without_sidecar_is_ignored(tmp_path, tiny_run):
+    d = tmp_path / "run"
+    train(TINY, d, progress=False)
+    for name in ("DONE", "model.safetensors", "model.json", "ckpt/step_000008.json"):
+        (d / name).unlink()
+    (d / "ckpt" / "step_000008.safetensors").write_bytes(b"garbage")  # killed before its sidecar was written
+    assert Run.open(d).checkpoints() == [4]
+    train(TINY, d, progress=False)
+    assert_same_tensors(load_file(d / "model.safetensors"), load_file(tiny_run.dir / "model.safetensors"))
+
+
+def test_finished_run_is_not_touched_again(tmp_path):
+    d = tmp_path / "run"
+    train(TINY, d, progress=False)
+    before = snapshot(d)
+    run = train(replace(TINY, log_every=3), d, progress=False)  # log_every does not change results
+    assert run.done
+    assert snapshot(d) == before
+
+
+@pytest.mark.parametrize("change", [{"steps": 13}, {"lr": 3e-3}, {"regime": "myopic"}, {"seed": 1}])
+def test_resume_with_different_config_raises_and_leaves_files(tmp_path, change):
+    d = tmp_path / "run"
+    train(TINY, d, progress=False)
+    (d / "DONE").unlink()  # also an unfinished run must be protected
+    before = snapshot(d)
+    with pytest.raises(ValueError, match="different config") as e:
+        train(replace(TINY, **change), d, progress=False)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert next(iter(change)) in msg.split("differs in:")[1]
+    assert snapshot(d) == before
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_missing_or_corrupted_checkpoint_one_line_errors(tmp_path, tiny_run):
+    d = tmp_path / "run"
+    train(TINY, d, progress=False)
+    run = Run.open(d)
+    assert run.checkpoints() == [4, 8]
+    assert_same_tensors(run.load_model(4).state_dict(),
+                        {k.removeprefix("model."): v for k, v in load_file(d / "ckpt/step_000004.safetensors").items()
+                         if k.startswith("model.")})
+
+    with pytest.raises(FileNotFoundError) as e:
+        run.load_model(5)
+    assert "\n" not in str(e.value) and "step_000005" in str(e.value)
+
+    path = d / "ckpt" / "step_000004.safetensors"
+    data = path.read_bytes()
+    for cut in (len(data) // 2, len(data) - 1, 4):
+        path.write_bytes(data[:cut])
+        with pytest.raises(ValueError) as e:
+            run.load_model(4)
+        assert "\n" not in str(e.value) and str(path) in str(e.value)
+
+    (d / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError) as e:
+        run.load_model("final")
+    assert "\n" not in str(e.value)
+
+    with pytest.raises(ValueError, match="unknown weights") as e:
+        run.load_model("latest")
+    assert "\n" not in str(e.value)
+
+
+def test_checkpoint_of_another_model_is_a_one_line_error(tmp_path, tiny_run):
+    other = train(replace(TINY, d_model=16, steps=2), tmp_path / "small", progress=False)
+    (tmp_path / "copy").mkdir()
+    run = Run(tmp_path / "copy", TINY)
+    (run.dir / "model.safetensors").write_bytes((other.dir / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="does not match") as e:
+        run.load_model("final")
+    assert "\n" not in str(e.value)
+
+
+def test_open_non_run_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        Run.open(tmp_path)
+
+
+# ---------------------------------------------------------------- run directory
+
+
+def test_run_dir_contents(tiny_run):
+    d, cfg, task = tiny_run.dir, TINY, make_task(TINY.task)
+    saved = json.loads((d / "config.json").read_text())
+    assert TrainConfig.from_dict(saved["train"]) == cfg
+    assert saved["config_hash"] == cfg.hash()
+    assert saved["model"] == model_config(cfg, task).to_dict()
+    assert Run.open(d).cfg == cfg
+
+    env = json.loads((d / "env.json").read_text())
+    assert env["torch"] == torch.__version__
+    assert "git_commit" in env
+    assert env["git_commit"] is None or (len(env["git_commit"]) == 40 and int(env["git_commit"], 16) >= 0)
+
+    init, final = load_file(d / "init.safetensors"), load_file(d / "model.safetensors")
+    fresh = GPT(model_config(cfg, task), seed=cfg.seed).state_dict()
+    assert_same_tensors(init, {f"model.{k}": v for k, v in fresh.items()})
+    assert {k for k in final if k.startswith("model.")} == init.keys()
+    changed = [k for k in init if not torch.equal(init[k], final[k])]
+    assert "model.wte" in changed and len(changed) == len(init)  # every parameter gets gradient and moves
+    assert_same_tensors(tiny_run.load_model("init").state_dict(), fresh)
+    assert_same_tensors(tiny_run.load_model("final").state_dict(),
+                        {k.removeprefix("model."): v for k, v in final.items() if k.startswith("model.")})
+
+    assert json.loads((d / "init.json").read_text())["step"] == 0
+    assert json.loads((d / "model.json").read_text()) == {"step": 12, "adam_step": 12, "config_hash": cfg.hash()}
+    assert json.loads((d / "ckpt/step_000008.json").read_text())["adam_step"] == 8
+    assert tiny_run.checkpoints() == [4, 8]  # none at the last step: the final weights are model.safetensors
+
+    metrics = tiny_run.metrics()
+    assert [(m["step"], m["kind"]) for m in metrics] == [
+        (0, "eval"), (2, "train"), (4, "train"), (6, "train"), (6, "eval"), (8, "train"), (10, "train"),
+        (12, "train"), (12, "eval")]  # the train record of step s (after s updates) precedes the eval at s
+    done = json.loads((d / "DONE").read_text())
+    assert done == {"step": 12, **{k: v for k, v in metrics[-1].items() if k not in ("step", "kind")}}
+    assert 0 <= done["legal_acc"] <= 1 and 0 <= done["first_acc"] <= 1 and done["eval_loss"] > 0
+    assert metrics[-1]["eval_loss"] < metrics[0]["eval_loss"]  # 12 Adam steps at lr 1e-3 do learn something
+
+
+def test_final_eval_record_matches_evaluate_of_final_model(tiny_run):
+    task = tiny_run.task
+    _, eval_set = make_datasets(TINY, task)
+    got = evaluate(tiny_run.load_model("final"), to_torch(eval_set, "cpu"), task)
+    assert got == {k: v for k, v in tiny_run.metrics()[-1].items() if k not in ("step", "kind")}
+
+
+def test_make_datasets_depend_on_data_seed_only():
+    task = make_task("majority")
+    tr, ev = make_datasets(replace(TINY, n_train=64, n_eval=32), task)
+    assert tr.tokens.shape == (64, task.seq_len) and ev.tokens.shape == (32, task.seq_len)
+    assert not np.array_equal(tr.tokens[:32], ev.tokens)
+    tr2, ev2 = make_datasets(replace(TINY, n_train=64, n_eval=32, seed=5, data_seed=0), task)
+    assert np.array_equal(tr.tokens, tr2.tokens) and np.array_equal(ev.tokens, ev2.tokens)
+    tr3, _ = make_datasets(replace(TINY, n_train=64, n_eval=32, data_seed=1), task)
+    assert not np.array_equal(tr.tokens, tr3.tokens)
+
+
+# ---------------------------------------------------------------- data order
+
+
+@pytest.mark.parametrize("n_train,bs", [(256, 32), (100, 32), (7, 7)])
+def test_data_order_epochs_are_permutations(n_train, bs):
+    order = DataOrder(seed=0, n_train=n_train, batch_size=bs)
+    per_epoch = n_train // bs
+    epochs = []
+    for epoch in range(3):
+        batches = [order(epoch * per_epoch + i) for i in range(per_epoch)]
+        assert all(b.shape == (bs,) and b.dtype == torch.long for b in batches)
+        idx = torch.cat(batches).tolist()
+        assert len(set(idx)) == per_epoch * bs  # no repeats within an epoch
+        assert set(idx) <= set(range(n_train))
+        if per_epoch * bs == n_train:
+            assert sorted(idx) == list(range(n_train))
+        epochs.append(idx)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+
+
+def test_data_order_batches_differ_and_are_recomputable():
+    order = DataOrder(seed=0, n_train=256, batch_size=32)
+    first = order(0).clone()
+    assert not torch.equal(first, order(8))  # step 0 of epoch 0 vs epoch 1
+    assert not torch.equal(first, order(1))
+    s5 = order(5).clone()
+    for step in (40, 17, 3, 100):
+        order(step)
+    assert torch.equal(order(5), s5)
+    assert torch.equal(order(0), first)
+    fresh = DataOrder(seed=0, n_train=256, batch_size=32)
+    assert torch.equal(fresh(100), order(100))
+    assert torch.equal(fresh(5), s5)
+    assert not torch.equal(DataOrder(seed=1, n_train=256, batch_size=32)(5), s5)
+
+
+# ---------------------------------------------------------------- evaluate
+
+
+class FixedLogits(torch.nn.Module):
+    """Returns the rows of precomputed logits in the order it is called (checks it gets the right tokens)."""
+
+    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor):
+        super().__init__()
+        self.logits, self.tokens, self.i = logits, tokens, 0
+        self.modes = []
+
+    def forward(self, tok):
+        self.modes.append(self.training)
+        n = len(tok)
+        assert torch.equal(tok, self.tokens[self.i:self.i + n])
+        out = self.logits[self.i:self.i + n]
+        self.i += n
+        return out
+
+
+def _reference_eval(logits: np.ndarray, batch) -> dict:
+    """Direct loops: mean over examples of the fraction of legal argmaxes at p0..T-2; legal argmax at p0; loss."""
+    task = make_task("majority")
+    p0, T = task.first_output_pos, task.seq_len
+    n = len(batch)
+    legal_frac, first = [], []
+    for b in range(n):
+        hits = [bool(batch.legal[b, p, int(np.argmax(logits[b, p]))]) for p in range(p0, T - 1)]
+        legal_frac.append(sum(hits) / len(hits))
+        first.append(hits[0])
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    per_pos = []
+    for p in range(T - 1):
+        rows = [b for b in range(n) if batch.loss_mask[b, p]]
+        if rows:
+            per_pos.append(np.mean([lse[b, p] - logits[b, p, batch.tokens[b, p + 1]] for b in rows]))
+    return {"eval_loss": float(np.mean(per_pos)), "legal_acc": float(np.mean(legal_frac)),
+            "first_acc": float(np.mean(first))}
+
+
+@pytest.mark.parametrize("chunk", [2048, 25])
+def test_evaluate_against_direct_recomputation(chunk):
+    task = make_task("majority")
+    batch = task.sample(100, np.random.default_rng(0))
+    data = to_torch(batch, "cpu")
+    V = len(task.vocab)
+    g = torch.Generator().manual_seed(0)
+    cases = {
+        "random": torch.randn(100, task.seq_len, V, generator=g),
+        "perfect": data["legal"].float() * 5 + torch.rand(100, task.seq_len, V, generator=g),
+        "always_wrong": (~data["legal"]).float() * 5 + torch.rand(100, task.seq_len, V, generator=g),
+    }
+    for name, logits in cases.items():
+        model = FixedLogits(logits, data["tokens"]).train()
+        got = evaluate(model, data, task, chunk=chunk)
+        ref = _reference_eval(logits.numpy(), batch)
+        assert model.i == 100 and model.training and not any(model.modes), name
+        assert got["legal_acc"] == pytest.approx(ref["legal_acc"], abs=1e-6), name  # float32 sums
+        assert got["first_acc"] == pytest.approx(ref["first_acc"], abs=1e-6), name
+        assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5), name
+    assert evaluate(FixedLogits(cases["perfect"], data["tokens"]), data, task)["legal_acc"] == 1.0
+    wrong = evaluate(FixedLogits(cases["always_wrong"], data["tokens"]), data, task)
+    assert wrong["legal_acc"] == 0.0 and wrong["first_acc"] == 0.0
+    assert 0 < _reference_eval(cases["random"].numpy(), batch)["legal_acc"] < 1  # the random case is non-trivial
+
+
+def test_evaluate_first_acc_counts_only_the_first_output():
+    task = make_task("majority")
+    batch = task.sample(10, np.random.default_rng(1))
+    data = to_torch(batch, "cpu")
+    p0 = task.first_output_pos
+    logits = data["legal"].float() * 5  # all legal ...
+    logits[:4, p0] = (~data["legal"][:4, p0]).float() * 5  # ... except the first output of 4 examples
+    got = evaluate(FixedLogits(logits, data["tokens"]), data, task)
+    n_out = task.seq_len - 1 - p0
+    assert got["first_acc"] == pytest.approx(0.6)
+    assert got["legal_acc"] == pytest.approx(1 - 0.4 / n_out)
+
+
+# ---------------------------------------------------------------- regimes
+
+
+def test_regimes_map_to_model_configs():
+    task = make_task("majority")
+    T = task.seq_len
+
+    def mc(**kw):
+        return model_config(replace(TINY, **kw), task)
+
+    van = mc(regime="vanilla")
+    assert van.myopic == "none" and van.position_groups is None and van.n_groups == 1
+    assert (van.vocab_size, van.n_ctx, van.n_layer, van.n_head, van.d_model) == (len(task.vocab), T, 1, 2, 32)
+    assert mc(regime="myopic").myopic == "kv" and mc(regime="myopic").position_groups is None
+    assert mc(regime="myopic", myopic_mode="resid").myopic == "resid"
+    assert mc(regime="vanilla", myopic_mode="resid").myopic == "none"
+    unt = mc(regime="untied")
+    assert unt.myopic == "none" and unt.groups == (0,) * 10 + (1,) * (T - 10)
+    assert mc(regime="untied", split_at=3).groups == (0,) * 3 + (1,) * (T - 3)
+    full = mc(regime="untied", split_at=0)
+    assert full.position_groups == "untied" and full.groups == tuple(range(T))
+    both = mc(regime="myopic-untied", myopic_mode="resid")
+    assert both.myopic == "resid" and both.n_groups == 2
+    assert mc(regime="vanilla", split_at=0).position_groups is None
+    with pytest.raises(ValueError, match="split index"):
+        mc(regime="untied", split_at=T)
+
+
+def test_untied_training_run(tmp_path):
+    run = train(replace(TINY, regime="myopic-untied", steps=4, ckpt_every=2), tmp_path / "run", progress=False)
+    model = run.load_model()
+    assert model.cfg.n_groups == 2 and model.cfg.myopic == "kv"
+    final = load_file(run.dir / "model.safetensors")
+    assert final["model.wte"].shape[0] == 2
+    assert not torch.equal(final["model.wte"][0], final["model.wte"][1])  # the groups were trained apart
+
+
+# ---------------------------------------------------------------- overrides
+
+
+def test_apply_overrides_types():
+    cfg = apply_overrides(TrainConfig(), ["lr=1", "steps=7", "regime=myopic", "data_seed=3", "device=cuda:1",
+                                          "task='cond_majority'", "adam_eps=1e-6"])
+    assert cfg.lr == 1.0 and type(cfg.lr) is float
+    assert cfg.steps == 7 and type(cfg.steps) is int
+    assert cfg.regime == "myopic" and cfg.myopic == "kv"
+    assert cfg.data_seed == 3 and cfg.device == "cuda:1" and cfg.task == "cond_majority" and cfg.adam_eps == 1e-6
+    assert apply_overrides(cfg, ["data_seed=None"]).data_seed is None
+    assert apply_overrides(cfg, [" seed = 4 "]).seed == 4
+    assert apply_overrides(cfg, []) == cfg
+    assert TrainConfig().lr == 1e-3  # the original is not modified (frozen)
+    assert apply_overrides(TrainConfig(), ["regime=myopic-untied"]).untied
+
+
+@pytest.mark.parametrize("item,match", [
+    ("nokey=1", "unknown config key"),
+    ("steps", "key=value"),
+    ("steps=abc", "bad value"),
+    ("steps=1.5", "bad value"),
+    ("steps=True", "bad value"),
+    ("lr=fast", "bad value"),
+    ("lr=True", "bad value"),
+    ("seed=None", "bad value"),
+    ("regime=3", "bad value"),
+    ("regime=sideways", "unknown regime"),
+    ("task=nope", "unknown task"),
+    ("steps=0", "steps must be positive"),
+    ("lr=-1", "lr must be positive"),
+    ("batch_size=1000", "exceeds n_train"),
+])
+def test_apply_overrides_errors(item, match):
+    with pytest.raises(ValueError, match=match):
+        apply_overrides(replace(TINY), [item])
+
+
+def test_config_hash_ignores_device_and_logging_only():
+    assert TINY.hash() == replace(TINY, device="cuda", log_every=1).hash()
+    assert TINY.hash() != replace(TINY, lr=2e-3).hash()
+    assert TINY.hash() != replace(TINY, data_seed=0).hash()
+    with pytest.raises(ValueError, match="unknown config key"):
+        TrainConfig.from_dict({**TINY.to_dict(), "bogus": 1})
