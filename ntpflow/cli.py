@@ -1,4 +1,4 @@
-"""Command line: ``ntpflow {train,probe,demo} ...``. Parses input, builds configs, calls library functions."""
+"""Command line: ``ntpflow {train,probe,attribute,demo} ...``. Parses input, builds configs, calls library functions."""
 
 import argparse
 import logging
@@ -10,6 +10,7 @@ examples:
   ntpflow train --task majority --regime myopic --seed 0 --out runs/maj-myopic-s0
   ntpflow train --task cond_majority --regime untied --set steps=500 lr=3e-4
   ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'
+  ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_<0>'
   ntpflow demo --out runs/demo          # the four regimes of majority at a small size
 
 Python equivalents:
@@ -55,6 +56,17 @@ def cmd_probe(args) -> int:
     probes = probe_run(run, args.weights, device=args.device or "auto")
     for name in [args.feature] if args.feature else probes.feature_names:
         print(probe_table(probes, name))
+    return 0
+
+
+def cmd_attribute(args) -> int:
+    from .replay import attribute
+    from .sites import parse_sites
+
+    features = [f for f in args.features.split(",") if f] if args.features else None
+    out = attribute(args.run_dir, parse_sites(args.sites), features, out_dir=args.out,
+                    device=args.device or "auto", progress=not args.quiet)
+    print(out)
     return 0
 
 
@@ -119,6 +131,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device")
     pr.set_defaults(fn=cmd_probe)
 
+    a = sub.add_parser("attribute", help="replay a finished run and track each gradient component's influence",
+                       epilog="example: ntpflow attribute runs/maj-vanilla-s0 --sites 1-2:2-19 "
+                              "--features 'is_majority_<0>'\npositive influence = moved the feature toward its "
+                              "final value", formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("run_dir")
+    a.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:5,2:7 or 1-2:2-19")
+    a.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
+    a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
+    a.add_argument("--device")
+    a.set_defaults(fn=cmd_attribute)
+
     d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table")
     d.add_argument("--out", default="runs/demo")
     common(d)
@@ -133,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         args.quiet = True
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, PermissionError, OSError, KeyError) as e:
+    except (ValueError, FileNotFoundError, PermissionError, OSError, KeyError, RuntimeError) as e:
         msg = str(e).strip("'\"").splitlines()[0] if str(e) else type(e).__name__
         print(f"ntpflow: error: {msg}", file=sys.stderr)
         return 2

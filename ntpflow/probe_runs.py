@@ -41,6 +41,7 @@ def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train
     ft = None if eval_set.feature_types is None else torch.as_tensor(eval_set.feature_types).long()
     probes = fit_probes(resid, torch.as_tensor(eval_set.features), alpha=alpha, train_frac=train_frac,
                         feature_types=ft, feature_names=run.task.feature_names)
+    probes.metadata["config_hash"] = run.cfg.hash()
     out = run.dir / probe_dir_name(which)
     out.mkdir(exist_ok=True)
     probes.save(out)

@@ -212,7 +212,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Ru
         save_tensors(run_dir / "init.safetensors", {f"model.{k}": v for k, v in model.state_dict().items()},
                      {"step": 0, "config_hash": cfg.hash()})
     model.to(device).train()
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
+    opt = make_optimizer(model, cfg)
     start = 0
     if run.checkpoints():
         start = run.checkpoints()[-1]
@@ -230,11 +230,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Ru
             if step % cfg.eval_every == 0:
                 _log(metrics_file, {"step": step, "kind": "eval", **evaluate(model, eval_data, task)})
             idx = order(step).to(device)
-            tokens, mask = train_data["tokens"][idx], train_data["loss_mask"][idx]
-            loss = lm_loss(model(tokens), tokens, mask)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            loss = train_step(model, opt, train_data["tokens"][idx], train_data["loss_mask"][idx])
             if (step + 1) % cfg.log_every == 0:
                 _log(metrics_file, {"step": step + 1, "kind": "train", "loss": loss.item()})
                 bar.set_postfix(loss=f"{loss.item():.4f}")
@@ -250,6 +246,19 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Ru
                  {"step": cfg.steps, "adam_step": adam_step, "config_hash": cfg.hash()})
     write_json(run_dir / "DONE", {"step": cfg.steps, **final})
     return run
+
+
+def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """One optimizer step on ``lm_loss``; training and its replay both call this, so they agree bit for bit."""
+    loss = lm_loss(model(tokens), tokens, loss_mask)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Adam:
+    return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps)
 
 
 def _save_checkpoint(run_dir: Path, model: GPT, opt, names, step: int, cfg: TrainConfig):

@@ -1,0 +1,163 @@
+"""Per-step influence of each gradient component on probed features (paper Def. 3.2–3.3, Sec. 3.4).
+
+A feature is a probe direction w at a site ⟨k, i⟩. Its mismatch on a batch is
+
+    R = mean_b (⟨w, r^k_i(θ)⟩ − ⟨w, r^k_i(θ*)⟩)²
+
+with θ* the final model and r(θ) from the ordinary (non-myopic) forward, even in a myopic run. The influence of a
+component c at a step is ``∇θR · Δ_c``, where Δ_c is that component's share of the parameter update *as it is
+subtracted* (θ ← θ − Σ_c Δ_c). **Positive influence means the component moved the feature toward its final value.**
+
+- SGD variant: Δ_c = lr · g_c.
+- Adam variant (reference): one first moment per site and component, the optimizer's second moment shared, so
+  Δ_direct + Δ_pre_cached + Δ_shared equals the real Adam step.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .attribution import decompose, flat_grads, site_vjp
+from .model import GPT
+from .sites import Site
+
+COMPONENTS = ("direct", "pre_cached", "shared", "full")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A feature direction ``w`` [d_model] read at ``site``; ``name`` labels the feature."""
+
+    site: Site
+    name: str
+    w: torch.Tensor
+
+
+def _check_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
+    if len(opt.param_groups) != 1:
+        raise ValueError("influence tracking needs an optimizer with exactly one parameter group")
+    g = opt.param_groups[0]
+    if g.get("weight_decay", 0) != 0:
+        raise ValueError("influence tracking needs weight_decay=0 (the component steps would not add up)")
+    if isinstance(opt, torch.optim.Adam) and not g.get("amsgrad", False):
+        return "adam", g
+    if type(opt) is torch.optim.SGD and g.get("momentum", 0) == 0 and not g.get("nesterov", False):
+        return "sgd", g
+    raise ValueError(f"influence tracking supports Adam and plain SGD, not {type(opt).__name__} with these options")
+
+
+class InfluenceTracker:
+    """Accumulates, before every optimizer step, the influence of each component on each probe.
+
+    Call ``rows = tracker.track(model, opt, tokens, loss_mask, feature_types)`` *before* ``opt.step()``. It does
+    not change gradients, optimizer state or any RNG. Rows are tidy dicts:
+    ``{step, layer, pos, feature, feature_type, component, optimizer, value}``; ``feature_type`` is -1 for the
+    whole batch, else the type whose rows the risk was restricted to (empty subsets are skipped);
+    ``component="risk"`` rows hold R itself (``optimizer="none"``).
+    """
+
+    def __init__(self, final_model: GPT, probes: Sequence[Probe]):
+        self.final_model = final_model.eval()
+        self.probes = list(probes)
+        self.sites = sorted({p.site for p in self.probes})
+        for s in self.sites:
+            s.check(final_model.cfg.n_layer, final_model.cfg.n_ctx)
+        d = final_model.cfg.d_model
+        for p in self.probes:
+            if p.w.shape != (d,):
+                raise ValueError(f"probe {p.name} at {p.site} has shape {tuple(p.w.shape)}, expected ({d},)")
+        self.moments: dict[str, torch.Tensor] = {}  # "full" and "{layer}:{pos}:{component}" first moments
+        self.step = 0
+
+    # ---- state for resuming ----
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {**{f"m.{k}": v for k, v in self.moments.items()}, "step": torch.tensor(self.step)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.step = int(state["step"])
+        self.moments = {k[2:]: v for k, v in state.items() if k.startswith("m.")}
+
+    # ---- one step ----
+    def risk_cotangents(self, resid: list[torch.Tensor], frozen: list[torch.Tensor],
+                        feature_types: dict[str, torch.Tensor] | None):
+        """For every probe (and type subset): (probe, type, R, cotangent [batch, d_model] of R at the site).
+
+        resid, frozen: lists of [batch, pos, d_model] for θ and θ*; feature_types: {probe name: int [batch, pos]}.
+        """
+        out = []
+        for p in self.probes:
+            w = p.w.to(resid[0])
+            diff = (resid[p.site.layer][:, p.site.pos] - frozen[p.site.layer][:, p.site.pos]) @ w  # [batch]
+            subsets = [(-1, torch.ones_like(diff, dtype=torch.bool))]
+            types = None if feature_types is None else feature_types.get(p.name)
+            if types is not None:
+                ft = types[:, p.site.pos]
+                subsets += [(int(t), ft == t) for t in torch.unique(ft).tolist()]
+            for t, rows in subsets:
+                n = rows.sum()
+                if n == 0:
+                    continue
+                d = torch.where(rows, diff, 0.0)
+                out.append((p, t, (d.pow(2).sum() / n).item(), (2 * d / n)[:, None] * w[None, :]))
+        return out
+
+    def track(self, model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
+              loss_mask: torch.Tensor | None = None, feature_types: dict[str, torch.Tensor] | None = None
+              ) -> list[dict]:
+        """Influence rows for this step (see class docstring). ``feature_types`` maps a probe name to int
+        [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks."""
+        kind, group = _check_optimizer(opt)
+        params = list(model.parameters())
+        lr = group["lr"]
+        comps = decompose(model, tokens, self.sites, loss_mask)
+        g_full = next(iter(comps.values())).full
+        deltas = {"sgd": {s: {c: lr * getattr(v, c) for c in COMPONENTS} for s, v in comps.items()}}
+        if kind == "adam":
+            deltas["adam"] = self._adam_deltas(opt, group, params, comps, g_full)
+
+        with torch.no_grad():
+            _, frozen = self.final_model(tokens, return_resid=True, myopic="none")
+        _, resid = model(tokens, return_resid=True, myopic="none")
+        rows = []
+        by_layer: dict[int, list] = {}
+        for p, t, risk, cot in self.risk_cotangents(resid, frozen, feature_types):
+            rows.append(self._row(p, t, "risk", "none", risk))
+            by_layer.setdefault(p.site.layer, []).append((p, t, cot))
+        for k, items in by_layer.items():
+            cots = resid[k].new_zeros((len(items),) + tuple(resid[k].shape))
+            for n, (p, _, cot) in enumerate(items):
+                cots[n, :, p.site.pos] = cot
+            grads_r = site_vjp(resid[k], params, cots)  # [n_risks, n_params]
+            for n, (p, t, _) in enumerate(items):
+                for opt_name, per_site in deltas.items():
+                    for c, delta in per_site[p.site].items():
+                        rows.append(self._row(p, t, c, opt_name, torch.dot(grads_r[n], delta).item()))
+        self.step += 1
+        return rows
+
+    def _adam_deltas(self, opt, group, params, comps, g_full):
+        beta1, beta2 = group["betas"]
+        eps, lr = group["eps"], group["lr"]
+        states = [opt.state.get(p, {}) for p in params]
+        t = int(states[0]["step"]) + 1 if states[0] else 1
+        v_prev = flat_grads([s.get("exp_avg_sq") for s in states], params)
+        v = beta2 * v_prev + (1 - beta2) * g_full * g_full
+        scale = lr / (1 - beta1**t) / ((v / (1 - beta2**t)).sqrt() + eps)
+
+        def update(key, g):
+            m = self.moments.get(key)
+            self.moments[key] = (1 - beta1) * g if m is None else beta1 * m + (1 - beta1) * g
+            return self.moments[key]
+
+        step_full = scale * update("full", g_full)
+        out = {}
+        for s, c in comps.items():
+            d_dir = scale * update(f"{s.layer}:{s.pos}:direct", c.direct)
+            d_pre = scale * update(f"{s.layer}:{s.pos}:pre_cached", c.pre_cached)
+            out[s] = {"direct": d_dir, "pre_cached": d_pre, "shared": step_full - d_dir - d_pre, "full": step_full}
+        return out
+
+    def _row(self, p: Probe, t: int, component: str, optimizer: str, value: float) -> dict:
+        return {"step": self.step, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,
+                "feature_type": t, "component": component, "optimizer": optimizer, "value": value}
