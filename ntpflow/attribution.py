@@ -75,8 +75,8 @@ def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor |
     grads = torch.autograd.grad(loss, params + [resid[k] for k in layers], retain_graph=True, allow_unused=True)
     full = flat_grads(grads[:len(params)], params)
     c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
-    if model.myopic != "none":
-        c_own = c_all  # a myopic loss already reaches r^k_i only from position i
+    if model.myopic != "none" or all(k == model.cfg.n_layer for k in layers):
+        c_own = c_all  # a myopic loss, or any loss at the last layer, reaches r^k_i only from position i
     else:
         logits_m, resid_m = model.run_with_resid(tokens, myopic="kv")
         loss_m = lm_loss(logits_m, tokens, loss_mask)
@@ -105,17 +105,22 @@ def decompose(
     layers = sorted({s.layer for s in sites})
     params = list(model.parameters())
     resid, full, c_all, c_own = resid_cotangents(model, tokens, loss_mask, layers)
-    out: dict[Site, Components] = {}
+    # pre-caching is structurally zero in a myopic model and at the last layer (only ln_final reads it)
+    has_pre = {k: model.myopic == "none" and k < model.cfg.n_layer for k in layers}
+    vectors: dict[tuple[Site, str], torch.Tensor] = {}
     for k in layers:
-        layer_sites = [s for s in sites if s.layer == k]
-        for start in range(0, len(layer_sites), max(1, chunk // 2)):
-            part = layer_sites[start:start + max(1, chunk // 2)]
-            cot = resid[k].new_zeros((2 * len(part),) + tuple(resid[k].shape))
-            for n, s in enumerate(part):
-                cot[2 * n, :, s.pos] = c_own[k][:, s.pos]
-                cot[2 * n + 1, :, s.pos] = c_all[k][:, s.pos] - c_own[k][:, s.pos]
-            vjps = site_vjp(resid[k], params, cot)
-            for n, s in enumerate(part):
-                direct, pre = vjps[2 * n], vjps[2 * n + 1]
-                out[s] = Components(direct=direct, pre_cached=pre, shared=full - direct - pre, full=full)
+        jobs = [(s, c) for s in sites if s.layer == k for c in (("direct", "pre_cached") if has_pre[k] else ("direct",))]
+        for start in range(0, len(jobs), chunk):
+            part = jobs[start:start + chunk]
+            cot = resid[k].new_zeros((len(part),) + tuple(resid[k].shape))
+            for n, (s, c) in enumerate(part):
+                own = c_own[k][:, s.pos]
+                cot[n, :, s.pos] = own if c == "direct" else c_all[k][:, s.pos] - own
+            for (s, c), v in zip(part, site_vjp(resid[k], params, cot)):
+                vectors[s, c] = v
+    out = {}
+    for s in sites:
+        direct = vectors[s, "direct"]
+        pre = vectors.get((s, "pre_cached"), torch.zeros_like(full))
+        out[s] = Components(direct=direct, pre_cached=pre, shared=full - direct - pre, full=full)
     return {s: out[s] for s in sites}

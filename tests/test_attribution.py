@@ -1,0 +1,263 @@
+"""Gradient decomposition and influence against a naive float64 oracle of the definitions."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ntpflow import GPT, GPTConfig, Site, TrainConfig, lm_loss, per_position_loss, split_groups, train
+from ntpflow.attribution import decompose, flat_grads
+from ntpflow.influence import InfluenceTracker, Probe
+
+T, V, D = 8, 7, 16
+REGIMES = [{}, {"myopic": "kv"}, {"myopic": "resid"}, {"position_groups": "untied"},
+           {"position_groups": split_groups(T, 3)}, {"position_groups": split_groups(T, 3), "myopic": "kv"}]
+
+
+def tiny(seed=0, **kw) -> GPT:
+    return GPT(GPTConfig(vocab_size=V, n_ctx=T, n_layer=2, n_head=2, d_model=D, **kw), seed=seed).double()
+
+
+def batch(seed=0, n=6):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (n, T), generator=g)
+    mask = torch.rand(n, T, generator=g) > 0.2
+    return tokens, mask
+
+
+def oracle(model, tokens, site, mask):
+    """The definition: stop-gradient forward and separate backward passes per loss term."""
+    params = list(model.parameters())
+
+    def grad(f):
+        return flat_grads(torch.autograd.grad(f, params, allow_unused=True, retain_graph=True), params)
+
+    per_pos, counted = per_position_loss(model(tokens), tokens, mask)
+    per_pos_sg, _ = per_position_loss(model(tokens, stop_grad_at=[site]), tokens, mask)
+    n = counted.sum()
+    full, shared = grad(per_pos.sum() / n), grad(per_pos_sg.sum() / n)
+    i = site.pos
+    direct = grad(per_pos[i] / n) - grad(per_pos_sg[i] / n) if i < len(per_pos) else torch.zeros_like(full)
+    pre = sum((grad(per_pos[j] / n) - grad(per_pos_sg[j] / n) for j in range(len(per_pos)) if j != i),
+              torch.zeros_like(full))
+    return {"direct": direct, "pre_cached": pre, "shared": shared, "full": full}
+
+
+@pytest.mark.parametrize("kw", REGIMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "vanilla")
+def test_decompose_matches_oracle(kw):
+    model = tiny(**kw)
+    tokens, mask = batch()
+    sites = [Site(k, p) for k in range(3) for p in (0, 2, 5, T - 1)]
+    parts = decompose(model, tokens, sites, mask)
+    for s in sites:
+        ref = oracle(model, tokens, s, mask)
+        scale = ref["full"].abs().max()
+        for name, value in parts[s].as_dict().items():
+            err = (value - ref[name]).abs().max() / scale
+            assert err < 1e-10, (s, name, err.item())
+        total = parts[s].direct + parts[s].pre_cached + parts[s].shared
+        torch.testing.assert_close(total, ref["full"], rtol=0, atol=1e-12)
+        if kw.get("myopic") or s.layer == 2:
+            assert parts[s].pre_cached.abs().max() == 0  # exactly zero
+    if not kw.get("myopic"):
+        assert any(parts[s].pre_cached.abs().max() > 1e-6 for s in sites if s.layer < 2)
+
+
+def test_decompose_leaves_state_untouched():
+    model = tiny()
+    tokens, mask = batch()
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 0.5)
+    rng = torch.get_rng_state()
+    before = [p.detach().clone() for p in model.parameters()]
+    decompose(model, tokens, [Site(1, 3)], mask)
+    assert torch.equal(torch.get_rng_state(), rng)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b) and torch.all(p.grad == 0.5)
+
+
+def _risk_grad(model, final, probe, tokens):
+    """∇θ R by plain autograd on R = mean_b (⟨w, r⟩ − ⟨w, r*⟩)², non-myopic forward."""
+    k, i = probe.site.layer, probe.site.pos
+    _, r = model(tokens, return_resid=True, myopic="none")
+    with torch.no_grad():
+        _, r_star = final(tokens, return_resid=True, myopic="none")
+    risk = ((r[k][:, i] - r_star[k][:, i]) @ probe.w).pow(2).mean()
+    params = list(model.parameters())
+    return flat_grads(torch.autograd.grad(risk, params, allow_unused=True), params)
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+@pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}, {"position_groups": split_groups(T, 3)}])
+def test_influence_of_full_step_is_real_step(opt_name, kw):
+    """Adam/SGD: the components' steps add up to the optimizer's real update, seen through ∇R."""
+    model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
+    g = torch.Generator().manual_seed(3)
+    probes = [Probe(Site(1, 3), "a", torch.randn(D, generator=g, dtype=torch.float64)),
+              Probe(Site(2, 5), "b", torch.randn(D, generator=g, dtype=torch.float64))]
+    tracker = InfluenceTracker(final, probes)
+    opt = (torch.optim.Adam(model.parameters(), lr=1e-2) if opt_name == "adam"
+           else torch.optim.SGD(model.parameters(), lr=1e-1))
+    for step in range(3):
+        tokens, mask = batch(seed=step)
+        grads_r = {p.name: _risk_grad(model, final, p, tokens) for p in probes}
+        before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        opt_state = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()} if step else {}
+        rows = tracker.track(model, opt, tokens, mask)
+        if step:  # tracking leaves the optimizer state alone
+            for k, v in opt.state[next(model.parameters())].items():
+                assert torch.equal(v, opt_state[k])
+        loss = lm_loss(model(tokens), tokens, mask)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        real = before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # subtracted step
+        for p in probes:
+            vals = {r["component"]: r["value"] for r in rows
+                    if r["feature"] == p.name and r["optimizer"] == opt_name and r["feature_type"] == -1}
+            expected = torch.dot(grads_r[p.name], real).item()
+            assert vals["full"] == pytest.approx(expected, rel=1e-8, abs=1e-14)
+            assert vals["direct"] + vals["pre_cached"] + vals["shared"] == pytest.approx(vals["full"], rel=1e-9,
+                                                                                         abs=1e-15)
+
+
+def test_sgd_influence_matches_oracle_components():
+    model, final = tiny(seed=0), tiny(seed=1)
+    w = torch.randn(D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    probe = Probe(Site(1, 4), "f", w)
+    tokens, mask = batch()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rows = InfluenceTracker(final, [probe]).track(model, opt, tokens, mask)
+    ref = oracle(model, tokens, probe.site, mask)
+    g_r = _risk_grad(model, final, probe, tokens)
+    for r in rows:
+        if r["optimizer"] == "sgd":
+            assert r["value"] == pytest.approx(0.1 * torch.dot(g_r, ref[r["component"]]).item(), rel=1e-8, abs=1e-15)
+
+
+def test_risks_by_type_skip_empty_subsets():
+    model, final = tiny(seed=0), tiny(seed=1)
+    tokens, mask = batch()
+    types = torch.zeros(len(tokens), T, dtype=torch.long)
+    types[:2, 4] = 2  # rows 0-1 are type 2, the rest type 0; type 1 absent
+    probe = Probe(Site(1, 4), "sq", torch.ones(D, dtype=torch.float64))
+    rows = InfluenceTracker(final, [probe]).track(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, mask,
+                                                  {"sq": types})
+    risk = {r["feature_type"]: r["value"] for r in rows if r["component"] == "risk"}
+    assert set(risk) == {-1, 0, 2}
+    _, r = model(tokens, return_resid=True)
+    _, rs = final(tokens, return_resid=True)
+    diff = ((r[1][:, 4] - rs[1][:, 4]) @ probe.w).detach()
+    assert risk[2] == pytest.approx(diff[:2].pow(2).mean().item())
+    assert risk[-1] == pytest.approx(diff.pow(2).mean().item())
+
+
+@pytest.mark.parametrize("make_opt, match", [
+    (lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1), "weight_decay"),
+    (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "weight_decay"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), "Adam and plain SGD"),
+    (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9), "Adam and plain SGD"),
+])
+def test_unsupported_optimizers(make_opt, match):
+    model, final = tiny(), tiny(seed=1)
+    tracker = InfluenceTracker(final, [Probe(Site(1, 2), "f", torch.ones(D, dtype=torch.float64))])
+    tokens, mask = batch()
+    with pytest.raises(ValueError, match=match):
+        tracker.track(model, make_opt(model.parameters()), tokens, mask)
+
+
+# ---- the two-run protocol on a real (tiny) run ----
+TINY = dict(n_layer=1, d_model=32, n_head=2, steps=24, batch_size=32, n_train=512, n_eval=256, eval_every=8,
+            ckpt_every=8, log_every=4)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "maj"
+    train(TrainConfig(**TINY), path, progress=False)
+    return path
+
+
+def test_replay_reproduces_and_writes_tidy_rows(finished_run, tmp_path):
+    import pyarrow.parquet as pq
+
+    from ntpflow.replay import attribute
+
+    out = attribute(finished_run, [Site(1, 3), Site(0, 5)], ["is_majority_<0>"], out_dir=tmp_path / "a",
+                    progress=False)
+    table = pq.read_table(out / "influence.parquet").to_pylist()
+    assert {r["step"] for r in table} == set(range(TINY["steps"]))
+    full = [r for r in table if r["component"] == "full" and r["optimizer"] == "adam" and r["layer"] == 1]
+    cum = 0.0
+    for r in sorted(full, key=lambda r: r["step"]):
+        cum += r["value"]
+        assert r["cumulative"] == pytest.approx(cum)
+    summary = __import__("json").loads((out / "summary.json").read_text())
+    assert {(p["layer"], p["pos"]) for p in summary["probes"]} == {(1, 3), (0, 5)}
+
+
+def test_replay_detects_divergence(finished_run, tmp_path):
+    import shutil
+
+    from ntpflow.io import load_tensors, save_tensors
+    from ntpflow.replay import attribute
+
+    run = tmp_path / "tampered"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution"))
+    tensors = load_tensors(run / "model.safetensors")
+    tensors["model.wte"] = tensors["model.wte"] + 1e-6
+    save_tensors(run / "model.safetensors", tensors)
+    with pytest.raises(RuntimeError, match="diverged"):
+        attribute(run, [Site(1, 3)], ["is_majority_<0>"], out_dir=tmp_path / "y", progress=False)
+
+
+def test_probes_from_another_run_are_refused(finished_run, tmp_path):
+    import shutil
+
+    from ntpflow.replay import attribute
+
+    other = tmp_path / "other"
+    train(TrainConfig(**{**TINY, "seed": 1}), other, progress=False)
+    attribute(other, [Site(1, 3)], ["is_majority_<0>"], progress=False)  # fits other's probes
+    run = tmp_path / "copy"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution", "probes"))
+    shutil.copytree(other / "probes", run / "probes")
+    with pytest.raises(ValueError, match="another run"):
+        attribute(run, [Site(1, 3)], ["is_majority_<0>"], progress=False)
+
+
+def test_replay_needs_initial_weights(finished_run, tmp_path):
+    import shutil
+
+    from ntpflow.replay import attribute
+
+    run = tmp_path / "noinit"
+    shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution", "init.*"))
+    with pytest.raises(FileNotFoundError, match="init"):
+        attribute(run, [Site(1, 3)], None, progress=False)
+
+
+def test_replay_resumes_after_kill(finished_run, tmp_path):
+    import pyarrow.parquet as pq
+
+    from ntpflow.replay import attribute
+
+    ref = attribute(finished_run, [Site(1, 3)], ["is_majority_<1>"], out_dir=tmp_path / "ref", progress=False)
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "ntpflow", "-q", "attribute", str(finished_run), "--sites", "1:3",
+           "--features", "is_majority_<1>", "--out", str(out)]
+    proc = subprocess.Popen(cmd)
+    deadline = time.time() + 60
+    while not (out / "state.json").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert subprocess.run(cmd).returncode == 0
+    a = pq.read_table(ref / "influence.parquet").sort_by([("step", "ascending")]).to_pylist()
+    b = pq.read_table(out / "influence.parquet").sort_by([("step", "ascending")]).to_pylist()
+    key = lambda r: (r["step"], r["layer"], r["pos"], r["feature"], r["feature_type"], r["component"], r["optimizer"])
+    assert sorted(a, key=key) == sorted(b, key=key)
