@@ -25,13 +25,14 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from .io import atomic_write, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -318,8 +319,6 @@ class ProbeSet:
         Each file is written to a temporary file in the same directory and
         moved into place with ``os.replace`` (atomic per file).
         """
-        from safetensors.torch import save_file
-
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {
@@ -346,8 +345,8 @@ class ProbeSet:
         }
         meta_text = json.dumps(meta, indent=2, allow_nan=False)
 
-        _atomic_write(directory / TENSORS_FILE, lambda p: save_file(tensors, str(p)))
-        _atomic_write(directory / META_FILE, lambda p: Path(p).write_text(meta_text, encoding="utf-8"))
+        save_tensors(directory / TENSORS_FILE, tensors)
+        atomic_write(directory / META_FILE, meta_text)
 
     @classmethod
     def load(cls, directory: str | os.PathLike[str], device: str | torch.device = "cpu") -> ProbeSet:
@@ -372,21 +371,6 @@ class ProbeSet:
             r_by_type=r_by_type,
             metadata=meta.get("metadata", {}),
         )
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` on a temp file next to ``path``, then replace."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
 
 
 # --------------------------------------------------------------------------

@@ -20,10 +20,26 @@ import torch
 from tqdm.auto import tqdm
 
 from .influence import InfluenceTracker, Probe
-from .io import ensure_writable_dir, load_tensors, read_json, resolve_device, save_tensors, write_json
+from .io import (
+    ensure_writable_dir,
+    load_tensors,
+    read_json,
+    resolve_device,
+    save_tensors,
+    write_json,
+)
 from .probe_runs import load_or_probe
 from .sites import Site
-from .training import DataOrder, Run, make_datasets, make_optimizer, to_torch, train_step, _adam_state, _load_adam_state
+from .training import (
+    DataOrder,
+    Run,
+    _adam_state,
+    _load_adam_state,
+    make_datasets,
+    make_optimizer,
+    to_torch,
+    train_step,
+)
 
 log = logging.getLogger(__name__)
 KEY = ("layer", "pos", "feature", "feature_type", "component", "optimizer")

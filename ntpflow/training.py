@@ -179,14 +179,15 @@ def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
     if (run_dir / "config.json").exists():
         old = Run.open(run_dir).cfg
         if old.hash() != cfg.hash():
-            diff = [k for k, v in cfg.to_dict().items() if old.to_dict().get(k) != v and k not in ("device", "log_every")]
+            diff = [k for k, v in cfg.to_dict().items()
+                    if old.to_dict().get(k) != v and k not in ("device", "log_every")]
             raise ValueError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}); "
                              "choose another output directory")
         return
     ensure_writable_dir(run_dir)
     (run_dir / "ckpt").mkdir(exist_ok=True)
-    write_json(run_dir / "config.json", {"train": cfg.to_dict(), "model": model_config(cfg, make_task(cfg.task)).to_dict(),
-                                         "config_hash": cfg.hash()})
+    model = model_config(cfg, make_task(cfg.task)).to_dict()
+    write_json(run_dir / "config.json", {"train": cfg.to_dict(), "model": model, "config_hash": cfg.hash()})
     write_json(run_dir / "env.json", environment())
 
 
@@ -273,18 +274,16 @@ def _log(f, record: dict):
 
 
 def _truncate_metrics(path: Path, step: int):
-    """Drop metric lines written after ``step`` (by a run that was killed later than its last checkpoint)."""
+    """Drop metric lines that a resumed run from ``step`` writes again: train losses after ``step`` (logged at
+    the end of a step) and evaluations from ``step`` on (run at its start), and any half-written line."""
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines()
-            if line.strip() and _complete(line) and (json.loads(line)["step"] < step or
-                                                     json.loads(line)["kind"] == "train" and json.loads(line)["step"] <= step)]
-    atomic_write(path, "".join(line + "\n" for line in keep))
-
-
-def _complete(line: str) -> bool:
-    try:
-        json.loads(line)
-        return True
-    except json.JSONDecodeError:
-        return False
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if rec["step"] < step or rec["kind"] == "train" and rec["step"] == step:
+            keep.append(line + "\n")
+    atomic_write(path, "".join(keep))
