@@ -12,7 +12,7 @@ with L = Σ_j L_j the training loss (``lm_loss``: mean over counted positions of
 How it is computed: ∇L − ∇L^{sg(k,i)} = (∂r^k_i/∂θ)ᵀ ∂L/∂r^k_i, a vector–Jacobian product of the site's residual.
 The cotangents of every site come from two backward passes: the ordinary one gives ∂L/∂r^k, and a myopic
 (``"kv"``) one gives ∂L_i/∂r^k_i for every position i at once, because under myopic attention no later loss
-reaches r^k_i. The VJPs of all sites of a layer run as one batched backward.
+reaches r^k_i. The VJPs run on the shortest prefix that determines each site, batched per (position, layer).
 """
 
 from collections.abc import Sequence
@@ -63,16 +63,39 @@ def site_vjp(resid: torch.Tensor, params: Sequence[torch.Tensor], cotangents: to
         return torch.stack(rows)
 
 
+def sites_vjp(model: GPT, tokens: torch.Tensor, requests: Sequence[tuple[Site, torch.Tensor]],
+              myopic: str | None = None, chunk: int = 64) -> torch.Tensor:
+    """VJPs (∂r^k_i/∂θ)ᵀ u for requests ``[(Site(k, i), u [batch, d_model]), ...]`` -> [n_requests, n_params].
+
+    r^k_i depends only on tokens 0..i, so the requests at position i run on the prefix ``tokens[:, :i+1]``
+    (one forward per position, in the model's regime or ``myopic``); those of one layer share a batched backward.
+    """
+    params = list(model.parameters())
+    out: list[torch.Tensor | None] = [None] * len(requests)
+    for pos in sorted({s.pos for s, _ in requests}):
+        _, resid = model(tokens[:, :pos + 1], return_resid=True, myopic=myopic)
+        for k in sorted({s.layer for s, _ in requests if s.pos == pos}):
+            idx = [n for n, (s, _) in enumerate(requests) if s == Site(k, pos)]
+            for start in range(0, len(idx), chunk):
+                part = idx[start:start + chunk]
+                cot = resid[k].new_zeros((len(part),) + tuple(resid[k].shape))
+                for row, n in enumerate(part):
+                    cot[row, :, pos] = requests[n][1]
+                for n, v in zip(part, site_vjp(resid[k], params, cot)):
+                    out[n] = v
+    return torch.stack(out) if out else tokens.new_zeros((0, sum(p.numel() for p in params)), dtype=torch.float)
+
+
 def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, layers: Sequence[int]):
     """Forward in the model's own regime and the cotangents of the residual layers.
 
-    Returns (resid, full_grad [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i at every i}), all
-    cotangents [batch, pos, d_model]. ``resid`` keeps its graph for the site VJPs.
+    Returns (full_grad [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i at every i}), all
+    cotangents [batch, pos, d_model].
     """
     params = list(model.parameters())
     logits, resid = model.run_with_resid(tokens)
     loss = lm_loss(logits, tokens, loss_mask)
-    grads = torch.autograd.grad(loss, params + [resid[k] for k in layers], retain_graph=True, allow_unused=True)
+    grads = torch.autograd.grad(loss, params + [resid[k] for k in layers], allow_unused=True)
     full = flat_grads(grads[:len(params)], params)
     c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
     if model.myopic != "none" or all(k == model.cfg.n_layer for k in layers):
@@ -82,7 +105,7 @@ def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor |
         loss_m = lm_loss(logits_m, tokens, loss_mask)
         g_m = torch.autograd.grad(loss_m, [resid_m[k] for k in layers], allow_unused=True)
         c_own = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, g_m)}
-    return resid, full, c_all, c_own
+    return full, c_all, c_own
 
 
 def decompose(
@@ -103,21 +126,13 @@ def decompose(
     for s in sites:
         s.check(model.cfg.n_layer, tokens.shape[1])
     layers = sorted({s.layer for s in sites})
-    params = list(model.parameters())
-    resid, full, c_all, c_own = resid_cotangents(model, tokens, loss_mask, layers)
+    full, c_all, c_own = resid_cotangents(model, tokens, loss_mask, layers)
     # pre-caching is structurally zero in a myopic model and at the last layer (only ln_final reads it)
-    has_pre = {k: model.myopic == "none" and k < model.cfg.n_layer for k in layers}
-    vectors: dict[tuple[Site, str], torch.Tensor] = {}
-    for k in layers:
-        jobs = [(s, c) for s in sites if s.layer == k for c in (("direct", "pre_cached") if has_pre[k] else ("direct",))]
-        for start in range(0, len(jobs), chunk):
-            part = jobs[start:start + chunk]
-            cot = resid[k].new_zeros((len(part),) + tuple(resid[k].shape))
-            for n, (s, c) in enumerate(part):
-                own = c_own[k][:, s.pos]
-                cot[n, :, s.pos] = own if c == "direct" else c_all[k][:, s.pos] - own
-            for (s, c), v in zip(part, site_vjp(resid[k], params, cot)):
-                vectors[s, c] = v
+    jobs = [(s, "direct") for s in sites]
+    jobs += [(s, "pre_cached") for s in sites if model.myopic == "none" and s.layer < model.cfg.n_layer]
+    requests = [(s, c_own[s.layer][:, s.pos] if c == "direct" else c_all[s.layer][:, s.pos] - c_own[s.layer][:, s.pos])
+                for s, c in jobs]
+    vectors = dict(zip(jobs, sites_vjp(model, tokens, requests, chunk=chunk)))
     out = {}
     for s in sites:
         direct = vectors[s, "direct"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attribution import decompose, flat_grads, site_vjp
+from .attribution import decompose, flat_grads, sites_vjp
 from .model import GPT
 from .sites import Site
 
@@ -118,21 +118,14 @@ class InfluenceTracker:
 
         with torch.no_grad():
             _, frozen = self.final_model(tokens, return_resid=True, myopic="none")
-        _, resid = model(tokens, return_resid=True, myopic="none")
-        rows = []
-        by_layer: dict[int, list] = {}
-        for p, t, risk, cot in self.risk_cotangents(resid, frozen, feature_types):
-            rows.append(self._row(p, t, "risk", "none", risk))
-            by_layer.setdefault(p.site.layer, []).append((p, t, cot))
-        for k, items in by_layer.items():
-            cots = resid[k].new_zeros((len(items),) + tuple(resid[k].shape))
-            for n, (p, _, cot) in enumerate(items):
-                cots[n, :, p.site.pos] = cot
-            grads_r = site_vjp(resid[k], params, cots)  # [n_risks, n_params]
-            for n, (p, t, _) in enumerate(items):
-                for opt_name, per_site in deltas.items():
-                    for c, delta in per_site[p.site].items():
-                        rows.append(self._row(p, t, c, opt_name, torch.dot(grads_r[n], delta).item()))
+            _, resid = model(tokens, return_resid=True, myopic="none")
+        risks = self.risk_cotangents(resid, frozen, feature_types)
+        rows = [self._row(p, t, "risk", "none", risk) for p, t, risk, _ in risks]
+        grads_r = sites_vjp(model, tokens, [(p.site, cot.detach()) for p, _, _, cot in risks], myopic="none")
+        for (p, t, _, _), g_r in zip(risks, grads_r):
+            for opt_name, per_site in deltas.items():
+                for c, delta in per_site[p.site].items():
+                    rows.append(self._row(p, t, c, opt_name, torch.dot(g_r, delta).item()))
         self.step += 1
         return rows
 
