@@ -46,6 +46,8 @@ class TrainConfig:
     def __post_init__(self):
         from .tasks import TASKS
 
+        for name in ("lr", "beta1", "beta2", "adam_eps"):  # 1 and 1.0 must hash alike
+            object.__setattr__(self, name, float(getattr(self, name)))
         if self.task not in TASKS:
             raise ValueError(f"unknown task {self.task!r}; choose one of {sorted(TASKS)}")
         if self.regime not in REGIMES:

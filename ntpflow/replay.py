@@ -77,8 +77,12 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
     dev = resolve_device(device if device != "auto" else cfg.device)
-    out = ensure_writable_dir(out_dir or run.dir / "attribution")
     sites = sorted(set(sites))
+    if not sites:
+        raise ValueError("no sites to attribute")
+    for s in sites:  # before anything is written
+        s.check(run.model_config().n_layer, run.task.seq_len)
+    out = ensure_writable_dir(out_dir or run.dir / "attribution")
     probes = make_probes(run, sites, features, device)
     spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in probes}),
             "config_hash": cfg.hash()}

@@ -61,7 +61,11 @@ def parse_sites(spec: str) -> list[Site]:
             positions = _parse_range(pos)
         except ValueError:
             raise ValueError(f"cannot parse sites {spec!r}; expected e.g. 1:5,2:7 or 1-2:2-19") from None
+        if not layers or not positions:
+            raise ValueError(f"empty range in sites {spec!r}")
         sites.extend(Site(k, p) for k in layers for p in positions)
+    if not sites:
+        raise ValueError(f"no sites in {spec!r}")
     return sorted(set(sites))
 
 

@@ -91,8 +91,8 @@ def evaluate(model: GPT, data: dict[str, torch.Tensor], task: Task, chunk: int =
         loss_sum += lm_loss(logits, tok, mask).item() * len(tok)
         pred = logits[:, p0:T - 1].argmax(-1)  # predictions of the output tokens
         ok = legal[:, p0:T - 1].gather(-1, pred.unsqueeze(-1)).squeeze(-1)
-        legal_hits += ok.float().mean(1).sum().item()
-        first_hits += ok[:, 0].float().sum().item()
+        legal_hits += ok.double().mean(1).sum().item()
+        first_hits += ok[:, 0].double().sum().item()
     model.train(was_training)
     return {"eval_loss": loss_sum / n, "legal_acc": legal_hits / n, "first_acc": first_hits / n}
 
@@ -184,9 +184,9 @@ def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
             raise ValueError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}); "
                              "choose another output directory")
         return
+    model = model_config(cfg, make_task(cfg.task)).to_dict()  # validates before anything is written
     ensure_writable_dir(run_dir)
     (run_dir / "ckpt").mkdir(exist_ok=True)
-    model = model_config(cfg, make_task(cfg.task)).to_dict()
     write_json(run_dir / "config.json", {"train": cfg.to_dict(), "model": model, "config_hash": cfg.hash()})
     write_json(run_dir / "env.json", environment())
 

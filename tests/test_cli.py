@@ -109,6 +109,27 @@ def test_probe_bad_weights(finished_run, capsys):
     assert snapshot(finished_run) == before
 
 
+@pytest.mark.parametrize("sites,fragments", [
+    ("abc", ["cannot parse sites", "abc"]),
+    ("1:x", ["cannot parse sites"]),
+    ("9:3", ["out of range", "layer"]),
+    ("0:21", ["out of range", "pos"]),
+])
+def test_attribute_bad_sites(finished_run, tmp_path, capsys, sites, fragments):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    assert main(["attribute", str(run), "--sites", sites, "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, *fragments)
+    assert not (run / "attribution" / "influence.parquet").exists()
+
+
+def test_attribute_empty_site_list_is_an_error(finished_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    assert main(["attribute", str(run), "--sites", "1:3-1", "--device", "cpu"]) == 2
+    assert_one_line_error(capsys, "sites")
+
+
 def test_probe_unknown_feature(finished_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -192,7 +213,8 @@ def test_help_shows_examples(capsys):
 
 
 def test_python_m_help():
-    res = subprocess.run([sys.executable, "-m", "ntpflow", "--help"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run([sys.executable, "-m", "ntpflow", "--help"], check=False, capture_output=True, text=True,
+                         timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("usage: ntpflow")
     assert "examples:" in res.stdout and "ntpflow demo --out runs/demo" in res.stdout

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,9 +30,9 @@ def snapshot(d: Path) -> dict:
 
 def assert_same_tensors(a: dict, b: dict):
     assert a.keys() == b.keys()
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k], b[k]), k
+    for k, x in a.items():
+        assert x.dtype == b[k].dtype and x.shape == b[k].shape, k
+        assert torch.equal(x, b[k]), k
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +75,9 @@ def _cli_cmd(out: Path) -> list[str]:
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
     with open(tmp_path / "ref.err", "w") as ref_err, open(tmp_path / "killed.err", "w") as killed_err:
-        ref = subprocess.Popen(_cli_cmd(ref_dir), cwd=tmp_path, env=_ENV, stdout=subprocess.DEVNULL, stderr=ref_err)
-        proc = subprocess.Popen(_cli_cmd(killed_dir), cwd=tmp_path, env=_ENV, stdout=subprocess.DEVNULL, stderr=killed_err)
+        quiet = {"cwd": tmp_path, "env": _ENV, "stdout": subprocess.DEVNULL}
+        ref = subprocess.Popen(_cli_cmd(ref_dir), stderr=ref_err, **quiet)
+        proc = subprocess.Popen(_cli_cmd(killed_dir), stderr=killed_err, **quiet)
         try:
             deadline = time.monotonic() + 120
             while not list((killed_dir / "ckpt").glob("step_*.json")):
@@ -96,7 +98,8 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     killed = Run.open(killed_dir)
     assert killed.checkpoints() and max(killed.checkpoints()) < killed.cfg.steps
 
-    done = subprocess.run(_cli_cmd(killed_dir), cwd=tmp_path, env=_ENV, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(_cli_cmd(killed_dir), check=False, capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path, env=_ENV)
     assert done.returncode == 0, done.stderr
     assert (killed_dir / "DONE").exists()
 
@@ -110,18 +113,26 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert len(uninterrupted) == 100 + 11  # 100 train records (log_every=1), evals at 0, 10, ..., 100
 
 
-def test_resume_truncates_metrics_written_after_last_checkpoint(tmp_path, tiny_run):
-    """A run killed after its checkpoint at step 4 but after logging up to the end (and half a line) resumes
-    to exactly the records of the uninterrupted run."""
+@pytest.fixture(scope="module")
+def ckpt3_run(tmp_path_factory) -> Run:
+    # checkpoints at 3, 6, 9; the checkpoint interval does not change results
+    return train(replace(TINY, ckpt_every=3), tmp_path_factory.mktemp("ckpt3") / "run", progress=False)
+
+
+@pytest.mark.parametrize("resume_from", [3, 6])
+def test_resume_truncates_metrics_written_after_last_checkpoint(tmp_path, tiny_run, ckpt3_run, resume_from):
+    """A run killed after its checkpoint at ``resume_from`` but after logging up to the end (and half a line)
+    resumes to exactly the records of the uninterrupted run. Step 6 has a train and an eval record."""
     d = tmp_path / "run"
-    train(TINY, d, progress=False)
+    shutil.copytree(ckpt3_run.dir, d)
     full_metrics = (d / "metrics.jsonl").read_text()
-    for name in ("DONE", "model.safetensors", "model.json", "ckpt/step_000008.safetensors", "ckpt/step_000008.json"):
+    for name in ["DONE", "model.safetensors", "model.json"] + [
+            f"ckpt/step_{s:06d}.{ext}" for s in (3, 6, 9) if s > resume_from for ext in ("safetensors", "json")]:
         (d / name).unlink()
     with open(d / "metrics.jsonl", "a") as f:
         f.write('{"step": 13, "kind": "tra')  # a line cut by the kill
-    assert Run.open(d).checkpoints() == [4]
-    train(TINY, d, progress=False)
+    assert Run.open(d).checkpoints()[-1] == resume_from
+    train(ckpt3_run.cfg, d, progress=False)
     assert (d / "metrics.jsonl").read_text() == full_metrics
     assert Run.open(d).metrics() == tiny_run.metrics()
     assert_same_tensors(load_file(d / "model.safetensors"), load_file(tiny_run.dir / "model.safetensors"))
@@ -129,7 +140,7 @@ def test_resume_truncates_metrics_written_after_last_checkpoint(tmp_path, tiny_r
 
 def test_incomplete_checkpoint_without_sidecar_is_ignored(tmp_path, tiny_run):
     d = tmp_path / "run"
-    train(TINY, d, progress=False)
+    shutil.copytree(tiny_run.dir, d)
     for name in ("DONE", "model.safetensors", "model.json", "ckpt/step_000008.json"):
         (d / name).unlink()
     (d / "ckpt" / "step_000008.safetensors").write_bytes(b"garbage")  # killed before its sidecar was written
@@ -138,27 +149,27 @@ def test_incomplete_checkpoint_without_sidecar_is_ignored(tmp_path, tiny_run):
     assert_same_tensors(load_file(d / "model.safetensors"), load_file(tiny_run.dir / "model.safetensors"))
 
 
-def test_finished_run_is_not_touched_again(tmp_path):
+def test_finished_run_is_not_touched_again(tmp_path, tiny_run):
     d = tmp_path / "run"
-    train(TINY, d, progress=False)
+    shutil.copytree(tiny_run.dir, d)
     before = snapshot(d)
     run = train(replace(TINY, log_every=3), d, progress=False)  # log_every does not change results
     assert run.done
     assert snapshot(d) == before
 
 
-@pytest.mark.parametrize("change", [{"steps": 13}, {"lr": 3e-3}, {"regime": "myopic"}, {"seed": 1}])
-def test_resume_with_different_config_raises_and_leaves_files(tmp_path, change):
+def test_resume_with_different_config_raises_and_leaves_files(tmp_path, tiny_run):
     d = tmp_path / "run"
-    train(TINY, d, progress=False)
+    shutil.copytree(tiny_run.dir, d)
     (d / "DONE").unlink()  # also an unfinished run must be protected
     before = snapshot(d)
-    with pytest.raises(ValueError, match="different config") as e:
-        train(replace(TINY, **change), d, progress=False)
-    msg = str(e.value)
-    assert "\n" not in msg
-    assert next(iter(change)) in msg.split("differs in:")[1]
-    assert snapshot(d) == before
+    for change in ({"steps": 13}, {"lr": 3e-3}, {"regime": "myopic"}, {"seed": 1}, {"ckpt_every": 3}):
+        with pytest.raises(ValueError, match="different config") as e:
+            train(replace(TINY, **change), d, progress=False)
+        msg = str(e.value)
+        assert "\n" not in msg
+        assert msg.split("differs in: ")[1].split(")")[0] == next(iter(change))
+        assert snapshot(d) == before
 
 
 # ---------------------------------------------------------------- loading
@@ -166,7 +177,7 @@ def test_resume_with_different_config_raises_and_leaves_files(tmp_path, change):
 
 def test_missing_or_corrupted_checkpoint_one_line_errors(tmp_path, tiny_run):
     d = tmp_path / "run"
-    train(TINY, d, progress=False)
+    shutil.copytree(tiny_run.dir, d)
     run = Run.open(d)
     assert run.checkpoints() == [4, 8]
     assert_same_tensors(run.load_model(4).state_dict(),
