@@ -1,4 +1,4 @@
-"""Command line: ``ntpflow {train,probe,attribute,demo} ...``. Parses input, builds configs, calls library functions."""
+"""Command line: ``ntpflow {train,probe,attribute,reproduce,demo} ...``. Parses input, builds configs, calls library functions."""
 
 import argparse
 import logging
@@ -11,6 +11,7 @@ examples:
   ntpflow train --task cond_majority --regime untied --set steps=500 lr=3e-4
   ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'
   ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_<0>'
+  ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
   ntpflow demo --out runs/demo          # the four regimes of majority at a small size
 
 Python equivalents:
@@ -67,6 +68,19 @@ def cmd_attribute(args) -> int:
     out = attribute(args.run_dir, parse_sites(args.sites), features, out_dir=args.out,
                     device=args.device or "auto", progress=not args.quiet)
     print(out)
+    return 0
+
+
+def cmd_reproduce(args) -> int:
+    from .experiments.toy import run_toy
+    from .experiments.toy_report import write_report
+
+    if args.experiment != "toy":
+        raise ValueError(f"unknown experiment {args.experiment!r}; available: toy")
+    out = Path(args.out or f"results/{args.experiment}-{args.scale}")
+    run_toy(args.scale, out, workers=args.workers, device=args.device or "auto", progress=not args.quiet)
+    report = write_report(out)
+    print(report)
     return 0
 
 
@@ -141,6 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
     a.add_argument("--device")
     a.set_defaults(fn=cmd_attribute)
+
+    rp = sub.add_parser("reproduce", help="reproduce an experiment of the paper and write its report",
+                        epilog="example: ntpflow reproduce toy --scale small --out results/toy-small",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    rp.add_argument("experiment", help="toy")
+    rp.add_argument("--scale", default="smoke", help="smoke (CI, minutes) | small (~1 h on 2 cores) | paper")
+    rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
+    rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
+    rp.add_argument("--device")
+    rp.set_defaults(fn=cmd_reproduce)
 
     d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table")
     d.add_argument("--out", default="runs/demo")

@@ -1,0 +1,56 @@
+"""The smoke-scale toy reproduction runs end to end and checks its own structure (no paper result asserted)."""
+
+import json
+import math
+
+import pytest
+
+from ntpflow.cli import main
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("toy") / "smoke"
+    assert main(["-q", "reproduce", "toy", "--scale", "smoke", "--out", str(out), "--workers", "2"]) == 0
+    return out
+
+
+def _finite_numbers(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _finite_numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _finite_numbers(v)
+    elif isinstance(obj, float):
+        yield obj
+
+
+def test_smoke_structure(smoke):
+    for name in ("data.json", "summary.json", "report.md", "report.html"):
+        assert (smoke / name).exists(), name
+    for fig in ("probe_majority", "probe_cond_majority", "task_success", "influence_curves", "influence_bars"):
+        assert (smoke / "figures" / f"{fig}.png").exists() and (smoke / "figures" / f"{fig}.svg").exists(), fig
+    data = json.loads((smoke / "data.json").read_text())
+    assert len(data["runs"]) == 8  # 2 tasks x 4 regimes x 1 seed
+    assert all(math.isfinite(x) for x in _finite_numbers(data["influence"]))
+    summary = json.loads((smoke / "summary.json").read_text())
+    assert all(math.isfinite(x) for x in _finite_numbers(summary))
+    claims = summary["claims"]
+    assert len(claims) >= 3
+    assert all(c["verdict"] in ("reproduced", "not reproduced", "inconclusive") and c["measured"] for c in claims)
+    assert 'id="claims"' in (smoke / "report.html").read_text()
+
+
+def test_rerun_reuses_runs_and_regenerates_same_report(smoke):
+    before = {p: p.read_bytes() for p in (smoke / "report.md", smoke / "summary.json", smoke / "report.html")}
+    mtimes = {p: p.stat().st_mtime_ns for p in (smoke / "runs").glob("*/model.safetensors")}
+    assert main(["-q", "reproduce", "toy", "--scale", "smoke", "--out", str(smoke), "--workers", "1"]) == 0
+    for p, content in before.items():
+        assert p.read_bytes() == content, p.name
+    assert {p: p.stat().st_mtime_ns for p in (smoke / "runs").glob("*/model.safetensors")} == mtimes
+
+
+def test_unknown_scale_is_a_clean_error(tmp_path, capsys):
+    assert main(["reproduce", "toy", "--scale", "huge", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown scale" in capsys.readouterr().err
