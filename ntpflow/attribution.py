@@ -122,6 +122,16 @@ def decompose(
     Returns:
         {site: Components}, each gradient a flat vector [n_params] in ``model.parameters()`` order.
     """
+    return decompose_with_vjps(model, tokens, sites, loss_mask, chunk=chunk)[0]
+
+
+def decompose_with_vjps(
+    model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None,
+    extra: Sequence[tuple[Site, torch.Tensor]] = (), *, chunk: int = 64,
+) -> tuple[dict[Site, Components], torch.Tensor]:
+    """``decompose`` plus the VJPs of ``extra`` requests ``[(site, u [batch, d_model])]`` (see ``sites_vjp``) in
+    the model's own regime, sharing its prefix forwards and batched backwards. Returns (components, [n_extra,
+    n_params])."""
     sites = list(dict.fromkeys(sites))
     for s in sites:
         s.check(model.cfg.n_layer, tokens.shape[1])
@@ -132,10 +142,11 @@ def decompose(
     jobs += [(s, "pre_cached") for s in sites if model.myopic == "none" and s.layer < model.cfg.n_layer]
     requests = [(s, c_own[s.layer][:, s.pos] if c == "direct" else c_all[s.layer][:, s.pos] - c_own[s.layer][:, s.pos])
                 for s, c in jobs]
-    vectors = dict(zip(jobs, sites_vjp(model, tokens, requests, chunk=chunk)))
+    vjps = sites_vjp(model, tokens, requests + list(extra), chunk=chunk)
+    vectors = dict(zip(jobs, vjps[:len(jobs)]))
     out = {}
     for s in sites:
         direct = vectors[s, "direct"]
         pre = vectors.get((s, "pre_cached"), torch.zeros_like(full))
         out[s] = Components(direct=direct, pre_cached=pre, shared=full - direct - pre, full=full)
-    return {s: out[s] for s in sites}
+    return out, vjps[len(jobs):]

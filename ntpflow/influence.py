@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attribution import decompose, flat_grads, sites_vjp
+from .attribution import decompose, decompose_with_vjps, flat_grads, sites_vjp
 from .model import GPT
 from .sites import Site
 
@@ -109,23 +109,30 @@ class InfluenceTracker:
         [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks."""
         kind, group = _check_optimizer(opt)
         params = list(model.parameters())
-        lr = group["lr"]
-        comps = decompose(model, tokens, self.sites, loss_mask)
-        g_full = next(iter(comps.values())).full
-        deltas = {"sgd": {s: {c: lr * getattr(v, c) for c in COMPONENTS} for s, v in comps.items()}}
-        if kind == "adam":
-            deltas["adam"] = self._adam_deltas(opt, group, params, comps, g_full)
-
         with torch.no_grad():
             _, frozen = self.final_model(tokens, return_resid=True, myopic="none")
             _, resid = model(tokens, return_resid=True, myopic="none")
         risks = self.risk_cotangents(resid, frozen, feature_types)
+        requests = [(p.site, cot) for p, _, _, cot in risks]
+        if model.myopic == "none":  # the risk gradients share the decomposition's graph
+            comps, grads_r = decompose_with_vjps(model, tokens, self.sites, loss_mask, requests)
+        else:  # R follows the true (non-myopic) sensitivity of the feature
+            comps = decompose(model, tokens, self.sites, loss_mask)
+            grads_r = sites_vjp(model, tokens, requests, myopic="none")
+        g_full = next(iter(comps.values())).full
+        lr = group["lr"]
+        steps = {("sgd", c): {s: lr * getattr(v, c) for s, v in comps.items()} for c in COMPONENTS}
+        if kind == "adam":
+            for c, per_site in self._adam_deltas(opt, group, params, comps, g_full).items():
+                steps["adam", c] = per_site
         rows = [self._row(p, t, "risk", "none", risk) for p, t, risk, _ in risks]
-        grads_r = sites_vjp(model, tokens, [(p.site, cot.detach()) for p, _, _, cot in risks], myopic="none")
-        for (p, t, _, _), g_r in zip(risks, grads_r):
-            for opt_name, per_site in deltas.items():
-                for c, delta in per_site[p.site].items():
-                    rows.append(self._row(p, t, c, opt_name, torch.dot(g_r, delta).item()))
+        keys = list(steps)
+        for site in self.sites:
+            idx = [n for n, (p, *_) in enumerate(risks) if p.site == site]
+            values = (grads_r[idx] @ torch.stack([steps[k][site] for k in keys]).T).tolist()  # [n_risks, n_keys]
+            for n, vals in zip(idx, values):
+                p, t = risks[n][0], risks[n][1]
+                rows += [self._row(p, t, c, o, v) for (o, c), v in zip(keys, vals)]
         self.step += 1
         return rows
 
@@ -144,11 +151,12 @@ class InfluenceTracker:
             return self.moments[key]
 
         step_full = scale * update("full", g_full)
-        out = {}
+        out: dict[str, dict[Site, torch.Tensor]] = {c: {} for c in COMPONENTS}
         for s, c in comps.items():
             d_dir = scale * update(f"{s.layer}:{s.pos}:direct", c.direct)
             d_pre = scale * update(f"{s.layer}:{s.pos}:pre_cached", c.pre_cached)
-            out[s] = {"direct": d_dir, "pre_cached": d_pre, "shared": step_full - d_dir - d_pre, "full": step_full}
+            for name, v in zip(COMPONENTS, (d_dir, d_pre, step_full - d_dir - d_pre, step_full)):
+                out[name][s] = v
         return out
 
     def _row(self, p: Probe, t: int, component: str, optimizer: str, value: float) -> dict:

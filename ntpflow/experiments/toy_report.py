@@ -571,7 +571,7 @@ def _fig_probe(summary, task, figdir) -> bytes | None:
                 color = _color("regime", rg, summary["regimes"])
                 _band(ax, xs, sel, color)
                 ax.plot(xs, [r["mean"] for r in sel], marker="o", ms=3, lw=1.6, color=color, label=rg)
-            ax.set_title(f"layer {layer}" + (" (embeddings)" if layer == 0 else f" (after block {layer})"))
+            ax.set_title(f"resid[{layer}]" + (" (embeddings)" if layer == 0 else f" (output of blocks.{layer - 1})"))
             ax.set_xlabel("position t (token index; inputs 1–10)")
             positions = summary["probe_positions"].get(task) or [r["pos"] for r in rows]
             ax.set_xlim(min(positions) - 0.6, max(positions) + 0.6)
