@@ -12,7 +12,7 @@ with L = Σ_j L_j the training loss (``lm_loss``: mean over counted positions of
 How it is computed: ∇L − ∇L^{sg(k,i)} = (∂r^k_i/∂θ)ᵀ ∂L/∂r^k_i, a vector–Jacobian product of the site's residual.
 The cotangents of every site come from two backward passes: the ordinary one gives ∂L/∂r^k, and a myopic
 (``"kv"``) one gives ∂L_i/∂r^k_i for every position i at once, because under myopic attention no later loss
-reaches r^k_i. The VJPs run on the shortest prefix that determines each site, batched per (position, layer).
+reaches r^k_i. Each site's VJPs run on the smallest graph that determines it (``GPT.resid_last``).
 """
 
 from collections.abc import Sequence
@@ -49,40 +49,28 @@ def flat_grads(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tens
 
 
 def site_vjp(resid: torch.Tensor, params: Sequence[torch.Tensor], cotangents: torch.Tensor) -> torch.Tensor:
-    """Batched VJP of one residual layer: cotangents [n, batch, pos, d_model] -> [n, n_params].
-
-    Needs the graph of ``resid`` (use ``retain_graph``); falls back to a loop if the batched backward fails.
-    """
-    try:
-        grads = torch.autograd.grad(resid, params, grad_outputs=cotangents, is_grads_batched=True,
-                                    retain_graph=True, allow_unused=True)
-        return flat_grads(grads, params, batch=len(cotangents))
-    except RuntimeError:  # an op without a batching rule
-        rows = [flat_grads(torch.autograd.grad(resid, params, grad_outputs=c, retain_graph=True, allow_unused=True),
-                           params) for c in cotangents]
-        return torch.stack(rows)
+    """VJPs of a residual tensor in the graph: cotangents [n, *resid.shape] -> [n, n_params]."""
+    # one ordinary backward per cotangent: on CPU this beats a vmap-batched backward (copies dominate there)
+    rows = [flat_grads(torch.autograd.grad(resid, params, grad_outputs=c, retain_graph=True, allow_unused=True),
+                       params) for c in cotangents]
+    return torch.stack(rows)
 
 
 def sites_vjp(model: GPT, tokens: torch.Tensor, requests: Sequence[tuple[Site, torch.Tensor]],
-              myopic: str | None = None, chunk: int = 64) -> torch.Tensor:
+              myopic: str | None = None) -> torch.Tensor:
     """VJPs (∂r^k_i/∂θ)ᵀ u for requests ``[(Site(k, i), u [batch, d_model]), ...]`` -> [n_requests, n_params].
 
-    r^k_i depends only on tokens 0..i, so the requests at position i run on the prefix ``tokens[:, :i+1]``
-    (one forward per position, in the model's regime or ``myopic``); those of one layer share a batched backward.
+    r^k_i depends only on tokens 0..i, and its last block only through query i: each site runs
+    ``model.resid_last`` on the prefix ``tokens[:, :i+1]`` (in the model's regime or ``myopic``), and all the
+    requests of one site share that graph.
     """
     params = list(model.parameters())
     out: list[torch.Tensor | None] = [None] * len(requests)
-    for pos in sorted({s.pos for s, _ in requests}):
-        _, resid = model(tokens[:, :pos + 1], return_resid=True, myopic=myopic)
-        for k in sorted({s.layer for s, _ in requests if s.pos == pos}):
-            idx = [n for n, (s, _) in enumerate(requests) if s == Site(k, pos)]
-            for start in range(0, len(idx), chunk):
-                part = idx[start:start + chunk]
-                cot = resid[k].new_zeros((len(part),) + tuple(resid[k].shape))
-                for row, n in enumerate(part):
-                    cot[row, :, pos] = requests[n][1]
-                for n, v in zip(part, site_vjp(resid[k], params, cot)):
-                    out[n] = v
+    for site in sorted({s for s, _ in requests}):
+        r = model.resid_last(tokens[:, :site.pos + 1], site.layer, myopic=myopic)  # [batch, d_model]
+        idx = [n for n, (s, _) in enumerate(requests) if s == site]
+        for n, v in zip(idx, site_vjp(r, params, torch.stack([requests[n][1] for n in idx]))):
+            out[n] = v
     return torch.stack(out) if out else tokens.new_zeros((0, sum(p.numel() for p in params)), dtype=torch.float)
 
 
@@ -110,7 +98,6 @@ def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor |
 
 def decompose(
     model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None,
-    *, chunk: int = 64,
 ) -> dict[Site, Components]:
     """Split the training gradient at each site into direct, pre-cached and shared parts (module docstring).
 
@@ -118,20 +105,9 @@ def decompose(
         model: a GPT in any regime (vanilla, myopic, untied, split). Its ``.grad`` fields are not touched.
         tokens: [batch, pos]; loss_mask: bool [batch, pos] or None (see ``per_position_loss``).
         sites: residual sites ⟨layer, pos⟩, layer in 0..n_layer.
-        chunk: at most this many VJPs per batched backward (bounds memory at chunk × n_params).
     Returns:
         {site: Components}, each gradient a flat vector [n_params] in ``model.parameters()`` order.
     """
-    return decompose_with_vjps(model, tokens, sites, loss_mask, chunk=chunk)[0]
-
-
-def decompose_with_vjps(
-    model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None,
-    extra: Sequence[tuple[Site, torch.Tensor]] = (), *, chunk: int = 64,
-) -> tuple[dict[Site, Components], torch.Tensor]:
-    """``decompose`` plus the VJPs of ``extra`` requests ``[(site, u [batch, d_model])]`` (see ``sites_vjp``) in
-    the model's own regime, sharing its prefix forwards and batched backwards. Returns (components, [n_extra,
-    n_params])."""
     sites = list(dict.fromkeys(sites))
     for s in sites:
         s.check(model.cfg.n_layer, tokens.shape[1])
@@ -142,11 +118,10 @@ def decompose_with_vjps(
     jobs += [(s, "pre_cached") for s in sites if model.myopic == "none" and s.layer < model.cfg.n_layer]
     requests = [(s, c_own[s.layer][:, s.pos] if c == "direct" else c_all[s.layer][:, s.pos] - c_own[s.layer][:, s.pos])
                 for s, c in jobs]
-    vjps = sites_vjp(model, tokens, requests + list(extra), chunk=chunk)
-    vectors = dict(zip(jobs, vjps[:len(jobs)]))
+    vectors = dict(zip(jobs, sites_vjp(model, tokens, requests)))
     out = {}
     for s in sites:
         direct = vectors[s, "direct"]
         pre = vectors.get((s, "pre_cached"), torch.zeros_like(full))
         out[s] = Components(direct=direct, pre_cached=pre, shared=full - direct - pre, full=full)
-    return out, vjps[len(jobs):]
+    return out

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attribution import decompose, decompose_with_vjps, flat_grads, sites_vjp
+from .attribution import decompose, flat_grads, sites_vjp
 from .model import GPT
 from .sites import Site
 
@@ -113,12 +113,7 @@ class InfluenceTracker:
             _, frozen = self.final_model(tokens, return_resid=True, myopic="none")
             _, resid = model(tokens, return_resid=True, myopic="none")
         risks = self.risk_cotangents(resid, frozen, feature_types)
-        requests = [(p.site, cot) for p, _, _, cot in risks]
-        if model.myopic == "none":  # the risk gradients share the decomposition's graph
-            comps, grads_r = decompose_with_vjps(model, tokens, self.sites, loss_mask, requests)
-        else:  # R follows the true (non-myopic) sensitivity of the feature
-            comps = decompose(model, tokens, self.sites, loss_mask)
-            grads_r = sites_vjp(model, tokens, requests, myopic="none")
+        comps = decompose(model, tokens, self.sites, loss_mask)
         g_full = next(iter(comps.values())).full
         lr = group["lr"]
         steps = {("sgd", c): {s: lr * getattr(v, c) for s, v in comps.items()} for c in COMPONENTS}
@@ -129,7 +124,9 @@ class InfluenceTracker:
         keys = list(steps)
         for site in self.sites:
             idx = [n for n, (p, *_) in enumerate(risks) if p.site == site]
-            values = (grads_r[idx] @ torch.stack([steps[k][site] for k in keys]).T).tolist()  # [n_risks, n_keys]
+            # ∇R of this site's risks, in the true (non-myopic) graph; one site at a time bounds memory
+            grads_r = sites_vjp(model, tokens, [(site, risks[n][3]) for n in idx], myopic="none")
+            values = (grads_r @ torch.stack([steps[k][site] for k in keys]).T).tolist()  # [n_risks, n_keys]
             for n, vals in zip(idx, values):
                 p, t = risks[n][0], risks[n][1]
                 rows += [self._row(p, t, c, o, v) for (o, c), v in zip(keys, vals)]

@@ -147,12 +147,19 @@ class Attention(nn.Module):
         b, t, _ = qkv.shape  # -> 3 tensors [batch, pos, head, d_head]
         return [z.reshape(b, t, self.n_head, -1) for z in qkv.chunk(3, dim=-1)]
 
-    def forward(self, x: torch.Tensor, x_in: torch.Tensor, groups, myopic: str) -> torch.Tensor:
-        """x = ln1(resid) [batch, pos, d_model]; x_in = the stop-gradient input for ``myopic="resid"``."""
+    def forward(self, x: torch.Tensor, x_in: torch.Tensor, groups, myopic: str, last_only: bool = False):
+        """x = ln1(resid) [batch, pos, d_model]; x_in = the stop-gradient input for ``myopic="resid"``.
+
+        ``last_only``: compute the output of the last query position only -> [batch, 1, d_model].
+        """
         q, k, v = (h(z) for h, z in zip((self.hook_q, self.hook_k, self.hook_v), self._heads(self.c_attn(x, groups))))
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [batch, head, pos, d_head]
+        q_groups = groups
+        if last_only:
+            q = q[:, :, -1:]
+            q_groups = None if groups is None else groups[-1:]
         if myopic == "none" and not self.hook_pattern.active:
-            z = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            z = F.scaled_dot_product_attention(q, k, v, is_causal=not last_only)
         else:
             if myopic == "kv":
                 k_off, v_off = k.detach(), v.detach()
@@ -162,25 +169,27 @@ class Attention(nn.Module):
                 k_off, v_off = k, v
             z = _attend(q, k, v, k_off, v_off, self.hook_pattern)
         z = self.hook_z(z.transpose(1, 2))  # [batch, pos, head, d_head]
-        return self.c_proj(z.flatten(2), groups)
+        return self.c_proj(z.flatten(2), q_groups)
 
 
 def _attend(q, k, v, k_off, v_off, hook_pattern: HookPoint) -> torch.Tensor:
     """Causal attention where query t uses (k, v) at s == t and (k_off, v_off) at s != t.
 
-    Value-identical to ordinary attention when k_off, v_off equal k, v in value. All [batch, head, pos, d_head].
+    Value-identical to ordinary attention when k_off, v_off equal k, v in value. q [batch, head, q_pos, d_head] holds
+    the last q_pos positions of k, v, k_off, v_off [batch, head, pos, d_head].
     """
-    t = q.shape[-2]
-    eye = torch.eye(t, dtype=torch.bool, device=q.device)
-    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    tq, tk = q.shape[-2], k.shape[-2]
+    offset = tk - tq
+    qpos = torch.arange(offset, tk, device=q.device)[:, None]
+    kpos = torch.arange(tk, device=q.device)[None, :]
     scores = q @ k_off.transpose(-1, -2)
     if k_off is not k:
-        scores = torch.where(eye, (q * k).sum(-1, keepdim=True), scores)
-    scores = (scores / math.sqrt(q.shape[-1])).masked_fill(~causal, float("-inf"))
+        scores = torch.where(qpos == kpos, (q * k[:, :, offset:]).sum(-1, keepdim=True), scores)
+    scores = (scores / math.sqrt(q.shape[-1])).masked_fill(kpos > qpos, float("-inf"))
     pattern = hook_pattern(scores.softmax(-1))
     out = pattern @ v_off
     if v_off is not v:
-        out = out + pattern.diagonal(dim1=-2, dim2=-1).unsqueeze(-1) * (v - v_off)
+        out = out + pattern.diagonal(offset, dim1=-2, dim2=-1).unsqueeze(-1) * (v - v_off)[:, :, offset:]
     return out
 
 
@@ -205,11 +214,15 @@ class Block(nn.Module):
         self.hook_resid_pre, self.hook_resid_mid, self.hook_resid_post = HookPoint(), HookPoint(), HookPoint()
         self.hook_attn_out, self.hook_mlp_out = HookPoint(), HookPoint()
 
-    def forward(self, resid, groups, myopic: str):
+    def forward(self, resid, groups, myopic: str, last_only: bool = False):
+        """resid [batch, pos, d_model] -> [batch, pos, d_model], or [batch, 1, d_model] for the last position only."""
         resid = self.hook_resid_pre(resid)
         x = self.ln1(resid, groups)
         x_in = self.ln1.normalize(resid.detach(), groups) if myopic == "resid" else x
-        resid = self.hook_resid_mid(resid + self.hook_attn_out(self.attn(x, x_in, groups, myopic)))
+        attn = self.attn(x, x_in, groups, myopic, last_only)
+        if last_only:
+            resid, groups = resid[:, -1:], None if groups is None else groups[-1:]
+        resid = self.hook_resid_mid(resid + self.hook_attn_out(attn))
         return self.hook_resid_post(resid + self.hook_mlp_out(self.mlp(self.ln2(resid, groups), groups)))
 
 
@@ -280,12 +293,7 @@ class GPT(nn.Module):
             raise ValueError(f"unknown myopic mode {mode!r}; choose one of {MYOPIC_MODES}")
         stops = _stop_masks(stop_grad_at, cfg.n_layer, t, tokens.device)
         groups = self._groups(t)
-        pos = torch.arange(t, device=tokens.device)
-        if groups is None:
-            tok, pe = F.embedding(tokens, self.wte[0]), self.wpe[0, :t]
-        else:
-            tok, pe = self.wte[groups.unsqueeze(0), tokens], self.wpe[groups, pos]
-        resid = self.hook_embed(tok) + self.hook_pos_embed(pe)
+        resid = self._embed(tokens, groups)
         resids = []
         for k in range(cfg.n_layer + 1):
             if k in stops:
@@ -299,6 +307,29 @@ class GPT(nn.Module):
         else:
             logits = torch.bmm(x.transpose(0, 1), self.wte[groups].transpose(1, 2)).transpose(0, 1)
         return (logits, resids) if return_resid else logits
+
+    def _embed(self, tokens: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        """tokens [batch, pos] -> resid[0] = token + position embedding [batch, pos, d_model]."""
+        t = tokens.shape[1]
+        if groups is None:
+            tok, pe = F.embedding(tokens, self.wte[0]), self.wpe[0, :t]
+        else:
+            tok, pe = self.wte[groups.unsqueeze(0), tokens], self.wpe[groups, torch.arange(t, device=tokens.device)]
+        return self.hook_embed(tok) + self.hook_pos_embed(pe)
+
+    def resid_last(self, tokens: torch.Tensor, layer: int, *, myopic: Myopic | None = None) -> torch.Tensor:
+        """``resid[layer]`` at the last position of ``tokens`` [batch, pos] -> [batch, d_model], in the graph.
+
+        Computes only what that residual depends on: the last block runs for the last query position alone.
+        """
+        if not 0 <= layer <= self.cfg.n_layer:
+            raise ValueError(f"layer {layer} out of range 0..{self.cfg.n_layer}")
+        mode = self.cfg.myopic if myopic is None else myopic
+        groups = self._groups(tokens.shape[1])
+        resid = self._embed(tokens, groups)
+        for k in range(layer):
+            resid = self.blocks[k](resid, groups, mode, last_only=k == layer - 1)
+        return resid[:, -1]
 
     def run_with_resid(self, tokens: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(logits [batch, pos, vocab], resid list of n_layer+1 [batch, pos, d_model]), residuals in the graph."""

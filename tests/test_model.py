@@ -213,3 +213,24 @@ def test_bad_forward_inputs(tokens):
         model(tokens, stop_grad_at=[Site(0, T)])
     with pytest.raises(ValueError, match="n_ctx"):
         model(torch.zeros(1, T + 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}, {"myopic": "resid"}, {"position_groups": "untied"},
+                                {"position_groups": split_groups(T, 3), "myopic": "resid"}])
+def test_resid_last_matches_full_forward(tokens, kw):
+    """resid_last (last block for the last query only) equals resid[k] of the full forward, value and gradient."""
+    model = tiny(**kw)
+    params = list(model.parameters())
+    for k in range(model.cfg.n_layer + 1):
+        for p in (0, 3, T - 1):
+            _, resid = model.run_with_resid(tokens[:, :p + 1])
+            last = model.resid_last(tokens[:, :p + 1], k)
+            torch.testing.assert_close(last, resid[k][:, p], rtol=0, atol=1e-12)
+            u = torch.randn_like(last)
+            g_full = torch.autograd.grad((resid[k][:, p] * u).sum(), params, allow_unused=True)
+            g_last = torch.autograd.grad((last * u).sum(), params, allow_unused=True)
+            for a, b in zip(g_full, g_last):
+                if a is None or b is None:
+                    assert (a is None or not a.any()) and (b is None or not b.any())
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
