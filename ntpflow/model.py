@@ -110,8 +110,8 @@ class GroupedLinear(nn.Module):
         if groups is None:
             return F.linear(x, self.weight[0], self.bias[0])
         w = self.weight[groups]  # [pos, d_out, d_in]
-        y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
-        return y + self.bias[groups]
+        y = torch.baddbmm(self.bias[groups].unsqueeze(1), x.transpose(0, 1), w.transpose(1, 2))  # [pos, batch, out]
+        return y.transpose(0, 1)
 
 
 class GroupedLayerNorm(nn.Module):
