@@ -1,4 +1,6 @@
-"""Command line: ``ntpflow {train,probe,attribute,reproduce,demo} ...``. Parses input, builds configs, calls library functions."""
+"""Command line: ``ntpflow {train,probe,attribute,reproduce,demo} ...``.
+
+Parses input, builds configs, calls library functions."""
 
 import argparse
 import logging

@@ -20,26 +20,10 @@ import torch
 from tqdm.auto import tqdm
 
 from .influence import InfluenceTracker, Probe
-from .io import (
-    ensure_writable_dir,
-    load_tensors,
-    read_json,
-    resolve_device,
-    save_tensors,
-    write_json,
-)
+from .io import ensure_writable_dir, load_tensors, read_json, resolve_device, write_json
 from .probe_runs import load_or_probe
 from .sites import Site
-from .training import (
-    DataOrder,
-    Run,
-    _adam_state,
-    _load_adam_state,
-    make_datasets,
-    make_optimizer,
-    to_torch,
-    train_step,
-)
+from .training import DataOrder, Run, load_state, make_datasets, make_optimizer, save_state, to_torch, train_step
 
 log = logging.getLogger(__name__)
 KEY = ("layer", "pos", "feature", "feature_type", "component", "optimizer")
@@ -104,8 +88,7 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     model = run.load_model("init", dev).train()
     opt = make_optimizer(model, cfg)
     tracker = InfluenceTracker(run.load_model("final", dev), [Probe(p.site, p.name, p.w.to(dev)) for p in probes])
-    names = [n for n, _ in model.named_parameters()]
-    start, cums = _resume(out, model, opt, tracker, names, dev)
+    start, cums = _resume(out, model, opt, tracker, dev)
     block = block or cfg.ckpt_every
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
     rows: list[dict] = []
@@ -122,17 +105,14 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
         if (step + 1) % block == 0 or step + 1 == cfg.steps:
             _write_part(out / "parts" / f"part_{step + 1 - len({r['step'] for r in rows}):06d}.parquet", rows)
             rows = []
-            adam, adam_step = _adam_state(opt, names)
-            save_tensors(out / "state.safetensors",
-                         {f"model.{k}": v for k, v in model.state_dict().items()} | adam
-                         | {f"tracker.{k}": v for k, v in tracker.state_dict().items()},
-                         {"step": step + 1, "adam_step": adam_step})
+            save_state(out / "state.safetensors", model, opt, {"step": step + 1},
+                       {f"tracker.{k}": v for k, v in tracker.state_dict().items()})
     _check_replay(run, model)
     _finish(out, run, probes, tracker, eval_set, dev)
     return out
 
 
-def _resume(out: Path, model, opt, tracker, names, dev):
+def _resume(out: Path, model, opt, tracker, dev):
     cums: dict[tuple, float] = defaultdict(float)
     if not (out / "state.json").exists():
         for p in (out / "parts").glob("part_*.parquet"):
@@ -140,11 +120,8 @@ def _resume(out: Path, model, opt, tracker, names, dev):
         return 0, cums
     import pyarrow.parquet as pq
 
-    meta = read_json(out / "state.json")
+    meta, state = load_state(out / "state.safetensors", model, opt, dev)
     start = meta["step"]
-    state = load_tensors(out / "state.safetensors", dev)
-    model.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
-    _load_adam_state(opt, names, state, meta["adam_step"])
     tracker.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("tracker.")})
     for p in sorted((out / "parts").glob("part_*.parquet")):
         if int(p.stem.split("_")[1]) >= start:

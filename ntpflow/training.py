@@ -97,25 +97,32 @@ def evaluate(model: GPT, data: dict[str, torch.Tensor], task: Task, chunk: int =
     return {"eval_loss": loss_sum / n, "legal_acc": legal_hits / n, "first_acc": first_hits / n}
 
 
-def _adam_state(opt: torch.optim.Adam, names: list[str]) -> tuple[dict[str, torch.Tensor], int]:
-    tensors, step = {}, 0
-    for name, p in zip(names, opt.param_groups[0]["params"]):
+def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,
+               extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Save model and Adam state (and ``extra`` tensors) to ``path`` with a JSON sidecar holding ``meta``."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | (extra or {})
+    adam_step = 0
+    for name, p in zip([n for n, _ in model.named_parameters()], opt.param_groups[0]["params"]):
         st = opt.state.get(p)
         if st:
-            tensors[f"adam.exp_avg.{name}"] = st["exp_avg"]
-            tensors[f"adam.exp_avg_sq.{name}"] = st["exp_avg_sq"]
-            step = int(st["step"])
-    return tensors, step
+            tensors[f"adam.exp_avg.{name}"], tensors[f"adam.exp_avg_sq.{name}"] = st["exp_avg"], st["exp_avg_sq"]
+            adam_step = int(st["step"])
+    save_tensors(path, tensors, {**meta, "adam_step": adam_step})
 
 
-def _load_adam_state(opt: torch.optim.Adam, names: list[str], tensors: dict, step: int):
-    if step == 0:
-        return
-    sd = opt.state_dict()
-    sd["state"] = {i: {"step": torch.tensor(float(step)),
-                       "exp_avg": tensors[f"adam.exp_avg.{name}"],
-                       "exp_avg_sq": tensors[f"adam.exp_avg_sq.{name}"]} for i, name in enumerate(names)}
-    opt.load_state_dict(sd)
+def load_state(path: Path, model: GPT, opt: torch.optim.Adam, device) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Restore what ``save_state`` wrote into ``model`` and ``opt``; returns (meta, all tensors)."""
+    tensors = load_tensors(path, device)
+    meta = read_json(path.with_suffix(".json"))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+    if meta["adam_step"]:
+        sd = opt.state_dict()
+        names = [n for n, _ in model.named_parameters()]
+        sd["state"] = {i: {"step": torch.tensor(float(meta["adam_step"])),
+                           "exp_avg": tensors[f"adam.exp_avg.{n}"],
+                           "exp_avg_sq": tensors[f"adam.exp_avg_sq.{n}"]} for i, n in enumerate(names)}
+        opt.load_state_dict(sd)
+    return meta, tensors
 
 
 @dataclass
@@ -208,7 +215,6 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Ru
     train_set, eval_set = make_datasets(cfg, task)
     train_data, eval_data = to_torch(train_set, device), to_torch(eval_set, device)
     model = GPT(model_config(cfg, task), seed=cfg.seed)
-    names = [n for n, _ in model.named_parameters()]
     if not (run_dir / "init.json").exists():
         save_tensors(run_dir / "init.safetensors", {f"model.{k}": v for k, v in model.state_dict().items()},
                      {"step": 0, "config_hash": cfg.hash()})
@@ -217,9 +223,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Ru
     start = 0
     if run.checkpoints():
         start = run.checkpoints()[-1]
-        tensors = load_tensors(run_dir / "ckpt" / f"step_{start:06d}.safetensors", device)
-        model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
-        _load_adam_state(opt, names, tensors, read_json(run_dir / "ckpt" / f"step_{start:06d}.json")["adam_step"])
+        load_state(run_dir / "ckpt" / f"step_{start:06d}.safetensors", model, opt, device)
         log.info("resuming %s from step %d", run_dir, start)
     _truncate_metrics(run_dir / "metrics.jsonl", start)
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
@@ -237,14 +241,13 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Ru
                 bar.set_postfix(loss=f"{loss.item():.4f}")
             if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
                 metrics_file.flush()
-                _save_checkpoint(run_dir, model, opt, names, step + 1, cfg)
+                save_state(run_dir / "ckpt" / f"step_{step + 1:06d}.safetensors", model, opt,
+                           {"step": step + 1, "config_hash": cfg.hash()})
         final = evaluate(model, eval_data, task)
         _log(metrics_file, {"step": cfg.steps, "kind": "eval", **final})
     finally:
         metrics_file.close()
-    adam, adam_step = _adam_state(opt, names)
-    save_tensors(run_dir / "model.safetensors", {f"model.{k}": v for k, v in model.state_dict().items()} | adam,
-                 {"step": cfg.steps, "adam_step": adam_step, "config_hash": cfg.hash()})
+    save_state(run_dir / "model.safetensors", model, opt, {"step": cfg.steps, "config_hash": cfg.hash()})
     write_json(run_dir / "DONE", {"step": cfg.steps, **final})
     return run
 
@@ -263,13 +266,6 @@ def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Adam:
     fused = next(model.parameters()).device.type in ("cpu", "cuda")
     return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                             fused=fused)
-
-
-def _save_checkpoint(run_dir: Path, model: GPT, opt, names, step: int, cfg: TrainConfig):
-    adam, adam_step = _adam_state(opt, names)
-    save_tensors(run_dir / "ckpt" / f"step_{step:06d}.safetensors",
-                 {f"model.{k}": v for k, v in model.state_dict().items()} | adam,
-                 {"step": step, "adam_step": adam_step, "config_hash": cfg.hash()})
 
 
 def _log(f, record: dict):
