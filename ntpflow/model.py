@@ -21,6 +21,7 @@ from .hooks import HookPoint, name_hook_points
 from .sites import Site
 
 Myopic = Literal["none", "kv", "resid"]
+Groups = None | slice | torch.Tensor  # per-position group index, see GPT._groups
 MYOPIC_MODES = ("none", "kv", "resid")
 
 
@@ -105,8 +106,8 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(n_groups, d_out, d_in))
         self.bias = nn.Parameter(torch.zeros(n_groups, d_out))
 
-    def forward(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
-        """x [batch, pos, d_in], groups [pos] or None (single group) -> [batch, pos, d_out]."""
+    def forward(self, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
+        """x [batch, pos, d_in], groups: None (single group), a slice or an index [pos] -> [batch, pos, d_out]."""
         if groups is None:
             return F.linear(x, self.weight[0], self.bias[0])
         w = self.weight[groups]  # [pos, d_out, d_in]
@@ -157,7 +158,7 @@ class Attention(nn.Module):
         q_groups = groups
         if last_only:
             q = q[:, :, -1:]
-            q_groups = None if groups is None else groups[-1:]
+            q_groups = _last(groups)
         if myopic == "none" and not self.hook_pattern.active:
             z = F.scaled_dot_product_attention(q, k, v, is_causal=not last_only)
         else:
@@ -221,7 +222,7 @@ class Block(nn.Module):
         x_in = self.ln1.normalize(resid.detach(), groups) if myopic == "resid" else x
         attn = self.attn(x, x_in, groups, myopic, last_only)
         if last_only:
-            resid, groups = resid[:, -1:], None if groups is None else groups[-1:]
+            resid, groups = resid[:, -1:], _last(groups)
         resid = self.hook_resid_mid(resid + self.hook_attn_out(attn))
         return self.hook_resid_post(resid + self.hook_mlp_out(self.mlp(self.ln2(resid, groups), groups)))
 
@@ -264,8 +265,14 @@ class GPT(nn.Module):
             one = torch.randn(p.shape[1:], generator=gen) * std
             p.copy_(one.expand_as(p))
 
-    def _groups(self, t: int) -> torch.Tensor | None:
-        return None if self.cfg.n_groups == 1 else self.groups[:t]
+    def _groups(self, t: int) -> Groups:
+        """Group index of positions 0..t-1: None (one group), a slice (one group per position: parameters are
+        sliced, not gathered) or a tensor [t]."""
+        if self.cfg.n_groups == 1:
+            return None
+        if self.cfg.groups == tuple(range(self.cfg.n_ctx)):
+            return slice(0, t)
+        return self.groups[:t]
 
     def forward(
         self,
@@ -314,7 +321,9 @@ class GPT(nn.Module):
         if groups is None:
             tok, pe = F.embedding(tokens, self.wte[0]), self.wpe[0, :t]
         else:
-            tok, pe = self.wte[groups.unsqueeze(0), tokens], self.wpe[groups, torch.arange(t, device=tokens.device)]
+            pos = torch.arange(t, device=tokens.device)
+            g = pos if isinstance(groups, slice) else groups
+            tok, pe = self.wte[g.unsqueeze(0), tokens], self.wpe[g, pos]
         return self.hook_embed(tok) + self.hook_pos_embed(pe)
 
     def resid_last(self, tokens: torch.Tensor, layer: int, *, myopic: Myopic | None = None) -> torch.Tensor:
@@ -348,6 +357,15 @@ class GPT(nn.Module):
         from .hf import gpt_from_hf
 
         return gpt_from_hf(cls, hf_model, **overrides)
+
+
+def _last(groups: Groups) -> Groups:
+    """The group index of the last position only."""
+    if groups is None:
+        return None
+    if isinstance(groups, slice):
+        return slice(groups.stop - 1, groups.stop)
+    return groups[-1:]
 
 
 def _stop_masks(sites: Sequence[Site], n_layer: int, t: int, device) -> dict[int, torch.Tensor]:
