@@ -116,45 +116,47 @@ class InfluenceTracker:
         comps = decompose(model, tokens, self.sites, loss_mask)
         g_full = next(iter(comps.values())).full
         lr = group["lr"]
-        steps = {("sgd", c): {s: lr * getattr(v, c) for s, v in comps.items()} for c in COMPONENTS}
+        keys = [("sgd", c) for c in COMPONENTS]
         if kind == "adam":
-            for c, per_site in self._adam_deltas(opt, group, params, comps, g_full).items():
-                steps["adam", c] = per_site
+            keys += [("adam", c) for c in COMPONENTS]
+            scale, step_full = self._adam_scale(opt, group, params, g_full)
         rows = [self._row(p, t, "risk", "none", risk) for p, t, risk, _ in risks]
-        keys = list(steps)
-        for site in self.sites:
+        for site in self.sites:  # one site at a time bounds memory
+            c = comps[site]
+            deltas = [lr * c.direct, lr * c.pre_cached, lr * c.shared, lr * c.full]
+            if kind == "adam":
+                d_dir = scale * self._moment(f"{site.layer}:{site.pos}:direct", c.direct, group)
+                d_pre = scale * self._moment(f"{site.layer}:{site.pos}:pre_cached", c.pre_cached, group)
+                deltas += [d_dir, d_pre, step_full - d_dir - d_pre, step_full]
             idx = [n for n, (p, *_) in enumerate(risks) if p.site == site]
-            # ∇R of this site's risks, in the true (non-myopic) graph; one site at a time bounds memory
+            # ∇R of this site's risks, in the true (non-myopic) graph
             grads_r = sites_vjp(model, tokens, [(site, risks[n][3]) for n in idx], myopic="none")
-            values = (grads_r @ torch.stack([steps[k][site] for k in keys]).T).tolist()  # [n_risks, n_keys]
+            values = (grads_r @ torch.stack(deltas).T).tolist()  # [n_risks, n_keys]
             for n, vals in zip(idx, values):
                 p, t = risks[n][0], risks[n][1]
-                rows += [self._row(p, t, c, o, v) for (o, c), v in zip(keys, vals)]
+                rows += [self._row(p, t, comp, o, v) for (o, comp), v in zip(keys, vals)]
         self.step += 1
         return rows
 
-    def _adam_deltas(self, opt, group, params, comps, g_full):
+    def _moment(self, key: str, g: torch.Tensor, group: dict) -> torch.Tensor:
+        """Update and return the first moment ``key``: m ← β1·m + (1−β1)·g (zero-initialised)."""
+        beta1 = group["betas"][0]
+        m = self.moments.get(key)
+        self.moments[key] = (1 - beta1) * g if m is None else beta1 * m + (1 - beta1) * g
+        return self.moments[key]
+
+    def _adam_scale(self, opt, group, params, g_full):
+        """(per-parameter step scale lr/(1−β1^t)/(sqrt(v̂)+eps) [n_params], the real Adam step [n_params]).
+
+        v is the optimizer's second moment updated with this step's gradient, shared by every component.
+        """
         beta1, beta2 = group["betas"]
-        eps, lr = group["eps"], group["lr"]
         states = [opt.state.get(p, {}) for p in params]
         t = int(states[0]["step"]) + 1 if states[0] else 1
         v_prev = flat_grads([s.get("exp_avg_sq") for s in states], params)
         v = beta2 * v_prev + (1 - beta2) * g_full * g_full
-        scale = lr / (1 - beta1**t) / ((v / (1 - beta2**t)).sqrt() + eps)
-
-        def update(key, g):
-            m = self.moments.get(key)
-            self.moments[key] = (1 - beta1) * g if m is None else beta1 * m + (1 - beta1) * g
-            return self.moments[key]
-
-        step_full = scale * update("full", g_full)
-        out: dict[str, dict[Site, torch.Tensor]] = {c: {} for c in COMPONENTS}
-        for s, c in comps.items():
-            d_dir = scale * update(f"{s.layer}:{s.pos}:direct", c.direct)
-            d_pre = scale * update(f"{s.layer}:{s.pos}:pre_cached", c.pre_cached)
-            for name, v in zip(COMPONENTS, (d_dir, d_pre, step_full - d_dir - d_pre, step_full)):
-                out[name][s] = v
-        return out
+        scale = group["lr"] / (1 - beta1**t) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
+        return scale, scale * self._moment("full", g_full, group)
 
     def _row(self, p: Probe, t: int, component: str, optimizer: str, value: float) -> dict:
         return {"step": self.step, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,
