@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         args.quiet = True
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, PermissionError, OSError, KeyError, RuntimeError) as e:
+    except (ValueError, FileNotFoundError, PermissionError, OSError, RuntimeError) as e:
         msg = str(e).strip("'\"").splitlines()[0] if str(e) else type(e).__name__
         print(f"ntpflow: error: {msg}", file=sys.stderr)
         return 2
