@@ -284,7 +284,7 @@ class ProbeSet:
             try:
                 return self.feature_names.index(feature)
             except ValueError:
-                raise KeyError(f"unknown feature {feature!r}; have {self.feature_names}") from None
+                raise ValueError(f"unknown feature {feature!r}; have {self.feature_names}") from None
         F = len(self.feature_names)
         if not -F <= int(feature) < F:
             raise IndexError(f"feature index {feature} out of range for F={F}")
