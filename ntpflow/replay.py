@@ -92,6 +92,7 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     block = block or cfg.ckpt_every
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
     rows: list[dict] = []
+    block_start = start
     for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
                      desc=f"attribute {run.dir.name}", leave=False):
         i = order(step).to(dev)
@@ -103,8 +104,8 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
             rows.append(r)
         train_step(model, opt, tokens, mask)
         if (step + 1) % block == 0 or step + 1 == cfg.steps:
-            _write_part(out / "parts" / f"part_{step + 1 - len({r['step'] for r in rows}):06d}.parquet", rows)
-            rows = []
+            _write_part(out / "parts" / f"part_{block_start:06d}.parquet", rows)
+            rows, block_start = [], step + 1
             save_state(out / "state.safetensors", model, opt, {"step": step + 1},
                        {f"tracker.{k}": v for k, v in tracker.state_dict().items()})
     _check_replay(run, model)
