@@ -27,12 +27,14 @@ log = logging.getLogger("ntpflow")
 DEMO_SETTINGS = ["steps=600", "n_train=25600", "n_eval=4096", "eval_every=200", "ckpt_every=200"]
 
 
-def _config(args):
+def _config(args, task=None, regime=None, extra_set=()):
+    """TrainConfig from the command line; ``task``/``regime`` override the flags, ``extra_set`` goes before --set."""
     from .config import TrainConfig, apply_overrides
 
-    base = {k: v for k, v in (("task", args.task), ("regime", args.regime), ("seed", args.seed),
-                              ("device", args.device)) if v is not None}
-    return apply_overrides(TrainConfig(**base), args.set or [])
+    fields = {"task": task or getattr(args, "task", None), "regime": regime or getattr(args, "regime", None),
+              "seed": args.seed, "device": args.device}
+    base = {k: v for k, v in fields.items() if v is not None}
+    return apply_overrides(TrainConfig(**base), [*extra_set, *(args.set or [])])
 
 
 def cmd_train(args) -> int:
@@ -94,8 +96,7 @@ def cmd_demo(args) -> int:
     out = Path(args.out)
     rows = {}
     for regime in REGIMES:
-        args.regime, args.task = regime, "majority"
-        cfg = _config(argparse.Namespace(**{**vars(args), "set": DEMO_SETTINGS + (args.set or [])}))
+        cfg = _config(args, task="majority", regime=regime, extra_set=DEMO_SETTINGS)
         run = train(cfg, out / f"majority-{regime}-s{cfg.seed}", progress=not args.quiet)
         if regime == "vanilla":
             rows["untrained"] = load_or_probe(run, "init", cfg.device)

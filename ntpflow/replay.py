@@ -23,7 +23,16 @@ from .influence import InfluenceTracker, Probe
 from .io import ensure_writable_dir, load_tensors, read_json, resolve_device, write_json
 from .probe_runs import load_or_probe
 from .sites import Site
-from .training import DataOrder, Run, load_state, make_datasets, make_optimizer, save_state, to_torch, train_step
+from .training import (
+    DataOrder,
+    Run,
+    load_state,
+    make_datasets,
+    make_optimizer,
+    save_state,
+    to_torch,
+    train_step,
+)
 
 log = logging.getLogger(__name__)
 KEY = ("layer", "pos", "feature", "feature_type", "component", "optimizer")

@@ -1,6 +1,5 @@
 """Gradient decomposition and influence against a naive float64 oracle of the definitions."""
 
-import os
 import signal
 import subprocess
 import sys
@@ -9,7 +8,16 @@ import time
 import pytest
 import torch
 
-from ntpflow import GPT, GPTConfig, Site, TrainConfig, lm_loss, per_position_loss, split_groups, train
+from ntpflow import (
+    GPT,
+    GPTConfig,
+    Site,
+    TrainConfig,
+    lm_loss,
+    per_position_loss,
+    split_groups,
+    train,
+)
 from ntpflow.attribution import decompose, flat_grads
 from ntpflow.influence import InfluenceTracker, Probe
 

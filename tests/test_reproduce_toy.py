@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+from _util import all_numbers
 
 from ntpflow.cli import main
 
@@ -15,17 +16,6 @@ def smoke(tmp_path_factory):
     return out
 
 
-def _finite_numbers(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _finite_numbers(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from _finite_numbers(v)
-    elif isinstance(obj, float):
-        yield obj
-
-
 def test_smoke_structure(smoke):
     for name in ("data.json", "summary.json", "report.md", "report.html"):
         assert (smoke / name).exists(), name
@@ -33,9 +23,9 @@ def test_smoke_structure(smoke):
         assert (smoke / "figures" / f"{fig}.png").exists() and (smoke / "figures" / f"{fig}.svg").exists(), fig
     data = json.loads((smoke / "data.json").read_text())
     assert len(data["runs"]) == 8  # 2 tasks x 4 regimes x 1 seed
-    assert all(math.isfinite(x) for x in _finite_numbers(data["influence"]))
+    assert all(math.isfinite(x) for x in all_numbers(data["influence"]))
     summary = json.loads((smoke / "summary.json").read_text())
-    assert all(math.isfinite(x) for x in _finite_numbers(summary))
+    assert all(math.isfinite(x) for x in all_numbers(summary))
     claims = summary["claims"]
     assert len(claims) >= 3
     assert all(c["verdict"] in ("reproduced", "not reproduced", "inconclusive") and c["measured"] for c in claims)

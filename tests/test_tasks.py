@@ -29,9 +29,17 @@ def ref_argmax_set(counts: list[int]) -> set[int]:
     return {v for v, c in enumerate(counts) if c == m}
 
 
+def ref_legal_row(t: int, T: int, n_inputs: int, n_symbols: int, best) -> list[bool]:
+    """Legal next tokens after position t: any symbol before the outputs, the majority set during them."""
+    row = [False] * (n_symbols + 2)
+    for v in (range(n_symbols) if t < n_inputs else best if t < T - 1 else ()):
+        row[v + 2] = True
+    return row
+
+
 def ref_majority(seq: list[int], n_inputs: int, n_symbols: int):
     """Return (features [T][S], legal [T][V], loss_mask [T]) for one majority sequence."""
-    T, V = len(seq), n_symbols + 2
+    T = len(seq)
     features, legal, loss_mask = [], [], []
     for t in range(T):
         counts = [0] * n_symbols
@@ -39,21 +47,14 @@ def ref_majority(seq: list[int], n_inputs: int, n_symbols: int):
             counts[seq[s] - 2] += 1
         best = ref_argmax_set(counts)
         features.append([1.0 if v in best else 0.0 for v in range(n_symbols)])
-        row = [False] * V
-        if t < n_inputs:
-            for v in range(n_symbols):
-                row[v + 2] = True
-        elif t < T - 1:
-            for v in best:
-                row[v + 2] = True
-        legal.append(row)
+        legal.append(ref_legal_row(t, T, n_inputs, n_symbols, best))
         loss_mask.append(t < T - 1)
     return features, legal, loss_mask
 
 
 def ref_cond_majority(seq: list[int], n_inputs: int, n_symbols: int):
     """Return (features [T][S], legal [T][V], loss_mask [T]) for one cond-majority sequence."""
-    T, V = len(seq), n_symbols + 2
+    T = len(seq)
     counts = [0] * n_symbols
     for t in range(2, n_inputs + 1):
         if seq[t - 1] == S0:
@@ -65,14 +66,7 @@ def ref_cond_majority(seq: list[int], n_inputs: int, n_symbols: int):
         if t >= 2:
             f[seq[t - 1] - 2] = 1.0
         features.append(f)
-        row = [False] * V
-        if t < n_inputs:
-            for v in range(n_symbols):
-                row[v + 2] = True
-        elif t < T - 1:
-            for v in best:
-                row[v + 2] = True
-        legal.append(row)
+        legal.append(ref_legal_row(t, T, n_inputs, n_symbols, best))
         loss_mask.append(t < T - 1)
     return features, legal, loss_mask
 

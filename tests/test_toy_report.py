@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from _util import all_numbers
 
 from ntpflow.experiments.toy_report import (
     CLAIM_A,
@@ -93,17 +94,6 @@ def write_data(d: Path, data: dict) -> Path:
 
 def verdicts(summary: dict) -> dict:
     return {(c["claim"], c["task"]): c["verdict"] for c in summary["claims"]}
-
-
-def all_numbers(obj):
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from all_numbers(v)
-    elif isinstance(obj, list):
-        for v in obj:
-            yield from all_numbers(v)
-    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-        yield obj
 
 
 def read_outputs(d: Path) -> dict:

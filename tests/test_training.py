@@ -17,7 +17,15 @@ from safetensors.torch import load_file
 
 from ntpflow import GPT, TrainConfig, apply_overrides
 from ntpflow.tasks import make_task
-from ntpflow.training import DataOrder, Run, evaluate, make_datasets, model_config, to_torch, train
+from ntpflow.training import (
+    DataOrder,
+    Run,
+    evaluate,
+    make_datasets,
+    model_config,
+    to_torch,
+    train,
+)
 
 TINY = TrainConfig(n_layer=1, d_model=32, n_head=2, steps=12, batch_size=32, n_train=256, n_eval=128,
                    eval_every=6, ckpt_every=4, log_every=2, device="cpu")
