@@ -44,8 +44,8 @@ def cmd_train(args) -> int:
     out = Path(args.out or f"runs/{cfg.task}-{cfg.regime}-s{cfg.seed}")
     run = train(cfg, out, progress=not args.quiet)
     final = run.metrics()[-1]
-    log.info("finished %s: eval_loss=%.4f legal_acc=%.3f first_acc=%.3f", out, final["eval_loss"],
-             final["legal_acc"], final["first_acc"])
+    scores = " ".join(f"{k}={final[k]:.4f}" for k in ("eval_loss", "legal_acc", "first_acc") if k in final)
+    log.info("finished %s: %s", out, scores)
     print(out)
     return 0
 

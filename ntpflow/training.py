@@ -72,29 +72,42 @@ class DataOrder:
 
 
 def to_torch(batch: Batch, device) -> dict[str, torch.Tensor]:
-    return {"tokens": torch.as_tensor(batch.tokens, device=device),
-            "loss_mask": torch.as_tensor(batch.loss_mask, device=device),
-            "legal": torch.as_tensor(batch.legal, device=device)}
+    """The batch's tokens, loss mask and (when the task defines one) legal mask as tensors on ``device``."""
+    data = {"tokens": torch.as_tensor(batch.tokens, device=device),
+            "loss_mask": torch.as_tensor(batch.loss_mask, device=device)}
+    if batch.legal is not None:
+        data["legal"] = torch.as_tensor(batch.legal, device=device)
+    return data
 
 
 @torch.no_grad()
 def evaluate(model: GPT, data: dict[str, torch.Tensor], task: Task, chunk: int = 2048) -> dict[str, float]:
-    """Eval loss, legal-output accuracy (argmax legal at every output prediction) and first-output accuracy."""
+    """Eval loss, and where ``data`` has a legal mask: legal-output accuracy and first-output accuracy.
+
+    ``legal_acc`` is, per sequence, the share of counted output predictions (``loss_mask`` true, positions
+    ``first_output_pos .. T-2``) whose argmax is legal, averaged over sequences; ``first_acc`` is that of the first.
+    """
     was_training = model.training
     model.eval()
     n = len(data["tokens"])
     p0, T = task.first_output_pos, task.seq_len
     loss_sum, legal_hits, first_hits = 0.0, 0.0, 0.0
     for s in range(0, n, chunk):
-        tok, mask, legal = (data[k][s:s + chunk] for k in ("tokens", "loss_mask", "legal"))
+        tok, mask = data["tokens"][s:s + chunk], data["loss_mask"][s:s + chunk]
         logits = model(tok)
         loss_sum += lm_loss(logits, tok, mask).item() * len(tok)
-        pred = logits[:, p0:T - 1].argmax(-1)  # predictions of the output tokens
-        ok = legal[:, p0:T - 1].gather(-1, pred.unsqueeze(-1)).squeeze(-1)
-        legal_hits += ok.double().mean(1).sum().item()
-        first_hits += ok[:, 0].double().sum().item()
+        if "legal" in data:
+            pred = logits[:, p0:T - 1].argmax(-1)  # predictions of the output tokens
+            ok = data["legal"][s:s + chunk, p0:T - 1].gather(-1, pred.unsqueeze(-1)).squeeze(-1)
+            counted = mask[:, p0:T - 1]
+            ok = ok & counted
+            legal_hits += (ok.double().sum(1) / counted.double().sum(1).clamp(min=1)).sum().item()
+            first_hits += ok[:, 0].double().sum().item()
     model.train(was_training)
-    return {"eval_loss": loss_sum / n, "legal_acc": legal_hits / n, "first_acc": first_hits / n}
+    out = {"eval_loss": loss_sum / n}
+    if "legal" in data:
+        out.update(legal_acc=legal_hits / n, first_acc=first_hits / n)
+    return out
 
 
 def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,

@@ -35,8 +35,9 @@ class Batch:
         tokens: int64 ``[n, T]``; ``tokens[:, 0]`` is ``<bos>``.
         loss_mask: bool ``[n, T]``; ``loss_mask[:, p]`` says whether the
             prediction made at position ``p`` (of token ``p + 1``) counts in the loss.
-        legal: bool ``[n, T, V]``; ``legal[:, p, v]`` says whether ``v`` is a
-            legal value of token ``p + 1``. Row ``T - 1`` is all False.
+        legal: bool ``[n, T, V]`` or None; ``legal[:, p, v]`` says whether ``v`` is a
+            legal value of token ``p + 1``. Row ``T - 1`` is all False. None for natural
+            text, where legality is undefined (and ``[n, T, V]`` would not fit in memory).
         features: float32 ``[n, T, F]`` ground-truth feature values at each position.
         feature_types: optional int8 ``[n, T, F]`` per-example feature type
             (task specific, e.g. empty / NTP-useless / NTP-useful), or None.
@@ -44,7 +45,7 @@ class Batch:
 
     tokens: np.ndarray
     loss_mask: np.ndarray
-    legal: np.ndarray
+    legal: np.ndarray | None
     features: np.ndarray
     feature_types: np.ndarray | None = None
 
@@ -52,7 +53,7 @@ class Batch:
         n, T = self.tokens.shape
         if self.loss_mask.shape != (n, T):
             raise ValueError(f"loss_mask shape {self.loss_mask.shape} != {(n, T)}")
-        if self.legal.ndim != 3 or self.legal.shape[:2] != (n, T):
+        if self.legal is not None and (self.legal.ndim != 3 or self.legal.shape[:2] != (n, T)):
             raise ValueError(f"legal shape {self.legal.shape} != {(n, T)} + (V,)")
         if self.features.ndim != 3 or self.features.shape[:2] != (n, T):
             raise ValueError(f"features shape {self.features.shape} != {(n, T)} + (F,)")
@@ -82,7 +83,7 @@ class Batch:
         return Batch(
             tokens=self.tokens[idx],
             loss_mask=self.loss_mask[idx],
-            legal=self.legal[idx],
+            legal=None if self.legal is None else self.legal[idx],
             features=self.features[idx],
             feature_types=None if self.feature_types is None else self.feature_types[idx],
         )
@@ -96,10 +97,13 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     has_types = [b.feature_types is not None for b in batches]
     if any(has_types) and not all(has_types):
         raise ValueError("cannot concatenate batches with and without feature_types")
+    has_legal = [b.legal is not None for b in batches]
+    if any(has_legal) and not all(has_legal):
+        raise ValueError("cannot concatenate batches with and without legal masks")
     return Batch(
         tokens=np.concatenate([b.tokens for b in batches], axis=0),
         loss_mask=np.concatenate([b.loss_mask for b in batches], axis=0),
-        legal=np.concatenate([b.legal for b in batches], axis=0),
+        legal=np.concatenate([b.legal for b in batches], axis=0) if all(has_legal) else None,
         features=np.concatenate([b.features for b in batches], axis=0),
         feature_types=(
             np.concatenate([b.feature_types for b in batches], axis=0) if all(has_types) else None
