@@ -98,6 +98,15 @@ def split_groups(n_ctx: int, m: int) -> tuple[int, ...]:
     return (0,) * m + (1,) * (n_ctx - m)
 
 
+def take_groups(param: torch.Tensor, groups: "Groups") -> torch.Tensor:
+    """``param`` [G, ...] -> [pos, ...], the copy of each position's group.
+
+    A slice is a view; an index tensor goes through ``index_select``, whose backward (``index_add``) is
+    deterministic on CPU, unlike advanced indexing's (``index_put`` with accumulation).
+    """
+    return param[groups] if isinstance(groups, slice) else torch.index_select(param, 0, groups)
+
+
 class GroupedLinear(nn.Module):
     """``y[b, p] = x[b, p] @ weight[g_p].T + bias[g_p]``; weight [G, d_out, d_in], bias [G, d_out]."""
 
@@ -110,8 +119,8 @@ class GroupedLinear(nn.Module):
         """x [batch, pos, d_in], groups: None (single group), a slice or an index [pos] -> [batch, pos, d_out]."""
         if groups is None:
             return F.linear(x, self.weight[0], self.bias[0])
-        w = self.weight[groups]  # [pos, d_out, d_in]
-        y = torch.baddbmm(self.bias[groups].unsqueeze(1), x.transpose(0, 1), w.transpose(1, 2))  # [pos, batch, out]
+        w = take_groups(self.weight, groups)  # [pos, d_out, d_in]
+        y = torch.baddbmm(take_groups(self.bias, groups).unsqueeze(1), x.transpose(0, 1), w.transpose(1, 2))  # [pos, batch, out]
         return y.transpose(0, 1)
 
 
@@ -129,7 +138,7 @@ class GroupedLayerNorm(nn.Module):
         """x [batch, pos, d] -> [batch, pos, d], without calling the hook."""
         if groups is None:
             return F.layer_norm(x, x.shape[-1:], self.weight[0], self.bias[0], self.eps)
-        return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * self.weight[groups] + self.bias[groups]
+        return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * take_groups(self.weight, groups) + take_groups(self.bias, groups)
 
     def forward(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
         return self.hook_normalized(self.normalize(x, groups))
@@ -292,7 +301,7 @@ class GPT(nn.Module):
         cfg = self.cfg
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, pos], got shape {tuple(tokens.shape)}")
-        b, t = tokens.shape
+        t = tokens.shape[1]
         if t > cfg.n_ctx:
             raise ValueError(f"sequence length {t} exceeds n_ctx={cfg.n_ctx}")
         mode = cfg.myopic if myopic is None else myopic
@@ -312,7 +321,7 @@ class GPT(nn.Module):
         if groups is None:
             logits = x @ self.wte[0].T
         else:
-            logits = torch.bmm(x.transpose(0, 1), self.wte[groups].transpose(1, 2)).transpose(0, 1)
+            logits = torch.bmm(x.transpose(0, 1), take_groups(self.wte, groups).transpose(1, 2)).transpose(0, 1)
         return (logits, resids) if return_resid else logits
 
     def _embed(self, tokens: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
@@ -321,9 +330,12 @@ class GPT(nn.Module):
         if groups is None:
             tok, pe = F.embedding(tokens, self.wte[0]), self.wpe[0, :t]
         else:
+            # flat lookups: F.embedding's backward is deterministic, advanced indexing's is not
+            n_groups, vocab, d = self.wte.shape
             pos = torch.arange(t, device=tokens.device)
             g = pos if isinstance(groups, slice) else groups
-            tok, pe = self.wte[g.unsqueeze(0), tokens], self.wpe[g, pos]
+            tok = F.embedding(g * vocab + tokens, self.wte.reshape(n_groups * vocab, d))
+            pe = F.embedding(g * self.cfg.n_ctx + pos, self.wpe.reshape(n_groups * self.cfg.n_ctx, d))
         return self.hook_embed(tok) + self.hook_pos_embed(pe)
 
     def resid_last(self, tokens: torch.Tensor, layer: int, *, myopic: Myopic | None = None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from ntpflow.tasks import (
     Batch,
     CondMajority,
     Majority,
+    Othello,
     Task,
     concat_batches,
     make_task,
@@ -334,7 +335,7 @@ def test_no_global_rng(name):
 
 
 def test_registry_and_unknown_task():
-    assert TASKS == {"majority": Majority, "cond_majority": CondMajority}
+    assert TASKS == {"majority": Majority, "cond_majority": CondMajority, "othello": Othello}
     assert isinstance(make_task("majority"), Majority)
     assert isinstance(make_task("cond_majority", n_inputs=5), CondMajority)
     with pytest.raises(ValueError, match="unknown task 'othello_nope'"):

@@ -66,6 +66,15 @@ def test_same_seed_bit_identical_and_other_seed_differs(tmp_path, tiny_run):
     assert not torch.equal(a["model.wte"], c["model.wte"])
 
 
+@pytest.mark.parametrize("split_at", [0, 7], ids=["untied", "split"])
+def test_untied_training_bit_identical(tmp_path, split_at):
+    # big enough batches that CPU kernels run multi-threaded, where a scatter-add backward would be racy
+    cfg = replace(TINY, regime="untied", split_at=split_at, batch_size=256, n_train=512, steps=3, ckpt_every=3)
+    a = load_file(train(cfg, tmp_path / "a", progress=False).dir / "model.safetensors")
+    b = load_file(train(cfg, tmp_path / "b", progress=False).dir / "model.safetensors")
+    assert_same_tensors(a, b)
+
+
 # ---------------------------------------------------------------- resuming
 
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from .base import Batch, Task, concat_batches
 from .majority import CondMajority, Majority
+from .othello import Othello
 
-__all__ = ["Batch", "Task", "Majority", "CondMajority", "TASKS", "make_task", "concat_batches"]
+__all__ = ["TASKS", "Batch", "CondMajority", "Majority", "Othello", "Task", "concat_batches", "make_task"]
 
 TASKS: dict[str, type] = {
     "majority": Majority,
     "cond_majority": CondMajority,
+    "othello": Othello,
 }
 
 

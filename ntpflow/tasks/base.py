@@ -15,12 +15,13 @@ Conventions shared by every task:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["PAD_ID", "BOS_ID", "N_SPECIAL", "Batch", "Task", "concat_batches"]
+__all__ = ["BOS_ID", "N_SPECIAL", "PAD_ID", "Batch", "Task", "concat_batches"]
 
 PAD_ID = 0
 BOS_ID = 1
@@ -70,7 +71,7 @@ class Batch:
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def __getitem__(self, idx) -> "Batch":
+    def __getitem__(self, idx) -> Batch:
         """Select rows (int, slice, integer or boolean array); always returns a Batch.
 
         An integer index returns a batch of one sequence.

@@ -19,7 +19,7 @@ import numpy as np
 
 from .base import BOS_ID, N_SPECIAL, Batch
 
-__all__ = ["Majority", "CondMajority"]
+__all__ = ["CondMajority", "Majority"]
 
 
 def _sample_from_sets(sets: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:

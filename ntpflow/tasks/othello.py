@@ -1,0 +1,137 @@
+"""OthelloGPT task: random legal Othello games (PAPER.md §2.4).
+
+Sequence layout (``T = 61``)::
+
+    position  0      1 .. 60
+    token     <bos>  the 60 game tokens (moves or passes, see ``othello_engine``)
+
+Vocabulary (``V = 67``): ``<pad>`` = 0, ``<bos>`` = 1, ``pass`` = 2, then the squares ``A1`` .. ``H8`` =
+3 .. 66 (token id ``3 + s`` for square ``s = 8 * row + col``; ``A1`` top left, ``H1`` top right).
+
+Position convention: logits at position ``p`` predict token ``p + 1``.
+
+* ``loss_mask[:, p]``: True for ``p = 0 .. 59`` (every game token, passes included, as the reference), False
+  at ``p = 60``.
+* ``legal[:, p, v]``: ``v`` is a legal token ``p + 1``; for ``p < 60`` the legal squares of the player to move
+  after token ``p``, or only ``pass`` when there are none (also while padding a finished game); row 60 is all
+  False.
+* ``features[:, t, s]`` (float32, ``F = 64``, ``sq_A1`` .. ``sq_H8``): the board after reading token ``t``,
+  seen by the player to move next (+1 own, -1 opponent, 0 empty). At ``t = 0`` (``<bos>``) this is the
+  opening seen by the first mover; the reference stores zeros there (it never probes position 0).
+* ``feature_types[:, t, s]`` (int8): 0 empty, 1 NTP-useless, 2 NTP-useful stone (flipping it changes the
+  legal moves after token ``t``, i.e. the legal set of token ``t + 1``); at ``t = 0`` the opening's types.
+
+The opening and the game rules are those of :mod:`ntpflow.tasks.othello_engine` (standard opening; the
+reference uses its mirror image).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from .base import BOS_ID, Batch
+from .othello_engine import (
+    GAME_LEN,
+    PASS,
+    SQUARE_NAMES,
+    START_OPP,
+    START_OWN,
+    OthelloGames,
+    bitboard_to_mask,
+    legal_moves,
+    play_moves,
+    random_games,
+    square_types,
+)
+
+__all__ = ["PASS_ID", "SQUARE_OFFSET", "Othello"]
+
+PASS_ID = 2  #: token id of ``pass``
+SQUARE_OFFSET = 3  #: token id of square ``s`` is ``SQUARE_OFFSET + s``
+
+
+@dataclass(frozen=True)
+class Othello:
+    """Random legal Othello games as a :class:`~ntpflow.tasks.base.Task` (see module docstring).
+
+    ``useful`` is static while Othello usefulness is per example (``feature_types == 2``); it is all True,
+    meaning "any square may be useful at any position": use ``Batch.feature_types`` for the real split.
+    """
+
+    name: ClassVar[str] = "othello"
+
+    @property
+    def vocab(self) -> tuple[str, ...]:
+        return ("<pad>", "<bos>", "pass") + SQUARE_NAMES
+
+    @property
+    def vocab_size(self) -> int:
+        return SQUARE_OFFSET + 64
+
+    @property
+    def seq_len(self) -> int:
+        return 1 + GAME_LEN
+
+    @property
+    def first_output_pos(self) -> int:
+        return 0
+
+    @property
+    def feature_names(self) -> tuple[str, ...]:
+        return tuple(f"sq_{s}" for s in SQUARE_NAMES)
+
+    @property
+    def n_features(self) -> int:
+        return 64
+
+    @property
+    def useful(self) -> np.ndarray:
+        """bool ``[T, 64]``, all True (usefulness is per example: ``feature_types == 2``)."""
+        return np.ones((self.seq_len, self.n_features), dtype=bool)
+
+    def sample(self, n: int, rng: np.random.Generator) -> Batch:
+        """Draw ``n`` random games (randomness only from ``rng``, a ``np.random.Generator``)."""
+        if not isinstance(rng, np.random.Generator):
+            raise ValueError(f"rng must be a numpy Generator, got {type(rng).__name__}")  # noqa: TRY004
+        return self._batch(random_games(n, rng))
+
+    def annotate(self, tokens: np.ndarray) -> Batch:
+        """Build the :class:`Batch` of given token sequences int ``[n, 61]`` (``<bos>`` + 60 legal game tokens).
+
+        ``sample`` returns exactly ``annotate`` of the tokens it drew. Raises ``ValueError`` on an illegal game.
+        """
+        tokens = np.asarray(tokens)
+        T = self.seq_len
+        if tokens.ndim != 2 or tokens.shape[1] != T or not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"tokens must be an integer array of shape [n, {T}], got {tokens.dtype} {tokens.shape}")
+        body = tokens[:, 1:]
+        if tokens.size and (np.any(tokens[:, 0] != BOS_ID) or np.any(body < PASS_ID) or np.any(body >= self.vocab_size)):
+            raise ValueError("tokens must be <bos> followed by pass or square tokens only")
+        moves = np.where(body == PASS_ID, PASS, body - SQUARE_OFFSET)
+        return self._batch(play_moves(moves))
+
+    def _batch(self, games: OthelloGames) -> Batch:
+        n, T, V = len(games), self.seq_len, self.vocab_size
+        tokens = np.empty((n, T), dtype=np.int64)
+        tokens[:, 0] = BOS_ID
+        tokens[:, 1:] = np.where(games.moves == PASS, PASS_ID, games.moves.astype(np.int64) + SQUARE_OFFSET)
+        loss_mask = np.ones((n, T), dtype=bool)
+        loss_mask[:, T - 1] = False
+
+        start_legal = bitboard_to_mask(legal_moves(START_OWN, START_OPP))  # [64]
+        legal = np.zeros((n, T, V), dtype=bool)
+        legal[:, 0, SQUARE_OFFSET:] = start_legal
+        legal[:, 1 : T - 1, SQUARE_OFFSET:] = games.legal[:, : GAME_LEN - 1]
+        legal[:, 1 : T - 1, PASS_ID] = ~games.legal[:, : GAME_LEN - 1].any(axis=-1)
+
+        features = np.empty((n, T, 64), dtype=np.float32)
+        start_board = bitboard_to_mask(START_OWN).astype(np.float32) - bitboard_to_mask(START_OPP)
+        features[:, 0] = start_board
+        features[:, 1:] = games.boards
+        types = np.empty((n, T, 64), dtype=np.int8)
+        types[:, 0] = square_types(START_OWN, START_OPP)
+        types[:, 1:] = games.types
+        return Batch(tokens=tokens, loss_mask=loss_mask, legal=legal, features=features, feature_types=types)
