@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 from _util import all_numbers
 
+from ntpflow.experiments.report_kit import stats, t_quantile_975
 from ntpflow.experiments.toy_report import (
     CLAIM_A,
     CLAIM_B,
     CLAIM_C,
     SIGN,
-    stats,
     summarize,
-    t_quantile_975,
     write_report,
 )
 
