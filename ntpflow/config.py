@@ -22,6 +22,8 @@ class TrainConfig:
     """
 
     task: str = "majority"
+    corpus: str = ""  # the stories task's corpus: a path, "generated[:N]" or "hf"; unused by the synthetic tasks
+    vocab_size: int = 4096  # the stories task's BPE vocabulary (when the hub tokenizer is unreachable)
     regime: Literal["vanilla", "myopic", "untied", "myopic-untied"] = "vanilla"
     myopic_mode: Literal["kv", "resid"] = "kv"
     split_at: int = 10
@@ -54,7 +56,7 @@ class TrainConfig:
             raise ValueError(f"unknown regime {self.regime!r}; choose one of {REGIMES}")
         if self.myopic_mode not in ("kv", "resid"):
             raise ValueError(f"unknown myopic_mode {self.myopic_mode!r}; choose 'kv' or 'resid'")
-        for name in ("steps", "batch_size", "n_train", "n_eval", "eval_every", "ckpt_every", "log_every"):
+        for name in ("vocab_size", "steps", "batch_size", "n_train", "n_eval", "eval_every", "ckpt_every", "log_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.batch_size > self.n_train:

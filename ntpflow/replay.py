@@ -92,8 +92,7 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     types = None
     if train_set.feature_types is not None:
         idx = {n: i for i, n in enumerate(task.feature_names)}
-        ft = torch.as_tensor(train_set.feature_types, device=dev).long()
-        types = {n: ft[..., idx[n]] for n in spec["features"]}
+        types = {n: torch.as_tensor(train_set.feature_types[..., idx[n]], device=dev).long() for n in spec["features"]}
     model = run.load_model("init", dev).train()
     opt = make_optimizer(model, cfg)
     tracker = InfluenceTracker(run.load_model("final", dev), [Probe(p.site, p.name, p.w.to(dev)) for p in probes])

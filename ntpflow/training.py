@@ -11,6 +11,7 @@ The same config gives bit-identical weights; a killed run resumes from its last 
 import json
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -45,9 +46,20 @@ def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
                      d_model=cfg.d_model, myopic=cfg.myopic, position_groups=groups)
 
 
+def task_for(cfg: TrainConfig) -> Task:
+    """The task of a config; a task class lists in ``config_fields`` the TrainConfig fields it is built with."""
+    from .tasks import TASKS
+
+    cls = TASKS.get(cfg.task)
+    return make_task(cfg.task, **{f: getattr(cfg, f) for f in getattr(cls, "config_fields", ())})
+
+
 def make_datasets(cfg: TrainConfig, task: Task) -> tuple[Batch, Batch]:
-    """(train, eval) sets generated from ``data_seed`` (default ``seed``) by independent streams."""
+    """(train, eval) sets from ``data_seed`` (default ``seed``): independent generated streams, or the task's own
+    ``make_datasets`` for a task that reads a fixed corpus."""
     seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    if hasattr(task, "make_datasets"):
+        return task.make_datasets(cfg.n_train, cfg.n_eval, seed)
     train = task.sample(cfg.n_train, np.random.default_rng([seed, 0]))
     evals = task.sample(cfg.n_eval, np.random.default_rng([seed, 1]))
     return train, evals
@@ -153,9 +165,9 @@ class Run:
         d = read_json(run_dir / "config.json")
         return cls(run_dir, TrainConfig.from_dict(d["train"]))
 
-    @property
+    @cached_property
     def task(self) -> Task:
-        return make_task(self.cfg.task)
+        return task_for(self.cfg)
 
     @property
     def done(self) -> bool:
@@ -204,11 +216,14 @@ def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
             raise ValueError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}); "
                              "choose another output directory")
         return
-    model = model_config(cfg, make_task(cfg.task)).to_dict()  # validates before anything is written
+    task = task_for(cfg)
+    model = model_config(cfg, task).to_dict()  # validates before anything is written
     ensure_writable_dir(run_dir)
     (run_dir / "ckpt").mkdir(exist_ok=True)
     write_json(run_dir / "config.json", {"train": cfg.to_dict(), "model": model, "config_hash": cfg.hash()})
     write_json(run_dir / "env.json", environment())
+    if hasattr(task, "save_artifacts"):  # e.g. the stories task's tokenizer
+        task.save_artifacts(run_dir)
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Run:

@@ -11,6 +11,7 @@ from ntpflow.tasks import (
     CondMajority,
     Majority,
     Othello,
+    Stories,
     Task,
     concat_batches,
     make_task,
@@ -335,7 +336,7 @@ def test_no_global_rng(name):
 
 
 def test_registry_and_unknown_task():
-    assert TASKS == {"majority": Majority, "cond_majority": CondMajority, "othello": Othello}
+    assert TASKS == {"majority": Majority, "cond_majority": CondMajority, "othello": Othello, "stories": Stories}
     assert isinstance(make_task("majority"), Majority)
     assert isinstance(make_task("cond_majority", n_inputs=5), CondMajority)
     with pytest.raises(ValueError, match="unknown task 'othello_nope'"):

@@ -9,13 +9,15 @@ from __future__ import annotations
 from .base import Batch, Task, concat_batches
 from .majority import CondMajority, Majority
 from .othello import Othello
+from .stories import Stories
 
-__all__ = ["TASKS", "Batch", "CondMajority", "Majority", "Othello", "Task", "concat_batches", "make_task"]
+__all__ = ["TASKS", "Batch", "CondMajority", "Majority", "Othello", "Stories", "Task", "concat_batches", "make_task"]
 
 TASKS: dict[str, type] = {
     "majority": Majority,
     "cond_majority": CondMajority,
     "othello": Othello,
+    "stories": Stories,
 }
 
 
