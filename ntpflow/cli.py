@@ -1,4 +1,4 @@
-"""Command line: ``ntpflow {train,probe,attribute,reproduce,demo} ...``.
+"""Command line: ``ntpflow {train,probe,attribute,reproduce,sweep,demo} ...``.
 
 Parses input, builds configs, calls library functions."""
 
@@ -14,6 +14,8 @@ examples:
   ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'
   ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_<0>'
   ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
+  ntpflow reproduce othello --scale small
+  ntpflow reproduce stories --scale small
   ntpflow demo --out runs/demo          # the four regimes of majority at a small size
 
 Python equivalents:
@@ -75,16 +77,34 @@ def cmd_attribute(args) -> int:
     return 0
 
 
-def cmd_reproduce(args) -> int:
-    from .experiments.toy import run_toy
-    from .experiments.toy_report import write_report
+# experiment -> (module in ntpflow.experiments with its run function, report module with write_report)
+EXPERIMENTS = {"toy": ("toy", "run_toy", "toy_report")}
 
-    if args.experiment != "toy":
-        raise ValueError(f"unknown experiment {args.experiment!r}; available: toy")
+
+def cmd_reproduce(args) -> int:
+    import importlib
+    import inspect
+
+    if args.experiment not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {args.experiment!r}; available: {', '.join(EXPERIMENTS)}")
+    module, fn, report_module = EXPERIMENTS[args.experiment]
+    run = getattr(importlib.import_module(f"ntpflow.experiments.{module}"), fn)
+    write_report = importlib.import_module(f"ntpflow.experiments.{report_module}").write_report
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
-    run_toy(args.scale, out, workers=args.workers, device=args.device or "auto", progress=not args.quiet)
-    report = write_report(out)
-    print(report)
+    options = {"workers": args.workers, "device": args.device or "auto", "progress": not args.quiet}
+    accepted = inspect.signature(run).parameters
+    run(args.scale, out, **{k: v for k, v in options.items() if k in accepted and v is not None})
+    print(write_report(out))
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    from .sweep import SweepSpec, run_sweep
+
+    spec = SweepSpec.load(args.spec)
+    out = run_sweep(spec, args.out or f"sweeps/{spec.name}", executor=args.executor, workers=args.workers,
+                    progress=not args.quiet)
+    print(out / "results.parquet")
     return 0
 
 
@@ -135,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train one model into a run directory (resumes if interrupted)",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--task", help="majority | cond_majority")
+    t.add_argument("--task", help="majority | cond_majority | othello | stories (stories needs --set corpus=...)")
     t.add_argument("--regime", help="vanilla | myopic | untied | myopic-untied")
     t.add_argument("--out", help="run directory (default runs/<task>-<regime>-s<seed>)")
     common(t)
@@ -162,12 +182,21 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("reproduce", help="reproduce an experiment of the paper and write its report",
                         epilog="example: ntpflow reproduce toy --scale small --out results/toy-small",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    rp.add_argument("experiment", help="toy")
+    rp.add_argument("experiment", help="toy | othello | stories")
     rp.add_argument("--scale", default="smoke", help="smoke (CI, minutes) | small (~1 h on 2 cores) | paper")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
     rp.add_argument("--device")
     rp.set_defaults(fn=cmd_reproduce)
+
+    sw = sub.add_parser("sweep", help="a grid of runs (seeds x regimes x tasks x settings) from a JSON/TOML spec",
+                        epilog="finished runs are skipped: rerun the same command to resume or retry failed runs",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    sw.add_argument("spec", help="sweep spec (.json or .toml); see ntpflow.sweep")
+    sw.add_argument("--out", help="sweep folder (default sweeps/<name>)")
+    sw.add_argument("--executor", default="local", help="local (default) | submitit (Slurm) | submitit-local")
+    sw.add_argument("--workers", type=int, default=2, help="runs at a time (default 2)")
+    sw.set_defaults(fn=cmd_sweep)
 
     d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table")
     d.add_argument("--out", default="runs/demo")

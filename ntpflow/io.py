@@ -21,6 +21,9 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:  # disk full, permissions, ...: the old file (if any) is untouched
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -122,3 +125,52 @@ def ensure_writable_dir(path: str | Path) -> Path:
     except OSError as e:
         raise PermissionError(f"cannot write to {path}: {e.strerror or e}") from None
     return path
+
+
+class DirLock:
+    """An exclusive lock on a folder (``.lock`` holding the owner's host and pid), so that two processes never
+    write the same run directory. A lock left by a dead process on this host is taken over.
+
+    Use as ``with DirLock(run_dir): ...``; a held lock raises RuntimeError with its owner.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.path = Path(folder) / ".lock"
+
+    def __enter__(self) -> "DirLock":
+        me = {"host": platform.node(), "pid": os.getpid()}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._owner()
+                if owner is not None and owner.get("host") == me["host"] and not _alive(owner.get("pid")):
+                    self.path.unlink(missing_ok=True)  # stale: its process is gone
+                    continue
+                raise RuntimeError(f"{self.path.parent} is in use by another process ({owner or 'unknown owner'}); "
+                                   "concurrent runs must use different directories") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            return self
+        raise RuntimeError(f"could not lock {self.path.parent}")
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)
+
+    def _owner(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -20,7 +20,14 @@ import torch
 from tqdm.auto import tqdm
 
 from .influence import InfluenceTracker, Probe
-from .io import ensure_writable_dir, load_tensors, read_json, resolve_device, write_json
+from .io import (
+    DirLock,
+    ensure_writable_dir,
+    load_tensors,
+    read_json,
+    resolve_device,
+    write_json,
+)
 from .probe_runs import load_or_probe
 from .sites import Site
 from .training import (
@@ -76,6 +83,12 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     for s in sites:  # before anything is written
         s.check(run.model_config().n_layer, run.task.seq_len)
     out = ensure_writable_dir(out_dir or run.dir / "attribution")
+    with DirLock(out):  # one writer per attribution folder
+        return _replay(run, out, sites, features, dev, device, block, progress)
+
+
+def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress) -> Path:
+    cfg = run.cfg
     probes = make_probes(run, sites, features, device)
     spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in probes}),
             "config_hash": cfg.hash()}

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .config import TrainConfig
 from .io import (
+    DirLock,
     atomic_write,
     ensure_writable_dir,
     environment,
@@ -234,7 +235,13 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Ru
     """
     run_dir = Path(run_dir)
     _prepare_run_dir(cfg, run_dir)
-    run = Run(run_dir, cfg)
+    with DirLock(run_dir):  # one writer per run directory
+        _prepare_run_dir(cfg, run_dir)  # again under the lock: another process may have created it meanwhile
+        return _train(cfg, Run(run_dir, cfg), progress)
+
+
+def _train(cfg: TrainConfig, run: Run, progress: bool) -> Run:
+    run_dir = run.dir
     if run.done:
         log.info("%s is already finished", run_dir)
         return run

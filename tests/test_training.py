@@ -493,3 +493,39 @@ def test_config_hash_ignores_device_and_logging_only():
     assert TINY.hash() != replace(TINY, data_seed=0).hash()
     with pytest.raises(ValueError, match="unknown config key"):
         TrainConfig.from_dict({**TINY.to_dict(), "bogus": 1})
+
+
+def test_concurrent_writers_of_one_run_dir_are_refused(tmp_path):
+    import platform
+
+    from ntpflow.io import DirLock
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with DirLock(run_dir):
+        with pytest.raises(RuntimeError, match="in use by another process"):
+            train(TINY, run_dir, progress=False)
+    assert not (run_dir / "DONE").exists() and not (run_dir / ".lock").exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    (run_dir / ".lock").write_text(json.dumps({"host": platform.node(), "pid": int(dead.stdout)}))
+    assert train(TINY, run_dir, progress=False).done  # a stale lock (its process is gone) is taken over
+    assert not (run_dir / ".lock").exists()
+
+
+def test_disk_full_leaves_earlier_result_intact(tmp_path, monkeypatch):
+    import errno
+
+    from ntpflow.io import write_json
+
+    path = tmp_path / "result.json"
+    write_json(path, {"v": 1})
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError, match=f"cannot write {path}: No space left on device"):
+        write_json(path, {"v": 2})
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no half-written temporary file
