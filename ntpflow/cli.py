@@ -44,7 +44,8 @@ def cmd_train(args) -> int:
 
     cfg = _config(args)
     out = Path(args.out or f"runs/{cfg.task}-{cfg.regime}-s{cfg.seed}")
-    run = train(cfg, out, progress=not args.quiet)
+    track = [t for t in (args.track or "").split(",") if t]
+    run = train(cfg, out, progress=not args.quiet, track=track)
     final = run.metrics()[-1]
     scores = " ".join(f"{k}={final[k]:.4f}" for k in ("eval_loss", "legal_acc", "first_acc") if k in final)
     log.info("finished %s: %s", out, scores)
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--task", help="majority | cond_majority | othello | stories (stories needs --set corpus=...)")
     t.add_argument("--regime", help="vanilla | myopic | untied | myopic-untied")
     t.add_argument("--out", help="run directory (default runs/<task>-<regime>-s<seed>)")
+    t.add_argument("--track", help="extra metric sinks besides metrics.jsonl: tensorboard, wandb (comma-separated)")
     common(t)
     t.set_defaults(fn=cmd_train)
 

@@ -10,6 +10,7 @@ The same config gives bit-identical weights; a killed run resumes from its last 
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -33,6 +34,7 @@ from .io import (
 from .loss import lm_loss
 from .model import GPT, GPTConfig, split_groups
 from .tasks import Batch, Task, make_task
+from .tracking import MetricsLog, make_sinks
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +229,10 @@ def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
         task.save_artifacts(run_dir)
 
 
-def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Run:
+def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track: Sequence = ()) -> Run:
     """Train ``cfg`` into ``run_dir``, resuming from its last checkpoint if one exists. Returns the Run.
+
+    Metrics go to ``run_dir/metrics.jsonl`` and to the optional ``track`` sinks (``ntpflow.tracking``).
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
     no weight decay, no schedule.
@@ -237,10 +241,10 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True) -> Ru
     _prepare_run_dir(cfg, run_dir)
     with DirLock(run_dir):  # one writer per run directory
         _prepare_run_dir(cfg, run_dir)  # again under the lock: another process may have created it meanwhile
-        return _train(cfg, Run(run_dir, cfg), progress)
+        return _train(cfg, Run(run_dir, cfg), progress, track)
 
 
-def _train(cfg: TrainConfig, run: Run, progress: bool) -> Run:
+def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence) -> Run:
     run_dir = run.dir
     if run.done:
         log.info("%s is already finished", run_dir)
@@ -262,24 +266,24 @@ def _train(cfg: TrainConfig, run: Run, progress: bool) -> Run:
         log.info("resuming %s from step %d", run_dir, start)
     _truncate_metrics(run_dir / "metrics.jsonl", start)
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
-    metrics_file = open(run_dir / "metrics.jsonl", "a")
+    metrics_file = MetricsLog(run_dir / "metrics.jsonl", make_sinks(track, run_dir, cfg.to_dict()))
     try:
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
                    desc=run_dir.name, leave=False)
         for step in bar:
             if step % cfg.eval_every == 0:
-                _log(metrics_file, {"step": step, "kind": "eval", **evaluate(model, eval_data, task)})
+                metrics_file.log({"step": step, "kind": "eval", **evaluate(model, eval_data, task)})
             idx = order(step).to(device)
             loss = train_step(model, opt, train_data["tokens"][idx], train_data["loss_mask"][idx])
             if (step + 1) % cfg.log_every == 0:
-                _log(metrics_file, {"step": step + 1, "kind": "train", "loss": loss.item()})
+                metrics_file.log({"step": step + 1, "kind": "train", "loss": loss.item()})
                 bar.set_postfix(loss=f"{loss.item():.4f}")
             if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
                 metrics_file.flush()
                 save_state(run_dir / "ckpt" / f"step_{step + 1:06d}.safetensors", model, opt,
                            {"step": step + 1, "config_hash": cfg.hash()})
         final = evaluate(model, eval_data, task)
-        _log(metrics_file, {"step": cfg.steps, "kind": "eval", **final})
+        metrics_file.log({"step": cfg.steps, "kind": "eval", **final})
     finally:
         metrics_file.close()
     save_state(run_dir / "model.safetensors", model, opt, {"step": cfg.steps, "config_hash": cfg.hash()})
@@ -301,10 +305,6 @@ def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Adam:
     fused = next(model.parameters()).device.type in ("cpu", "cuda")
     return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
                             fused=fused)
-
-
-def _log(f, record: dict):
-    f.write(json.dumps(record) + "\n")
 
 
 def _truncate_metrics(path: Path, step: int):

@@ -529,3 +529,27 @@ def test_disk_full_leaves_earlier_result_intact(tmp_path, monkeypatch):
         write_json(path, {"v": 2})
     assert json.loads(path.read_text()) == {"v": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # no half-written temporary file
+
+
+def test_tracking_sinks_get_every_metric_record(tmp_path):
+    class Recorder:
+        def __init__(self):
+            self.records, self.closed = [], False
+
+        def log(self, record):
+            self.records.append(record)
+
+        def close(self):
+            self.closed = True
+
+    rec = Recorder()
+    run = train(TINY, tmp_path / "run", progress=False, track=[rec])
+    assert rec.records == run.metrics() and rec.closed
+    with pytest.raises(ValueError, match="unknown tracking sink"):
+        train(TINY, tmp_path / "other", progress=False, track=["mlflow"])
+
+
+def test_tensorboard_sink_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    run = train(TINY, tmp_path / "run", progress=False, track=["tensorboard"])
+    assert list((run.dir / "tensorboard").glob("events.out.tfevents.*"))
