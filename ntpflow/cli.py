@@ -78,24 +78,15 @@ def cmd_attribute(args) -> int:
     return 0
 
 
-# experiment -> (module in ntpflow.experiments with its run function, report module with write_report)
-EXPERIMENTS = {"toy": ("toy", "run_toy", "toy_report")}
-
-
 def cmd_reproduce(args) -> int:
-    import importlib
-    import inspect
+    from .experiments.report_all import run_all, run_experiment
 
-    if args.experiment not in EXPERIMENTS:
-        raise ValueError(f"unknown experiment {args.experiment!r}; available: {', '.join(EXPERIMENTS)}")
-    module, fn, report_module = EXPERIMENTS[args.experiment]
-    run = getattr(importlib.import_module(f"ntpflow.experiments.{module}"), fn)
-    write_report = importlib.import_module(f"ntpflow.experiments.{report_module}").write_report
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
     options = {"workers": args.workers, "device": args.device or "auto", "progress": not args.quiet}
-    accepted = inspect.signature(run).parameters
-    run(args.scale, out, **{k: v for k, v in options.items() if k in accepted and v is not None})
-    print(write_report(out))
+    if args.experiment == "all":
+        print(run_all(args.scale, out, **options))
+    else:
+        print(run_experiment(args.experiment, args.scale, out, **options))
     return 0
 
 
@@ -184,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("reproduce", help="reproduce an experiment of the paper and write its report",
                         epilog="example: ntpflow reproduce toy --scale small --out results/toy-small",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    rp.add_argument("experiment", help="toy | othello | stories")
+    rp.add_argument("experiment", help="toy | othello | stories | all (every experiment and one report.html)")
     rp.add_argument("--scale", default="smoke", help="smoke (CI, minutes) | small (~1 h on 2 cores) | paper")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")

@@ -1,7 +1,8 @@
 """Shared pieces of the experiment reports: statistics, number formatting, figures and the md/html document.
 
-A document is a list of blocks: ``("h1"|"h2"|"p", text)``, ``("table", header, rows, html_id)`` and
-``("fig", name, caption)``. ``to_markdown`` and ``to_html`` render it; the HTML is self-contained (PNGs as base64
+A document is a list of blocks: ``("h1"|"h2"|"p", text)`` or ``("h2", text, html_id)``, ``("nav", [(text,
+href), ...])``, ``("table", header, rows, html_id)`` and ``("fig", name, caption)`` (``name`` = a figure stem, or
+``"<experiment>/<stem>"`` in the combined report). ``to_markdown`` and ``to_html`` render it; the HTML is self-contained (PNGs as base64
 data URIs, inline CSS), and a table column named ``verdict`` is coloured by its value.
 """
 
@@ -149,6 +150,12 @@ def _md_cell(s: str) -> str:
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
+def _figure_path(name: str) -> str:
+    """``figures/<name>`` for a report's own figure, ``<experiment>/figures/<stem>`` for ``"<experiment>/<stem>"``."""
+    folder, _, stem = name.rpartition("/")
+    return f"{folder}/figures/{stem}" if folder else f"figures/{stem}"
+
+
 def to_markdown(blocks) -> str:
     out = []
     for blk in blocks:
@@ -164,10 +171,12 @@ def to_markdown(blocks) -> str:
             lines = ["| " + " | ".join(_md_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
             lines += ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in rows]
             out.append("\n".join(lines))
+        elif kind == "nav":
+            out.append(" · ".join(f"[{text}]({href})" for text, href in blk[1]))
         elif kind == "fig":
             _, name, caption = blk
-            out.append(f"![{name}](figures/{name}.png)\n\n*{caption}* (vector: [figures/{name}.svg]"
-                       f"(figures/{name}.svg))")
+            path = _figure_path(name)
+            out.append(f"![{name}]({path}.png)\n\n*{caption}* (vector: [{path}.svg]({path}.svg))")
     return "\n\n".join(out) + "\n"
 
 
@@ -194,7 +203,10 @@ def to_html(blocks, pngs: dict[str, bytes]) -> str:
     for blk in blocks:
         kind = blk[0]
         if kind in ("h1", "h2", "p"):
-            out.append(f"<{kind}>{e(blk[1])}</{kind}>")
+            anchor = f' id="{e(blk[2])}"' if len(blk) > 2 else ""
+            out.append(f"<{kind}{anchor}>{e(blk[1])}</{kind}>")
+        elif kind == "nav":
+            out.append("<nav>" + " · ".join(f'<a href="{e(href)}">{e(text)}</a>' for text, href in blk[1]) + "</nav>")
         elif kind == "table":
             _, header, rows, tid = blk
             t = [f'<table id="{e(tid)}">' if tid else "<table>",
