@@ -32,9 +32,9 @@ Extra sections:
              layer-major order, so small N are all layer-0 sites (VJPs through the embedding only: cheap);
              ``spread``: N sites spread evenly over that list. Both: ``--curve-order layer,spread``.
     profile  (``--profile``) one extra tracked step with an exclusive-time breakdown by phase (forwards,
-             decomposition cotangent passes, batched VJP backwards, Adam bookkeeping, dot products/rest) from
+             decomposition cotangent passes, per-site passes and their VJP backwards, Adam bookkeeping, dot products/rest) from
              wrapping ntpflow's functions in this process, torch.profiler top ops, cProfile top entries, and
-             standalone timings of ``decompose`` alone and of the risk VJPs alone (batched and looped).
+             standalone timings of ``decompose`` alone and of the risk VJPs alone.
 
 Usage:
     python benchmarks/bench_attribution.py [--repeats 3] [--ref-repeats 1] [--skip-reference]
@@ -527,6 +527,10 @@ def profile_section(args, tokens, mask) -> list[str]:
         (influence, "decompose_with_vjps", "decomposition + risk VJPs"),  # newer ntpflow: one shared VJP pass
         (influence, "sites_vjp", "risk VJPs"),
         (influence, "site_vjp", "risk VJPs: batched backward"),  # older ntpflow
+        (attribution.SitePasses, "run", lambda top: "site passes (decomposition + risk VJPs)"
+         if top == "track" else f"{ctx(top)}: site passes"),  # ntpflow >= shared site passes
+        (attribution, "_cotangent_pass", lambda top: f"{ctx(top)}: ∂L/∂r and myopic ∂L_i/∂r_i passes"),
+        (attribution, "vjp_rows", lambda top: f"{ctx(top)}: VJP backwards"),
         (attribution, "resid_cotangents", lambda top: f"{ctx(top)}: ∂L/∂r and myopic ∂L_i/∂r_i passes"),
         (attribution, "sites_vjp", lambda top: f"{ctx(top)}: site VJPs"),
         (attribution, "site_vjp", lambda top: f"{ctx(top)}: batched VJP backward"),
@@ -566,21 +570,6 @@ def profile_section(args, tokens, mask) -> list[str]:
     t0 = time.perf_counter()
     attribution.sites_vjp(model, tokens, reqs, myopic="none")
     extra.append(f"| sites_vjp() of the risk cotangents alone | {len(reqs)} | {(time.perf_counter() - t0) * 1e3:.0f} |")
-    batched = attribution.site_vjp
-
-    def looped(resid, params, cotangents):  # what site_vjp's own fallback does: one ordinary backward per row
-        return torch.stack([attribution.flat_grads(torch.autograd.grad(resid, params, grad_outputs=c, retain_graph=True,
-                                                                       allow_unused=True), params) for c in cotangents])
-
-    attribution.site_vjp = looped
-    try:
-        t0 = time.perf_counter()
-        attribution.sites_vjp(model, tokens, reqs, myopic="none")
-        dt = time.perf_counter() - t0
-    finally:
-        attribution.site_vjp = batched
-    extra.append(f"| same with site_vjp's loop path (ordinary backward per request, no vmap) | {len(reqs)} | "
-                 f"{dt * 1e3:.0f} |")
     t0 = time.perf_counter()
     train_step(model, opt, tokens, mask)
     extra.append(f"| (plain train_step, for scale) | - | {(time.perf_counter() - t0) * 1e3:.0f} |")
@@ -588,7 +577,8 @@ def profile_section(args, tokens, mask) -> list[str]:
     phases = dict(ph.acc)
     phases[f"track() itself: SGD deltas, {8 * len(probes)} dot products + .item(), rows"] = phases.pop("track", 0.0)
     for name in list(phases):  # self time of a wrapper with inner phases
-        if name.endswith("site VJPs") or name in ("decomposition", "decomposition + risk VJPs", "risk VJPs"):
+        if name.endswith(("site VJPs", "site passes")) or name in ("decomposition", "decomposition + risk VJPs",
+                                                                    "risk VJPs"):
             phases[f"{name}: cotangent assembly, stacking, other"] = phases.pop(name)
     out = [(f"profiled tracked step (track() only, {len(tracker.sites)} sites, {len(probes)} probes): "
            f"{total * 1e3:.0f} ms (the profilers add some overhead; load average {os.getloadavg()[0]:.2f})"), "",
@@ -597,14 +587,15 @@ def profile_section(args, tokens, mask) -> list[str]:
         out.append(f"| {k} | {v * 1e3:.0f} | {100 * v / total:.1f}% |")
     groups = {
         "decomposition alone (all)": lambda k: ctx(k) == "decomposition",
-        "decomposition + risk VJPs in shared passes (all)": lambda k: ctx(k) == "decomposition + risk VJPs",
+        "decomposition + risk VJPs in shared passes (all)": lambda k: ctx(k) in ("decomposition + risk VJPs",
+                                                                                  "site passes (decomposition + risk VJPs)"),
         "risk VJPs alone (all)": lambda k: ctx(k) == "risk VJPs",
         "Adam bookkeeping": lambda k: k.startswith("Adam"),
         "risk values and cotangents": lambda k: k.startswith("risk values"),
         "forwards in track() itself (θ*, θ)": lambda k: k.startswith("forwards"),
         "track() itself (SGD deltas, dots, rows)": lambda k: k.startswith("track()"),
         "all forwards": lambda k: "forwards" in k,
-        "all batched VJP backwards": lambda k: "batched" in k and "backward" in k,
+        "all VJP backwards": lambda k: "VJP backward" in k,
         "all ∂L/∂r and myopic cotangent passes (backwards only)": lambda k: "∂L/∂r" in k,
     }
     out += ["", "| grouped | ms | share |", "|---|---:|---:|"]

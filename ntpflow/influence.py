@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attribution import decompose, flat_grads, sites_vjp
+from .attribution import SitePasses, flat_grads
 from .model import GPT
 from .sites import Site
 
@@ -106,35 +106,44 @@ class InfluenceTracker:
               loss_mask: torch.Tensor | None = None, feature_types: dict[str, torch.Tensor] | None = None
               ) -> list[dict]:
         """Influence rows for this step (see class docstring). ``feature_types`` maps a probe name to int
-        [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks."""
+        [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks.
+
+        How: per site, one prefix graph serves the site's decomposition VJPs and the VJPs ∇θR of its risks (in a
+        non-myopic model; a myopic one also builds the ordinary graph). The influences are then one product
+        ∇θR · [g_direct, g_pre, g_full, Adam Δ_direct, Adam Δ_pre, Adam Δ_full]ᵀ per site; the shared parts follow
+        as full − direct − pre. No delta vector is materialised per component.
+        """
         kind, group = _check_optimizer(opt)
         params = list(model.parameters())
+        passes = SitePasses(model, tokens, self.sites, loss_mask)  # forward + the two cotangent passes
         with torch.no_grad():
             _, frozen = self.final_model(tokens, return_resid=True, myopic="none")
-            _, resid = model(tokens, return_resid=True, myopic="none")
+            resid = passes.resid if model.myopic == "none" else model(tokens, return_resid=True, myopic="none")[1]
         risks = self.risk_cotangents(resid, frozen, feature_types)
-        comps = decompose(model, tokens, self.sites, loss_mask)
-        g_full = next(iter(comps.values())).full
+        g_full = passes.full
         lr = group["lr"]
-        keys = [("sgd", c) for c in COMPONENTS]
+        # rows of D: g_direct, g_pre, g_full (SGD: Δ = lr·g), then Adam Δ_direct, Δ_pre, Δ_full (per-site rows 0, 1,
+        # 3, 4 are rewritten for every site)
+        D = g_full.new_empty((6 if kind == "adam" else 3, passes.n_params))
+        D[2] = g_full
         if kind == "adam":
-            keys += [("adam", c) for c in COMPONENTS]
-            scale, step_full = self._adam_scale(opt, group, params, g_full)
+            scale, D[5] = self._adam_scale(opt, group, params, g_full)
         rows = [self._row(p, t, "risk", "none", risk) for p, t, risk, _ in risks]
         for site in self.sites:  # one site at a time bounds memory
-            c = comps[site]
-            deltas = [lr * c.direct, lr * c.pre_cached, lr * c.shared, lr * c.full]
-            if kind == "adam":
-                d_dir = scale * self._moment(f"{site.layer}:{site.pos}:direct", c.direct, group)
-                d_pre = scale * self._moment(f"{site.layer}:{site.pos}:pre_cached", c.pre_cached, group)
-                deltas += [d_dir, d_pre, step_full - d_dir - d_pre, step_full]
             idx = [n for n, (p, *_) in enumerate(risks) if p.site == site]
-            # ∇R of this site's risks, in the true (non-myopic) graph
-            grads_r = sites_vjp(model, tokens, [(site, risks[n][3]) for n in idx], myopic="none")
-            values = (grads_r @ torch.stack(deltas).T).tolist()  # [n_risks, n_keys]
-            for n, vals in zip(idx, values):
+            _, grads_r = passes.run(site, out=D[0:2], extra=torch.stack([risks[n][3] for n in idx]) if idx else None)
+            if kind == "adam":
+                for row, comp in ((0, "direct"), (1, "pre_cached")):
+                    torch.mul(scale, self._moment(f"{site.layer}:{site.pos}:{comp}", D[row], group), out=D[row + 3])
+            if not idx:
+                continue
+            values = (grads_r @ D.T).tolist()  # [n_risks, 3 or 6]: ∇R · (g_dir, g_pre, g_full[, Adam deltas])
+            for n, v in zip(idx, values):
                 p, t = risks[n][0], risks[n][1]
-                rows += [self._row(p, t, comp, o, v) for (o, comp), v in zip(keys, vals)]
+                dv, pv, fv = lr * v[0], lr * v[1], lr * v[2]
+                rows += [self._row(p, t, c, "sgd", x) for c, x in zip(COMPONENTS, (dv, pv, fv - dv - pv, fv))]
+                if kind == "adam":
+                    rows += [self._row(p, t, c, "adam", x) for c, x in zip(COMPONENTS, (v[3], v[4], v[5] - v[3] - v[4], v[5]))]
         self.step += 1
         return rows
 
@@ -142,8 +151,11 @@ class InfluenceTracker:
         """Update and return the first moment ``key``: m ← β1·m + (1−β1)·g (zero-initialised)."""
         beta1 = group["betas"][0]
         m = self.moments.get(key)
-        self.moments[key] = (1 - beta1) * g if m is None else beta1 * m + (1 - beta1) * g
-        return self.moments[key]
+        if m is None:
+            self.moments[key] = m = (1 - beta1) * g
+        else:
+            m.mul_(beta1).add_((1 - beta1) * g)  # in place, same rounding as β1·m + (1−β1)·g
+        return m
 
     def _adam_scale(self, opt, group, params, g_full):
         """(per-parameter step scale lr/(1−β1^t)/(sqrt(v̂)+eps) [n_params], the real Adam step [n_params]).
