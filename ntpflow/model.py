@@ -118,7 +118,7 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor, groups: "Groups") -> torch.Tensor:
         """x [batch, pos, d_in], groups: None (single group), a slice or an index [pos] -> [batch, pos, d_out]."""
         if groups is None:
-            return F.linear(x, self.weight[0], self.bias[0])
+            return F.linear(x, self.weight.squeeze(0), self.bias.squeeze(0))
         w = take_groups(self.weight, groups)  # [pos, d_out, d_in]
         y = torch.baddbmm(take_groups(self.bias, groups).unsqueeze(1), x.transpose(0, 1), w.transpose(1, 2))  # [pos, batch, out]
         return y.transpose(0, 1)
@@ -137,7 +137,7 @@ class GroupedLayerNorm(nn.Module):
     def normalize(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
         """x [batch, pos, d] -> [batch, pos, d], without calling the hook."""
         if groups is None:
-            return F.layer_norm(x, x.shape[-1:], self.weight[0], self.bias[0], self.eps)
+            return F.layer_norm(x, x.shape[-1:], self.weight.squeeze(0), self.bias.squeeze(0), self.eps)
         return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * take_groups(self.weight, groups) + take_groups(self.bias, groups)
 
     def forward(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
@@ -319,7 +319,7 @@ class GPT(nn.Module):
                 resid = self.blocks[k](resid, groups, mode)
         x = self.ln_final(resid, groups)
         if groups is None:
-            logits = x @ self.wte[0].T
+            logits = x @ self.wte.squeeze(0).T
         else:
             logits = torch.bmm(x.transpose(0, 1), take_groups(self.wte, groups).transpose(1, 2)).transpose(0, 1)
         return (logits, resids) if return_resid else logits
@@ -328,7 +328,7 @@ class GPT(nn.Module):
         """tokens [batch, pos] -> resid[0] = token + position embedding [batch, pos, d_model]."""
         t = tokens.shape[1]
         if groups is None:
-            tok, pe = F.embedding(tokens, self.wte[0]), self.wpe[0, :t]
+            tok, pe = F.embedding(tokens, self.wte.squeeze(0)), self.wpe.squeeze(0)[:t]
         else:
             # flat lookups: F.embedding's backward is deterministic, advanced indexing's is not
             n_groups, vocab, d = self.wte.shape
