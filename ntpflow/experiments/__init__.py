@@ -7,4 +7,5 @@ resumable; every report reads only ``out``.
 
 EXPERIMENTS = {
     "toy": ("toy", "run_toy", "toy_report"),
+    "othello": ("othello", "run_othello", "othello_report"),
 }

@@ -1,0 +1,254 @@
+"""The OthelloGPT reproduction: the smoke scale end to end (structure and resumability, no paper result asserted),
+the 3-way classifier probe against an independent sklearn computation, and the report's statistics on a hand-made
+data.json."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from _util import all_numbers
+
+from ntpflow.experiments.othello import CENTRAL_SQUARES, SCALES, run_othello
+from ntpflow.experiments.othello_probes import (
+    ClassifierProbes,
+    board_classes,
+    fit_classifier,
+)
+from ntpflow.experiments.othello_report import slope, summarize, write_report
+
+VERDICTS = ("reproduced", "not reproduced", "inconclusive")
+
+
+# ---------------------------------------------------------------------------------------------------- smoke, end to end
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("othello") / "smoke"
+    assert run_othello("smoke", out, device="cpu", progress=False) == out
+    return out
+
+
+def test_smoke_files_and_schema(smoke):
+    for name in ("data.json", "summary.json", "report.md", "report.html", "timings.json"):
+        assert (smoke / name).exists(), name
+    for fig in ("training", "probe_by_layer", "probe_by_move", "gap", "influence_bars", "influence_curves"):
+        assert (smoke / "figures" / f"{fig}.png").exists() and (smoke / "figures" / f"{fig}.svg").exists(), fig
+    run = smoke / "run"
+    for name in ("DONE", "model.safetensors", "probes/probes.json", "probes_init/probes.json", "classifier_final.json",
+                 "classifier_init.json", "attribution/influence.parquet"):
+        assert (run / name).exists(), name
+
+    data = json.loads((smoke / "data.json").read_text())
+    for key in ("scale", "config", "sites", "squares", "run", "eval_curve", "probes", "influence", "curves"):
+        assert key in data, key
+    assert data["scale"] == "smoke" and 0.0 <= data["run"]["legal_acc"] <= 1.0
+    scale = SCALES["smoke"]
+    assert {tuple(s) for s in data["sites"]} == {(s.layer, s.pos) for s in scale.sites}
+    combos = {(r["weights"], r["metric"]) for r in data["probes"]}
+    assert combos == {(w, m) for w in ("final", "init") for m in ("r", "acc")}
+    assert all(len(r["values"]) == 64 for r in data["probes"])
+    types = {r["type"] for r in data["probes"]}
+    assert {"all", "useless", "useful"} <= types
+    assert {r["square"] for r in data["influence"]} == set(scale.squares)
+    assert {"useful", "useless", "all"} <= {r["type"] for r in data["influence"]}
+    assert {"direct", "pre_cached", "shared", "full"} <= {r["component"] for r in data["influence"]}
+    assert all(math.isfinite(r["total"]) for r in data["influence"])
+    # the components add up to the full step, per unit
+    tot = {(r["layer"], r["pos"], r["square"], r["type"], r["component"]): r["total"] for r in data["influence"]}
+    for (k, p, sq, t, c), v in tot.items():
+        if c == "full":
+            parts = sum(tot[(k, p, sq, t, x)] for x in ("direct", "pre_cached", "shared"))
+            assert parts == pytest.approx(v, rel=1e-6, abs=1e-9)
+
+    summary = json.loads((smoke / "summary.json").read_text())
+    assert all(math.isfinite(x) for x in all_numbers(summary))
+    claims = summary["claims"]
+    assert [c["id"] for c in claims] == ["i", "ii", "iii", "iv"]
+    assert all(c["verdict"] in VERDICTS and c["measured"] for c in claims)
+    html = (smoke / "report.html").read_text()
+    assert 'id="claims"' in html and 'id="influence"' in html
+    md = (smoke / "report.md").read_text()
+    assert "NOT the paper's setting" in md and "positive = the component moved the feature toward its final value" in md
+
+
+def test_second_call_does_not_redo_stages(smoke):
+    run = smoke / "run"
+    watched = [run / "model.safetensors", run / "probes" / "probes.safetensors", run / "probes_init" /
+               "probes.safetensors", run / "classifier_final.safetensors", run / "classifier_init.safetensors",
+               run / "attribution" / "influence.parquet", smoke / "timings.json"]
+    mtimes = {p: p.stat().st_mtime_ns for p in watched}
+    before = {p: p.read_bytes() for p in (smoke / "report.md", smoke / "summary.json", smoke / "data.json")}
+    run_othello("smoke", smoke, device="cpu", progress=False)
+    assert {p: p.stat().st_mtime_ns for p in watched} == mtimes
+    for p, content in before.items():
+        assert p.read_bytes() == content, p.name
+
+
+def test_bad_scale_is_a_clean_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown scale"):
+        run_othello("huge", tmp_path / "x")
+
+
+def test_scales_track_central_squares():
+    assert len(CENTRAL_SQUARES) == 16 and CENTRAL_SQUARES[0] == "sq_C3" and CENTRAL_SQUARES[-1] == "sq_F6"
+    paper = SCALES["paper"]
+    assert paper.squares == CENTRAL_SQUARES
+    assert {(s.layer, s.pos) for s in paper.sites} == {(k, p) for k in range(1, 7) for p in range(4, 57, 4)}
+    assert paper.train["n_layer"] == 6 and paper.train["d_model"] == 256 and paper.train["batch_size"] == 1024
+    assert SCALES["small"].squares == CENTRAL_SQUARES
+
+
+# ---------------------------------------------------------------------------------------------------- classifier
+
+
+def _synthetic(seed=0, L1=2, n=200, T=3, d=6, F=3):
+    g = np.random.default_rng(seed)
+    resid = g.normal(size=(L1, n, T, d))
+    score = resid[-1, :, :, :F] + 0.4 * g.normal(size=(n, T, F))  # the last layer predicts the class best
+    feats = np.where(score > 0.5, 1.0, np.where(score < -0.5, -1.0, 0.0))
+    types = g.integers(0, 3, size=(n, T, F))
+    return resid, feats, types
+
+
+def test_classifier_matches_sklearn():
+    from sklearn.linear_model import Ridge
+
+    resid, feats, types = _synthetic()
+    L1, n, T, _ = resid.shape
+    F = feats.shape[2]
+    got = fit_classifier(torch.tensor(resid), torch.tensor(feats), alpha=1.0, train_frac=0.7,
+                         feature_types=torch.tensor(types), pos_chunk=2)
+    n_tr = math.floor(0.7 * n)
+    cls = np.where(feats == 1, 1, np.where(feats == -1, 2, 0))
+    assert np.isnan(got.acc[:, 0].numpy()).all()  # position 0 is not probed
+    for k in range(L1):
+        for p in range(1, T):
+            X = resid[k, :, p]
+            Y = np.concatenate([np.eye(3)[cls[:, p, f]] for f in range(F)], axis=1)
+            pred = Ridge(alpha=1.0).fit(X[:n_tr], Y[:n_tr]).predict(X[n_tr:]).reshape(n - n_tr, F, 3).argmax(-1)
+            hit = pred == cls[n_tr:, p]
+            np.testing.assert_allclose(got.acc[k, p].numpy(), hit.mean(0), atol=1e-12)
+            for t in (0, 1, 2):
+                m = types[n_tr:, p] == t
+                want = np.array([hit[m[:, f], f].mean() if m[:, f].any() else np.nan for f in range(F)])
+                np.testing.assert_allclose(got.acc_by_type[t][k, p].numpy(), want, atol=1e-12)
+                np.testing.assert_array_equal(got.count_by_type[t][p].numpy(), m.sum(0))
+    assert got.acc[1, 1:].mean() > got.acc[0, 1:].mean()  # the informative layer is decoded better
+
+
+def test_classifier_separable_case_is_perfect(tmp_path):
+    g = np.random.default_rng(1)
+    n, T = 90, 4
+    cls = g.integers(0, 3, size=(n, T, 2))
+    resid = np.eye(3)[cls].reshape(n, T, 6)[None] * 5.0  # one-hot of both squares' classes: separable
+    feats = np.choose(cls, [0.0, 1.0, -1.0])
+    got = fit_classifier(torch.tensor(resid), torch.tensor(feats), alpha=1e-3, positions=[1, 3])
+    assert torch.equal(got.acc[0, [1, 3]], torch.ones(2, 2, dtype=torch.float64))
+    assert torch.isnan(got.acc[0, [0, 2]]).all()
+    got.save(tmp_path / "c.safetensors")
+    back = ClassifierProbes.load(tmp_path / "c.safetensors")
+    assert torch.equal(back.acc.nan_to_num(-1), got.acc.nan_to_num(-1)) and back.positions == (1, 3)
+
+
+def test_classifier_input_errors():
+    with pytest.raises(ValueError, match="board features"):
+        board_classes(torch.tensor([0.0, 0.5]))
+    with pytest.raises(ValueError, match="resid must be"):
+        fit_classifier(torch.zeros(2, 3, 4), torch.zeros(3, 4, 1))
+    with pytest.raises(ValueError, match="features must be"):
+        fit_classifier(torch.zeros(1, 10, 3, 2), torch.zeros(10, 4, 1))
+
+
+# ---------------------------------------------------------------------------------------------------- report statistics
+
+
+def _hand_data():
+    """2 blocks, positions 1..3, 4 squares. Ridge r: useful = 0.5 + 0.1·layer + 0.01·pos, useless = 0.5 − 0.05·j;
+    the gap grows with layer and position. Influence totals chosen per cell (see the test)."""
+    probes = []
+    for w in ("final", "init"):
+        for k in range(3):
+            for p in (1, 2, 3):
+                useful = [0.5 + 0.1 * k + 0.01 * p] * 4 if w == "final" else [0.1] * 4
+                useless = [0.5 - 0.05 * j for j in range(4)] if w == "final" else [0.1] * 4
+                for metric in ("r", "acc"):
+                    probes.append({"weights": w, "metric": metric, "type": "useful", "layer": k, "pos": p,
+                                   "values": useful})
+                    probes.append({"weights": w, "metric": metric, "type": "useless", "layer": k, "pos": p,
+                                   "values": useless})
+                    probes.append({"weights": w, "metric": metric, "type": "all", "layer": k, "pos": p,
+                                   "values": [0.5, 0.5, None, 0.5]})
+    vals = {("direct", "useful"): [2.0, 3.0, 4.0], ("direct", "useless"): [-1.0, 0.0, 1.0],
+            ("pre_cached", "useful"): [0.0, 0.0, 0.0], ("pre_cached", "useless"): [-4.0, -3.0, -2.0],
+            ("shared", "useful"): [1.0, 1.0, 4.0], ("shared", "useless"): [0.0, 1.0, 2.0]}
+    influence = []
+    for (c, t), xs in vals.items():
+        for i, x in enumerate(xs):
+            influence.append({"layer": 1, "pos": 10 + i, "square": "sq_C3", "type": t, "component": c, "total": x,
+                              "n_steps": 5})
+    for t in ("useful", "useless"):
+        for i in range(3):
+            full = sum(vals[(c, t)][i] for c in ("direct", "pre_cached", "shared"))
+            influence.append({"layer": 1, "pos": 10 + i, "square": "sq_C3", "type": t, "component": "full",
+                              "total": full, "n_steps": 5})
+    return {"scale": "hand", "seed": 0, "config": {"n_layer": 2, "steps": 5}, "sites": [[1, 10], [1, 11], [1, 12]],
+            "squares": ["sq_C3"], "run": {"legal_acc": 0.9, "first_acc": 1.0, "eval_loss": 2.0},
+            "eval_curve": [{"step": 0, "legal_acc": 0.1, "first_acc": 0.2, "eval_loss": 4.0},
+                           {"step": 5, "legal_acc": 0.9, "first_acc": 1.0, "eval_loss": 2.0}],
+            "train_curve": [{"step": 5, "loss": 2.0}], "probes": probes, "influence": influence,
+            "curves": [{"step": 5, "type": "useful", "component": "direct", "mean_cumulative": 2.0}],
+            "timings": {"train": 10.0, "attribution": 50.0}}
+
+
+def test_report_statistics_on_hand_made_data(tmp_path):
+    s = summarize(_hand_data())
+    t975_2 = 4.302652729911275  # Student t, 0.975 quantile, 2 degrees of freedom
+    d = s["influence"]["direct/useful"]
+    assert d["n"] == 3 and d["mean"] == pytest.approx(3.0) and d["sd"] == pytest.approx(1.0)
+    assert d["lo"] == pytest.approx(3.0 - t975_2 / math.sqrt(3)) and d["hi"] == pytest.approx(3.0 + t975_2 / math.sqrt(3))
+    assert s["influence"]["full/useful"]["mean"] == pytest.approx(3.0 + 0.0 + 2.0)
+    assert s["influence"]["direct/useful"]["paper"] == [2.85, 12.38]
+    # gap at layer k (final): useful − useless = 0.1k + 0.02 (mean over pos 1..3) + 0.05 j, per square j
+    g1 = next(g for g in s["gap_by_layer"] if g["metric"] == "r" and g["weights"] == "final" and g["layer"] == 1)
+    assert g1["n"] == 4 and g1["mean"] == pytest.approx(0.1 + 0.02 + 0.05 * 1.5)
+    sl = s["gap_slopes"]["r/final"]
+    assert sl["per_layer"]["mean"] == pytest.approx(0.1) and sl["per_move"]["mean"] == pytest.approx(0.01)
+    g0 = next(g for g in s["gap_by_layer"] if g["metric"] == "r" and g["weights"] == "init" and g["layer"] == 2)
+    assert g0["mean"] == pytest.approx(0.0)
+    # 'all' ignores the null square
+    pa = next(r for r in s["probe_by_layer"] if r["metric"] == "r" and r["type"] == "all" and r["layer"] == 0)
+    assert pa["n"] == 3 and pa["mean"] == pytest.approx(0.5)
+    assert s["step_times"] == {"train_s_per_step": 2.0, "tracked_s_per_step": 10.0}
+
+    verdicts = {c["id"]: c["verdict"] for c in s["claims"]}
+    # (i) positive at layers 1, 2, slopes constant across squares (sd 0 → CI collapses to the mean) > 0
+    assert verdicts["i"] == "reproduced"
+    assert verdicts["ii"] == "reproduced"  # useful [2,3,4]: CI lower bound > 0; useless [-1,0,1] contains 0
+    assert verdicts["iii"] == "not reproduced"  # useless pre-caching [-4,-3,-2]: CI upper bound < 0
+    assert verdicts["iv"] == "inconclusive"  # useful shared [1,1,4] CI contains 0
+
+    (tmp_path / "data.json").write_text(json.dumps(_hand_data()))
+    md = write_report(tmp_path)
+    text = md.read_text()
+    assert "| direct |" in text and "[2.85, 12.38]" in text and "NOT the paper's setting" in text
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [c["verdict"] for c in summary["claims"]] == ["reproduced", "reproduced", "not reproduced", "inconclusive"]
+
+
+def test_report_missing_data_is_inconclusive(tmp_path):
+    s = summarize({"scale": "empty"})
+    assert [c["verdict"] for c in s["claims"]] == ["inconclusive"] * 4
+    with pytest.raises(FileNotFoundError, match="missing file"):
+        write_report(tmp_path)
+    (tmp_path / "data.json").write_text("{not json")
+    with pytest.raises(ValueError, match="corrupted JSON"):
+        write_report(tmp_path)
+
+
+def test_slope():
+    assert slope([1, 2, 3], [1.0, 3.0, 5.0]) == pytest.approx(2.0)
+    assert slope([1, 2, 3], [1.0, None, 5.0]) == pytest.approx(2.0)
+    assert slope([1], [1.0]) is None
