@@ -69,6 +69,9 @@ class InfluenceTracker:
                 raise ValueError(f"probe {p.name} at {p.site} has shape {tuple(p.w.shape)}, expected ({d},)")
         self.moments: dict[str, torch.Tensor] = {}  # "full" and "{layer}:{pos}:{component}" first moments
         self.step = 0
+        # a site with more risks than this uses directional derivatives (SitePasses.jvp) instead of one VJP per
+        # risk; None: twice the number of update directions (where the two cost about the same on CPU)
+        self.jvp_min_risks: int | None = None
 
     # ---- state for resuming ----
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -109,7 +112,8 @@ class InfluenceTracker:
         [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks.
 
         How: per site, one prefix graph serves the site's decomposition VJPs and the VJPs ∇θR of its risks (in a
-        non-myopic model; a myopic one also builds the ordinary graph). The influences are then one product
+        non-myopic model; a myopic one also builds the ordinary graph). A site with many risks (more than
+        ``jvp_min_risks``) instead takes directional derivatives of its residual along the update directions. The influences are then one product
         ∇θR · [g_direct, g_pre, g_full, Adam Δ_direct, Adam Δ_pre, Adam Δ_full]ᵀ per site; the shared parts follow
         as full − direct − pre. No delta vector is materialised per component.
         """
@@ -131,13 +135,20 @@ class InfluenceTracker:
         rows = [self._row(p, t, "risk", "none", risk) for p, t, risk, _ in risks]
         for site in self.sites:  # one site at a time bounds memory
             idx = [n for n, (p, *_) in enumerate(risks) if p.site == site]
-            _, grads_r = passes.run(site, out=D[0:2], extra=torch.stack([risks[n][3] for n in idx]) if idx else None)
+            cots = torch.stack([risks[n][3] for n in idx]) if idx else None  # [n_risks, batch, d_model]
+            threshold = 2 * len(D) if self.jvp_min_risks is None else self.jvp_min_risks
+            by_jvp = len(idx) > threshold
+            _, grads_r = passes.run(site, out=D[0:2], extra=None if by_jvp else cots)
             if kind == "adam":
                 for row, comp in ((0, "direct"), (1, "pre_cached")):
                     torch.mul(scale, self._moment(f"{site.layer}:{site.pos}:{comp}", D[row], group), out=D[row + 3])
             if not idx:
                 continue
-            values = (grads_r @ D.T).tolist()  # [n_risks, 3 or 6]: ∇R · (g_dir, g_pre, g_full[, Adam deltas])
+            if by_jvp:  # ∇R·δ = e·(Jδ): len(D) passes instead of one per risk
+                grads_r, D_site = cots.flatten(1), passes.jvp(site, D).flatten(1)
+            else:
+                D_site = D
+            values = (grads_r @ D_site.T).tolist()  # [n_risks, 3 or 6]: ∇R · (g_dir, g_pre, g_full[, Adam deltas])
             for n, v in zip(idx, values):
                 p, t = risks[n][0], risks[n][1]
                 dv, pv, fv = lr * v[0], lr * v[1], lr * v[2]

@@ -122,15 +122,21 @@ def _risk_grad(model, final, probe, tokens):
     return flat_grads(torch.autograd.grad(risk, params, allow_unused=True), params)
 
 
+# risk path: one VJP per risk, or directional derivatives along the update directions (jvp_min_risks=0)
+RISK_PATHS = {"vjp": 10**9, "jvp": 0}
+
+
+@pytest.mark.parametrize("risk_path", RISK_PATHS)
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 @pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}, {"position_groups": split_groups(T, 3)}])
-def test_influence_of_full_step_is_real_step(opt_name, kw):
+def test_influence_of_full_step_is_real_step(opt_name, kw, risk_path):
     """Adam/SGD: the components' steps add up to the optimizer's real update, seen through ∇R."""
     model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
     g = torch.Generator().manual_seed(3)
     probes = [Probe(Site(1, 3), "a", torch.randn(D, generator=g, dtype=torch.float64)),
               Probe(Site(2, 5), "b", torch.randn(D, generator=g, dtype=torch.float64))]
     tracker = InfluenceTracker(final, probes)
+    tracker.jvp_min_risks = RISK_PATHS[risk_path]
     opt = (torch.optim.Adam(model.parameters(), lr=1e-2) if opt_name == "adam"
            else torch.optim.SGD(model.parameters(), lr=1e-1))
     for step in range(3):
@@ -156,13 +162,16 @@ def test_influence_of_full_step_is_real_step(opt_name, kw):
                                                                                          abs=1e-15)
 
 
-def test_sgd_influence_matches_oracle_components():
+@pytest.mark.parametrize("risk_path", RISK_PATHS)
+def test_sgd_influence_matches_oracle_components(risk_path):
     model, final = tiny(seed=0), tiny(seed=1)
     w = torch.randn(D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     probe = Probe(Site(1, 4), "f", w)
     tokens, mask = batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rows = InfluenceTracker(final, [probe]).track(model, opt, tokens, mask)
+    tracker = InfluenceTracker(final, [probe])
+    tracker.jvp_min_risks = RISK_PATHS[risk_path]
+    rows = tracker.track(model, opt, tokens, mask)
     ref = oracle(model, tokens, probe.site, mask)
     g_r = _risk_grad(model, final, probe, tokens)
     for r in rows:
