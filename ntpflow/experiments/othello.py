@@ -80,19 +80,18 @@ SCALES = {
          "n_train": 1_000_000, "n_eval": 20_480, "eval_every": 500, "ckpt_every": 500, "log_every": 50},
         _sites(range(1, 7), PAPER_POSITIONS), curve_every=50,
         note="the paper's setting"),
-    # this shared 2-core CPU machine, about an hour including attribution. Measured here under a load of ~10 on the 2
-    # cores, with 1 torch thread (3x faster than 2 threads under that load): a 3-layer d-64 model at batch 64 trains at
-    # ~0.6 s/step (loss 3.61, legal-move accuracy 0.44 after 300 steps at lr 3e-3), and a tracked step with 16 squares
-    # and per-type risks costs ~5 s per site (one backward of the site's prefix per square and type present, ~8x a
-    # training step per site). So: 400 steps (25,600 games, seen once; lr 3e-3 to learn more in few steps) and one
-    # tracked site, layer 2 (of 3, so pre-caching is possible) at position 30 (mid-game: both useful and useless stones
-    # on the central squares), with the 16 central squares: ~4 min training + ~35 min replay. The model learns only a
-    # partial world model: NOT the paper's setting.
+    # this shared 2-core CPU machine, under an hour including attribution, with 1 torch thread (3x faster than 2
+    # threads under the load of other jobs). A 3-layer d-64 model at batch 64 trains at ~0.12 CPU-s/step; a tracked
+    # step with 16 squares and per-type risks at one site costs ~0.5 CPU-s (directional derivatives along the 6
+    # update directions; it was ~1.2 s with one backward per square and type). So: 1,600 steps over 51,200 games (two
+    # epochs; lr 3e-3 to learn more in few steps) and one tracked site, layer 2 (of 3, so pre-caching is possible) at
+    # position 30 (mid-game: both useful and useless stones on the central squares), with the 16 central squares.
+    # The first version (400 steps) reached a legal-move accuracy of only 0.50. NOT the paper's setting.
     "small": OthelloScale(
         "small",
-        {"n_layer": 3, "d_model": 64, "n_head": 4, "batch_size": 64, "steps": 400, "lr": 3e-3,
-         "n_train": 25_600, "n_eval": 4_096, "eval_every": 50, "ckpt_every": 50, "log_every": 10},
-        _sites((2,), (30,)), threads=1, curve_every=5,
+        {"n_layer": 3, "d_model": 64, "n_head": 4, "batch_size": 64, "steps": 1600, "lr": 3e-3,
+         "n_train": 51_200, "n_eval": 4_096, "eval_every": 200, "ckpt_every": 200, "log_every": 20},
+        _sites((2,), (30,)), threads=1, curve_every=20,
         note="a small CPU setting, not the paper's"),
     # CI: the whole pipeline in well under a minute; checks the plumbing, not the science
     "smoke": OthelloScale(
