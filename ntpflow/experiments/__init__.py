@@ -8,4 +8,5 @@ resumable; every report reads only ``out``.
 EXPERIMENTS = {
     "toy": ("toy", "run_toy", "toy_report"),
     "othello": ("othello", "run_othello", "othello_report"),
+    "stories": ("stories", "run_stories", "stories_report"),
 }

