@@ -82,7 +82,8 @@ def cmd_reproduce(args) -> int:
     from .experiments.report_all import run_all, run_experiment
 
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
-    options = {"workers": args.workers, "device": args.device or "auto", "progress": not args.quiet}
+    options = {"workers": args.workers, "device": args.device or "auto", "progress": not args.quiet,
+               "corpus": args.corpus}
     if args.experiment == "all":
         print(run_all(args.scale, out, **options))
     else:
@@ -179,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--scale", default="smoke", help="smoke (CI, minutes) | small (~1 h on 2 cores) | paper")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
+    rp.add_argument("--corpus", help="stories: the corpus (a folder or file of stories, 'generated[:N]' or 'hf')")
     rp.add_argument("--device")
     rp.set_defaults(fn=cmd_reproduce)
 

@@ -37,7 +37,9 @@ from ..sites import Site
 log = logging.getLogger(__name__)
 
 REGIMES = ("vanilla", "myopic")
-SAMPLE_CORPUS = "/work/shared/data/tinystories"  # the shared TinyStories sample of this project's workspace
+# the TinyStories sample of this project's workspace, in the folder ``shared`` beside the repository (not part of the
+# project: pass ``corpus=`` / ``--corpus`` for any other copy)
+SAMPLE_CORPUS = str(Path(__file__).resolve().parents[3] / "shared" / "data" / "tinystories")
 
 
 @dataclass(frozen=True)
