@@ -36,6 +36,7 @@ class Components:
     full: torch.Tensor
 
     def as_dict(self) -> dict[str, torch.Tensor]:
+        """The four components by name ("direct", "pre_cached", "shared", "full"), each [n_params]."""
         return {"direct": self.direct, "pre_cached": self.pre_cached, "shared": self.shared, "full": self.full}
 
 

@@ -40,6 +40,7 @@ def _config(args, task=None, regime=None, extra_set=()):
 
 
 def cmd_train(args) -> int:
+    """``ntpflow train``: train (or resume) one run, log its final scores and print its directory."""
     from .training import train
 
     cfg = _config(args)
@@ -54,6 +55,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_probe(args) -> int:
+    """``ntpflow probe``: fit ridge probes of a run's weights and print each feature's r table."""
     from .probe_runs import probe_run
     from .probes import probe_table
     from .training import Run
@@ -68,6 +70,7 @@ def cmd_probe(args) -> int:
 
 
 def cmd_attribute(args) -> int:
+    """``ntpflow attribute``: replay a run, tracking component influences at the sites; print the out folder."""
     from .replay import attribute
     from .sites import parse_sites
 
@@ -79,6 +82,7 @@ def cmd_attribute(args) -> int:
 
 
 def cmd_reproduce(args) -> int:
+    """``ntpflow reproduce``: run one experiment (or all) at a scale and print the report's path."""
     from .experiments.report_all import run_all, run_experiment
 
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
@@ -92,6 +96,7 @@ def cmd_reproduce(args) -> int:
 
 
 def cmd_sweep(args) -> int:
+    """``ntpflow sweep``: run (or resume) a sweep spec and print the path of its results.parquet."""
     from .sweep import SweepSpec, run_sweep
 
     spec = SweepSpec.load(args.spec)
@@ -102,6 +107,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    """``ntpflow demo``: train majority in the four regimes and print the probe table (untrained row too)."""
     from .config import REGIMES
     from .probe_runs import load_or_probe
     from .training import train
@@ -136,6 +142,7 @@ def demo_table(rows: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the ``ntpflow`` command and its subcommands."""
     p = argparse.ArgumentParser(prog="ntpflow", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings only")
@@ -201,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on error, 130 on ^C)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     if not sys.stderr.isatty():

@@ -66,17 +66,21 @@ class TrainConfig:
 
     @property
     def myopic(self) -> str:
+        """The model's myopic mode: ``myopic_mode`` in the myopic regimes, else ``"none"``."""
         return self.myopic_mode if self.regime.startswith("myopic") else "none"
 
     @property
     def untied(self) -> bool:
+        """Whether the regime unties the parameters across the split at ``split_at``."""
         return self.regime.endswith("untied")
 
     def to_dict(self) -> dict:
+        """The fields as a plain dict."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
+        """Build from a dict of fields; unknown keys raise ValueError."""
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

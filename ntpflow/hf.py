@@ -25,6 +25,7 @@ def _name_pairs(n_layer: int):
 
 
 def gpt_to_hf(model):
+    """A ``GPT2LMHeadModel`` (eval mode, tied embeddings) with the weights of ``model`` (one position group)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = model.cfg
@@ -48,6 +49,7 @@ def gpt_to_hf(model):
 
 
 def gpt_from_hf(cls, hf_model, **overrides):
+    """A ``cls`` (GPT) with the weights of the GPT-2 ``hf_model``; ``overrides`` go to GPTConfig."""
     from .model import GPTConfig
 
     c = hf_model.config

@@ -75,9 +75,11 @@ class InfluenceTracker:
 
     # ---- state for resuming ----
     def state_dict(self) -> dict[str, torch.Tensor]:
+        """The state for resuming: the first moments and the step."""
         return {**{f"m.{k}": v for k, v in self.moments.items()}, "step": torch.tensor(self.step)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` returned."""
         self.step = int(state["step"])
         self.moments = {k[2:]: v for k, v in state.items() if k.startswith("m.")}
 

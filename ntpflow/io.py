@@ -30,10 +30,12 @@ def atomic_write(path: str | Path, data: bytes | str) -> None:
 
 
 def write_json(path: str | Path, obj) -> None:
+    """Write ``obj`` to ``path`` as indented, key-sorted JSON, atomically."""
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def read_json(path: str | Path):
+    """Parse the JSON file ``path``; missing -> FileNotFoundError, corrupted -> ValueError (one line each)."""
     path = Path(path)
     try:
         return json.loads(path.read_text())

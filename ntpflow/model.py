@@ -77,13 +77,16 @@ class GPTConfig:
 
     @property
     def n_groups(self) -> int:
+        """Number of position groups G."""
         return max(self.groups) + 1
 
     @property
     def d_head(self) -> int:
+        """Width of one head, d_model // n_head."""
         return self.d_model // self.n_head
 
     def to_dict(self) -> dict:
+        """The constructor arguments as a JSON-able dict (without the derived ``groups``)."""
         d = asdict(self)
         d.pop("groups")
         if isinstance(d["position_groups"], tuple):
@@ -141,10 +144,13 @@ class GroupedLayerNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * take_groups(self.weight, groups) + take_groups(self.bias, groups)
 
     def forward(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+        """x [batch, pos, d] -> [batch, pos, d], through ``hook_normalized``."""
         return self.hook_normalized(self.normalize(x, groups))
 
 
 class Attention(nn.Module):
+    """Causal multi-head self-attention with grouped projections and the myopic modes ``"kv"``, ``"resid"``."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
@@ -204,6 +210,8 @@ def _attend(q, k, v, k_off, v_off, hook_pattern: HookPoint) -> torch.Tensor:
 
 
 class MLP(nn.Module):
+    """GELU (tanh) MLP d_model -> 4·d_model -> d_model with grouped weights."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.c_fc = GroupedLinear(cfg.n_groups, cfg.d_model, 4 * cfg.d_model)
@@ -211,10 +219,13 @@ class MLP(nn.Module):
         self.hook_post = HookPoint()
 
     def forward(self, x, groups):
+        """x [batch, pos, d_model] -> [batch, pos, d_model]."""
         return self.c_proj(self.hook_post(F.gelu(self.c_fc(x, groups), approximate="tanh")), groups)
 
 
 class Block(nn.Module):
+    """Pre-LayerNorm GPT-2 block: resid[k] -> resid[k+1] (attention, then MLP, each added to the residual)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln1 = GroupedLayerNorm(cfg.n_groups, cfg.d_model, cfg.layer_norm_eps)
@@ -258,6 +269,7 @@ class GPT(nn.Module):
 
     @property
     def myopic(self) -> str:
+        """The model's default myopic mode (``cfg.myopic``)."""
         return self.cfg.myopic
 
     @torch.no_grad()

@@ -27,6 +27,7 @@ def collect_resid(model: GPT, tokens: torch.Tensor, chunk: int = 1024) -> torch.
 
 
 def probe_dir_name(which: str | int) -> str:
+    """Folder of the probes of weights ``which``: ``probes`` (final) or ``probes_<which>``."""
     return "probes" if str(which) == "final" else f"probes_{which}"
 
 

@@ -276,6 +276,7 @@ class ProbeSet:
 
     @property
     def d_model(self) -> int:
+        """``d_model``."""
         return self.weights.shape[2]
 
     def feature_index(self, feature: int | str) -> int:

@@ -54,6 +54,7 @@ class SweepSpec:
 
     @classmethod
     def load(cls, path: str | Path) -> SweepSpec:
+        """Read a JSON or TOML spec file (name defaults to the file stem); a bad file is a one-line error."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"missing sweep spec {path}")
@@ -70,6 +71,7 @@ class SweepSpec:
 
     @classmethod
     def from_dict(cls, raw: dict, default_name: str = "sweep") -> SweepSpec:
+        """Validate a parsed spec (keys, grid, retries, every grid point's TrainConfig) and build it."""
         known = {"name", "grid", "settings", "probe", "retries", "slurm"}
         if unknown := set(raw) - known:
             raise ValueError(f"unknown sweep spec key(s) {sorted(unknown)}; known: {sorted(known)}")

@@ -17,8 +17,15 @@ SINKS = ("tensorboard", "wandb")
 
 
 class Sink(Protocol):
-    def log(self, record: dict) -> None: ...
-    def close(self) -> None: ...
+    """A metrics destination: ``log(record)`` for each record, ``close()`` at the end."""
+
+    def log(self, record: dict) -> None:
+        """Receive one record (see the module docstring)."""
+        ...
+
+    def close(self) -> None:
+        """Release the sink's resources (end of training)."""
+        ...
 
 
 class TensorBoardSink:
@@ -33,11 +40,13 @@ class TensorBoardSink:
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
 
     def log(self, record: dict) -> None:
+        """Add each numeric metric of ``record`` as the scalar ``<kind>/<metric>`` at its step."""
         for k, v in record.items():
             if k not in ("step", "kind") and isinstance(v, int | float):
                 self.writer.add_scalar(f"{record['kind']}/{k}", v, record["step"])
 
     def close(self) -> None:
+        """Close the SummaryWriter."""
         self.writer.close()
 
 
@@ -52,10 +61,12 @@ class WandbSink:
         self.run = wandb.init(project="ntpflow", name=run_dir.name, dir=str(run_dir), config=config)
 
     def log(self, record: dict) -> None:
+        """Log the metrics of ``record`` as ``<kind>/<metric>`` at its step."""
         self.run.log({f"{record['kind']}/{k}": v for k, v in record.items() if k not in ("step", "kind")},
                      step=record["step"])
 
     def close(self) -> None:
+        """Finish the W&B run."""
         self.run.finish()
 
 
@@ -83,14 +94,17 @@ class MetricsLog:
         self.sinks = list(sinks)
 
     def log(self, record: dict) -> None:
+        """Append ``record`` to ``metrics.jsonl`` as a JSON line and forward it to every sink."""
         self.file.write(json.dumps(record) + "\n")
         for s in self.sinks:
             s.log(record)
 
     def flush(self) -> None:
+        """Flush the buffered lines to ``metrics.jsonl``."""
         self.file.flush()
 
     def close(self) -> None:
+        """Close ``metrics.jsonl`` and every sink."""
         self.file.close()
         for s in self.sinks:
             s.close()

@@ -162,6 +162,7 @@ class Run:
 
     @classmethod
     def open(cls, run_dir: str | Path) -> "Run":
+        """Read the existing run directory ``run_dir`` (its ``config.json``); FileNotFoundError if it is not one."""
         run_dir = Path(run_dir)
         if not (run_dir / "config.json").exists():
             raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
@@ -170,13 +171,16 @@ class Run:
 
     @cached_property
     def task(self) -> Task:
+        """The run's task (built once)."""
         return task_for(self.cfg)
 
     @property
     def done(self) -> bool:
+        """Whether training finished (the ``DONE`` marker exists)."""
         return (self.dir / "DONE").exists()
 
     def model_config(self) -> GPTConfig:
+        """The run's GPTConfig (see :func:`model_config`)."""
         return model_config(self.cfg, self.task)
 
     def load_model(self, which: str = "final", device="cpu") -> GPT:
@@ -205,6 +209,7 @@ class Run:
         return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "ckpt").glob("step_*.json"))
 
     def metrics(self) -> list[dict]:
+        """The records of ``metrics.jsonl`` in order ([] if there is none)."""
         path = self.dir / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 

@@ -59,6 +59,7 @@ class OthelloScale:
     note: str = ""
 
     def config(self, device: str = "auto") -> TrainConfig:
+        """The TrainConfig of this scale's single vanilla run (seed ``SEED``) on ``device``."""
         return TrainConfig(task="othello", regime="vanilla", seed=SEED, device=device, **self.train)
 
 
@@ -125,6 +126,7 @@ class _Timer:
 
     @contextmanager
     def stage(self, name: str, done: bool):
+        """Time the ``with`` block as stage ``name`` and add it to the record, unless ``done`` (skipped)."""
         t0 = time.perf_counter()
         yield
         if not done:
@@ -264,4 +266,5 @@ def _n_params(run) -> int:
 
 
 def load_data(out: str | Path) -> dict:
+    """The parsed ``out/data.json``."""
     return read_json(Path(out) / "data.json")

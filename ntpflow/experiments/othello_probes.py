@@ -79,6 +79,7 @@ class ClassifierProbes:
 
     @classmethod
     def load(cls, path: str | Path) -> ClassifierProbes:
+        """Read probes written by :meth:`save`; an unknown ``format_version`` raises ValueError."""
         path = Path(path)
         meta = read_json(path.with_suffix(".json"))
         if meta.get("format_version") != _FORMAT_VERSION:

@@ -121,6 +121,7 @@ class _Probes:
         self.n_sq = max((len(r["values"]) for r in records), default=0)
 
     def get(self, *key):
+        """Values of the key (weights, metric, type, layer, pos): a list with one per square, or None."""
         return self.v.get(key)
 
     def per_square(self, weights, metric, typ, cells):
@@ -139,6 +140,7 @@ class _Probes:
         return [a - b if finite(a) and finite(b) else None for a, b in zip(u, s)]
 
     def gap_per_square(self, weights, metric, cells):
+        """Per square: the mean over ``cells`` [(layer, pos)] of useful − useless (see :meth:`gap_square`)."""
         gaps = [self.gap_square(weights, metric, k, p) for k, p in cells]
         return [mean_of(g[j] for g in gaps) for j in range(self.n_sq)]
 
@@ -740,6 +742,7 @@ def write_report(out_dir: str | Path) -> Path:
 
 
 def main(argv=None) -> None:
+    """Command line: write the report of the folder OUT holding data.json and print the report.md path."""
     ap = argparse.ArgumentParser(prog="python -m ntpflow.experiments.othello_report",
                                  description="Write the OthelloGPT report from OUT/data.json.")
     ap.add_argument("out", help="folder holding data.json (the output folder of the othello experiment)")

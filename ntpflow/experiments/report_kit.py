@@ -59,6 +59,7 @@ def t_quantile_975(df: int) -> float:
 
 
 def finite(x) -> bool:
+    """Whether ``x`` is a finite int or float (not None, NaN or ±inf)."""
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 
 
@@ -77,23 +78,28 @@ def stats(values) -> dict:
 
 
 def mean_of(values) -> float | None:
+    """Mean of the finite values; None if there are none."""
     xs = [float(v) for v in values if finite(v)]
     return math.fsum(xs) / len(xs) if xs else None
 
 
 def has_ci(s: dict | None) -> bool:
+    """Whether the stats dict ``s`` (see :func:`stats`) has a confidence interval."""
     return s is not None and s["lo"] is not None and s["hi"] is not None
 
 
 def fmt(x, digits=3) -> str:
+    """``x`` with ``digits`` decimals, or "n/a" for None."""
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def fmt_g(x) -> str:
+    """``x`` to 3 significant digits, or "n/a" for None."""
     return "n/a" if x is None else f"{x:.3g}"
 
 
 def fmt_ci(s: dict | None, fmt=fmt) -> str:
+    """A stats dict as "mean [lo, hi]", "mean (n=N)" without an interval, or "n/a"; numbers through ``fmt``."""
     if s is None or s["mean"] is None:
         return "n/a"
     if has_ci(s):
@@ -140,6 +146,7 @@ def finish_figure(fig, title, handles, labels, ncol):
 
 
 def ci_band(ax, xs, rows, color, alpha=0.18):
+    """Shade the 95% intervals of ``rows`` (stats dicts) over ``xs`` on ``ax`` when at least 2 points have one."""
     pts = [(x, r["lo"], r["hi"]) for x, r in zip(xs, rows) if has_ci(r)]
     if len(pts) >= 2:
         ax.fill_between([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], color=color, alpha=alpha,
@@ -157,6 +164,7 @@ def _figure_path(name: str) -> str:
 
 
 def to_markdown(blocks) -> str:
+    """Markdown of the report blocks (``h1``, ``h2``, ``p``, ``table``, ``nav``, ``fig`` tuples)."""
     out = []
     for blk in blocks:
         kind = blk[0]
@@ -195,6 +203,7 @@ td.v-inconclusive { background: #fcf8e3; }
 
 
 def to_html(blocks, pngs: dict[str, bytes]) -> str:
+    """A standalone HTML page of the report blocks, with the figures' PNGs (``pngs``: name -> bytes) inline."""
     e = html.escape
     title = next((blk[1] for blk in blocks if blk[0] == "h1"), "Report")
     out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', f"<title>{e(title)}</title>",

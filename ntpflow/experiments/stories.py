@@ -108,6 +108,7 @@ SCALES = {
 
 
 def resolve_scale(scale: str | StoriesScale) -> StoriesScale:
+    """``scale`` itself, or the StoriesScale of that name in ``SCALES``."""
     if isinstance(scale, StoriesScale):
         return scale
     if scale not in SCALES:
@@ -125,11 +126,13 @@ def check_corpus(corpus: str) -> None:
 
 
 def run_configs(scale: StoriesScale, corpus: str) -> list[TrainConfig]:
+    """The TrainConfigs of every regime × seed of ``scale`` on ``corpus``."""
     return [TrainConfig(task="stories", corpus=corpus, regime=r, seed=s, **scale.train)
             for r in REGIMES for s in scale.seeds]
 
 
 def run_dir_name(cfg: TrainConfig) -> str:
+    """Run folder name of a config: ``<regime>-s<seed>``."""
     return f"{cfg.regime}-s{cfg.seed}"
 
 
@@ -343,4 +346,5 @@ def _mean(values):
 
 
 def load_data(out: str | Path) -> dict:
+    """The parsed ``out/data.json``."""
     return json.loads((Path(out) / "data.json").read_text())

@@ -759,6 +759,7 @@ def write_report(out_dir: str | Path) -> Path:
 
 
 def main(argv=None) -> None:
+    """Command line: write the report of the folder OUT holding data.json and print the report.md path."""
     ap = argparse.ArgumentParser(prog="python -m ntpflow.experiments.stories_report",
                                  description="Write the TinyStories report from OUT/data.json.")
     ap.add_argument("out", help="folder holding data.json (the output folder of the stories experiment)")

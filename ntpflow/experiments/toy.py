@@ -60,10 +60,12 @@ SCALES = {
 
 
 def run_configs(scale: ToyScale) -> list[TrainConfig]:
+    """The TrainConfigs of every task × regime × seed of ``scale``."""
     return [TrainConfig(task=t, regime=r, seed=s, **scale.train) for t in TASKS for r in REGIMES for s in scale.seeds]
 
 
 def run_dir_name(cfg: TrainConfig) -> str:
+    """Run folder name of a config: ``<task>-<regime>-s<seed>``."""
     return f"{cfg.task}-{cfg.regime}-s{cfg.seed}"
 
 
@@ -158,4 +160,5 @@ def _finite(x: float) -> float | None:
 
 
 def load_data(out: str | Path) -> dict:
+    """The parsed ``out/data.json``."""
     return json.loads((Path(out) / "data.json").read_text())

@@ -77,6 +77,7 @@ class StoryWindows:
 
     @property
     def seq_len(self) -> int:
+        """Window length ``T``."""
         return int(self.tokens.shape[1])
 
     def to_batch(self, idx=None) -> Batch:
@@ -142,6 +143,7 @@ class StoryData:
 
     @property
     def feature_names(self) -> tuple[str, ...]:
+        """The feature names (those of the train windows)."""
         return self.train.feature_names
 
 

@@ -125,6 +125,7 @@ class StoryFeatures:
 
     @property
     def n_stories(self) -> int:
+        """Number of stories ``S``."""
         return int(len(self.story_offsets) - 1)
 
     def lengths(self) -> np.ndarray:

@@ -59,9 +59,11 @@ class StoryTokenizer:
 
     @property
     def source(self) -> str:
+        """Where the tokenizer came from: ``meta["source"]`` (``"hub"`` or ``"bpe"``), else ``"unknown"``."""
         return str(self.meta.get("source", "unknown"))
 
     def to_json(self) -> str:
+        """The tokenizer serialised as a JSON string (the content of ``tokenizer.json``)."""
         return self.tok.to_str()
 
     @property
@@ -93,6 +95,7 @@ class StoryTokenizer:
         return self.tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=False)
 
     def id_to_token(self, i: int) -> str | None:
+        """The token string of id ``i`` (None if out of range)."""
         return self.tok.id_to_token(int(i))
 
     def save(self, folder: str | os.PathLike) -> Path:

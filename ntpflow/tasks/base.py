@@ -66,6 +66,7 @@ class Batch:
 
     @property
     def seq_len(self) -> int:
+        """Sequence length ``T``."""
         return int(self.tokens.shape[1])
 
     def __len__(self) -> int:

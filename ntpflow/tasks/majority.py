@@ -53,22 +53,27 @@ class _SymbolTask:
 
     @property
     def vocab(self) -> tuple[str, ...]:
+        """Token strings by id: ``<pad>``, ``<bos>``, then ``<0>`` .. ``<n_symbols-1>``."""
         return ("<pad>", "<bos>") + tuple(f"<{v}>" for v in range(self.n_symbols))
 
     @property
     def vocab_size(self) -> int:
+        """Number of token ids: the special tokens plus ``n_symbols``."""
         return N_SPECIAL + self.n_symbols
 
     @property
     def seq_len(self) -> int:
+        """``T = 1 + n_inputs + n_outputs`` (``<bos>``, inputs, outputs)."""
         return 1 + self.n_inputs + self.n_outputs
 
     @property
     def first_output_pos(self) -> int:
+        """``n_inputs``: the position whose logits predict the first output."""
         return self.n_inputs
 
     @property
     def n_features(self) -> int:
+        """Number of features ``F``."""
         return len(self.feature_names)
 
     @property
@@ -148,6 +153,7 @@ class Majority(_SymbolTask):
 
     @property
     def feature_names(self) -> tuple[str, ...]:
+        """``is_majority_<v>`` for each symbol v."""
         return tuple(f"is_majority_<{v}>" for v in range(self.n_symbols))
 
     def _features_and_sets(self, symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -198,6 +204,7 @@ class CondMajority(_SymbolTask):
 
     @property
     def feature_names(self) -> tuple[str, ...]:
+        """``prev_is_<v>`` for each symbol v."""
         return tuple(f"prev_is_<{v}>" for v in range(self.n_symbols))
 
     def _cond_set(self, inputs: np.ndarray) -> np.ndarray:

@@ -65,26 +65,32 @@ class Othello:
 
     @property
     def vocab(self) -> tuple[str, ...]:
+        """Token strings by id: ``<pad>``, ``<bos>``, ``pass``, then ``A1`` .. ``H8``."""
         return ("<pad>", "<bos>", "pass") + SQUARE_NAMES
 
     @property
     def vocab_size(self) -> int:
+        """``V = 67``: three special tokens plus the 64 squares."""
         return SQUARE_OFFSET + 64
 
     @property
     def seq_len(self) -> int:
+        """``T = 61``: ``<bos>`` and the 60 game tokens."""
         return 1 + GAME_LEN
 
     @property
     def first_output_pos(self) -> int:
+        """0: the logits at ``<bos>`` predict the first move."""
         return 0
 
     @property
     def feature_names(self) -> tuple[str, ...]:
+        """``sq_A1`` .. ``sq_H8``, one per square."""
         return tuple(f"sq_{s}" for s in SQUARE_NAMES)
 
     @property
     def n_features(self) -> int:
+        """``F = 64``, one per square."""
         return 64
 
     @property

@@ -50,12 +50,14 @@ class Stories:
 
     @cached_property
     def corpus(self):
+        """The corpus of ``corpus_source`` (loaded on first use)."""
         from ..stories import load_corpus
 
         return load_corpus(self.corpus_source)
 
     @cached_property
     def tokenizer(self):
+        """The corpus's tokenizer (cached under ``cache_dir``, keyed by corpus fingerprint and vocabulary size)."""
         from ..stories import get_tokenizer
 
         key = f"tokenizer-{self.corpus.fingerprint()[:16]}-{self.vocab_size_requested}"
@@ -63,6 +65,7 @@ class Stories:
 
     @property
     def vocab(self) -> tuple[str, ...]:
+        """Token strings by id (each id decoded alone)."""
         tok = self.tokenizer
         return tuple(tok.decode([i]) for i in range(tok.vocab_size))
 
@@ -75,6 +78,7 @@ class Stories:
         return data.train.to_batch(), data.eval.to_batch()
 
     def sample(self, n: int, rng: np.random.Generator) -> Batch:
+        """Not supported: the task reads a fixed corpus; raises ValueError (use :meth:`make_datasets`)."""
         raise ValueError("the stories task reads a fixed corpus; use make_datasets")
 
     def save_artifacts(self, run_dir: str | os.PathLike) -> None:
