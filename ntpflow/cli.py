@@ -1,4 +1,4 @@
-"""Command line: ``ntpflow {train,probe,attribute,reproduce,sweep,demo} ...``.
+"""Command line: ``ntpflow {train,probe,attribute,reproduce,sweep,qscan,demo} ...``.
 
 Parses input, builds configs, calls library functions."""
 
@@ -106,6 +106,13 @@ def cmd_sweep(args) -> int:
     return 0
 
 
+def cmd_qscan(args) -> int:
+    """``ntpflow qscan ...``: Q(w) of SAE latents by ablation (options of ``ntpflow.llm.qscan_cli``)."""
+    from .llm.qscan_cli import main as qscan_main
+
+    return qscan_main(args.options)
+
+
 def cmd_demo(args) -> int:
     """``ntpflow demo``: train majority in the four regimes and print the probe table (untrained row too)."""
     from .config import REGIMES
@@ -200,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--workers", type=int, default=2, help="runs at a time (default 2)")
     sw.set_defaults(fn=cmd_sweep)
 
+    q = sub.add_parser("qscan", help="Q(w) of SAE latents of a pretrained LM by ablation (see ntpflow qscan -h)",
+                       add_help=False)
+    q.add_argument("options", nargs=argparse.REMAINDER, help="options of the scan (ntpflow qscan -h lists them)")
+    q.set_defaults(fn=cmd_qscan)
+
     d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table")
     d.add_argument("--out", default="runs/demo")
     common(d)
@@ -209,7 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on error, 130 on ^C)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "qscan":  # its options belong to its own parser
+        args.options = unknown + args.options
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     if not sys.stderr.isatty():
         args.quiet = True

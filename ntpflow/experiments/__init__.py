@@ -9,4 +9,5 @@ EXPERIMENTS = {
     "toy": ("toy", "run_toy", "toy_report"),
     "othello": ("othello", "run_othello", "othello_report"),
     "stories": ("stories", "run_stories", "stories_report"),
+    "llm": ("llm", "run_llm", "llm_report"),
 }

@@ -1,0 +1,444 @@
+"""The pretrained-LLM reproduction (PAPER.md §1.8-1.10, §2.6; claims 5-6 of §3) and a check beyond the paper.
+
+``run_llm(scale, out)`` runs these stages into ``out``, each skipped when its output exists (resumable; every file
+is written atomically):
+
+1. ``sae``: corpus windows (``contexts.pt``), the SAE (``sae/``) and its quality (``quality.json``: explained
+   variance, L0, dead latents on train and held-out activations). The ``paper`` scale uses GemmaScope instead of
+   training one.
+2. ``scan``: Q(w) in both ablation modes (``q_reconstruction.json``, ``q_error-preserving.json``) and the paper's
+   statistics (``stats.json``).
+3. ``steering``: high-Q vs low-Q latents' steered continuations and their code-likeness (``steering.json``).
+4. ``lens``: look-ahead lenses at the SAE's site and the Spearman correlation of Q with the latents' overlap with
+   the lens's top singular directions (``lens.json``).
+5. ``q_vs_influence``: on a small toy run (``toy_run/``), Q by ablation of probe directions against the replay's
+   ``I_pre-cached / I_direct`` (``q_vs_influence.json``).
+
+``meta.json`` records the scale and what was used. ``reuse=DIR`` (explicit, never implied) copies stage-1/2
+outputs of an earlier ``python -m ntpflow.llm.pipeline train/scan`` (``contexts.pt``, ``sae/``, ``quality.json``,
+``q_<mode>.json``, ``stats.json``) into ``out`` instead of recomputing them.
+
+Scales: ``smoke`` (CI, < 90 s: a tiny random GPT-2 over bytes and a quickly trained SimpleSAE; checks the pipeline,
+not the science), ``small`` (SmolLM2-135M-Instruct offline, a TopK SAE trained here with sae-lens; measured on 2
+cores shared with other jobs (load ~8): SAE ~20 min, scan of 96 latents ~22 min, steering ~9 min, lens ~4 min, toy
+~3 min, i.e. about an hour without ``reuse``, ~16 min with it), ``paper`` (the reference's gemma-2-2b + GemmaScope; needs internet and a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..io import ensure_writable_dir, read_json, write_json
+
+log = logging.getLogger(__name__)
+
+MODES = ("reconstruction", "error-preserving")
+
+
+@dataclass(frozen=True)
+class LLMScale:
+    """Settings of one scale (see the module docstring)."""
+
+    name: str
+    model: str  # "tiny" | "smollm2" | "gemma"
+    docs_per_domain: int
+    windows_per_doc: int
+    ctx_len: int
+    sae: dict  # {"kind": "simple"|"topk"|"gemmascope", "d_sae", "k", "steps", "batch_size", "lr"}
+    n_latents: int  # latents scored (seeded random subset; all if >= d_sae)
+    candidates: int
+    examples: int
+    steer: dict  # {"n_extreme", "prompts", "alphas", "max_new_tokens", "temperature", "n_samples"}
+    lens: dict  # {"n_contexts", "ks", "rank_divisors", "ridge"}
+    toy: dict  # {"train": TrainConfig overrides, "layers", "positions", "features", "n_sequences"}
+    seed: int = 0
+    kl_cutoff: float = 0.05  # the reference's filter; the smoke scale's random model needs 0
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+_PROMPTS = ("", "The", "I think that", "Here is")
+_TOY_FEATURES = ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>")
+
+SCALES = {
+    "smoke": LLMScale(
+        "smoke", "tiny", docs_per_domain=8, windows_per_doc=2, ctx_len=48,
+        sae={"kind": "simple", "d_sae": 64, "k": 4, "steps": 150, "batch_size": 256, "lr": 3e-3},
+        n_latents=16, candidates=6, examples=2,
+        steer={"n_extreme": 3, "prompts": ("", "The"), "alphas": (1.0,), "max_new_tokens": 8, "temperature": 0.0,
+               "n_samples": 1},
+        lens={"n_contexts": 48, "ks": (1, 2, 3, 4, 5), "rank_divisors": (16, 4), "ridge": 1e-3},
+        kl_cutoff=0.0,
+        toy={"train": {"steps": 8, "d_model": 16, "n_head": 2, "batch_size": 32, "n_train": 256, "n_eval": 128,
+                       "eval_every": 4, "ckpt_every": 4},
+             "layers": (1,), "positions": (4, 8, 12, 16), "features": _TOY_FEATURES[:1], "n_sequences": 128},
+        notes="CI: checks the pipeline, not the science"),
+    "small": LLMScale(
+        "small", "smollm2", docs_per_domain=100, windows_per_doc=2, ctx_len=64,
+        sae={"kind": "topk", "d_sae": 2048, "k": 32, "steps": 1500, "batch_size": 512, "lr": 4e-4},
+        n_latents=96, candidates=16, examples=6,
+        steer={"n_extreme": 10, "prompts": _PROMPTS, "alphas": (1.0, 0.25), "max_new_tokens": 20,
+               "temperature": 0.0, "n_samples": 1},
+        lens={"n_contexts": 200, "ks": (1, 2, 3, 4, 5), "rank_divisors": (64, 16, 4), "ridge": 1e-4},
+        # the replay's cost grows quickly with width: d_model 32 and 150 steps keep it to ~2 min here
+        toy={"train": {"steps": 150, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 4096,
+                       "n_eval": 1024, "eval_every": 50, "ckpt_every": 50},
+             "layers": (1, 2), "positions": tuple(range(2, 19)), "features": _TOY_FEATURES,
+             "n_sequences": 1024},
+        notes="SmolLM2-135M-Instruct offline, SAE trained here; about an hour on 2 busy CPU cores (see module doc)"),
+    "paper": LLMScale(
+        "paper", "gemma", docs_per_domain=2000, windows_per_doc=4, ctx_len=128,
+        sae={"kind": "gemmascope"}, n_latents=16384, candidates=24, examples=8,
+        steer={"n_extreme": 100, "prompts": ("",), "alphas": (1.0, 0.25), "max_new_tokens": 20,
+               "temperature": 1.0, "n_samples": 64},
+        lens={"n_contexts": 2000, "ks": (1, 2, 3, 4, 5), "rank_divisors": (64, 16, 4), "ridge": 1e-4},
+        toy={"train": {"steps": 3000, "d_model": 128, "n_train": 102_400, "n_eval": 10_240, "eval_every": 500,
+                       "ckpt_every": 500},
+             "layers": (1, 2), "positions": tuple(range(2, 19)), "features": _TOY_FEATURES, "n_sequences": 4096},
+        notes="the reference's gemma-2-2b + GemmaScope layer_15/width_16k/canonical; needs internet and a GPU"),
+}
+
+
+def _say(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[llm] {msg}", file=sys.stderr, flush=True)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    import torch
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _check_online(timeout: float = 3.0) -> None:
+    """Raise a one-line RuntimeError unless huggingface.co is reachable and a CUDA GPU is present."""
+    msg = ("the llm 'paper' scale needs internet access (gemma-2-2b and GemmaScope from huggingface.co) and a GPU; "
+           "use --scale small offline")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise RuntimeError(msg + " (HF_HUB_OFFLINE=1)")
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+    except OSError:
+        raise RuntimeError(msg + " (huggingface.co unreachable)") from None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(msg + " (no CUDA GPU)")
+
+
+class _Session:
+    """Lazily loaded model / SAE / contexts shared by the stages of one call."""
+
+    def __init__(self, scale: LLMScale, out: Path, device: str):
+        self.scale, self.out, self.device = scale, out, device
+        self._lm = self._sae = self._ctx = None
+
+    @property
+    def lm(self):
+        if self._lm is None:
+            if self.scale.model == "gemma":
+                from ..llm.adapters import load_gemma_preset
+
+                self._lm, self._sae = load_gemma_preset(self.device)
+            else:
+                from ..llm.components import load_model
+
+                self._lm = load_model(self.scale.model, self.device, seed=self.scale.seed)
+        return self._lm
+
+    @property
+    def sae(self):
+        if self._sae is None:
+            if self.scale.model == "gemma":
+                _ = self.lm
+            else:
+                from ..llm.components import load_sae_dir
+
+                self._sae = load_sae_dir(self.out / "sae", device=str(self.lm.adapter.device))
+        return self._sae
+
+    @property
+    def contexts(self):
+        if self._ctx is None:
+            import torch
+
+            from ..llm.corpus import Contexts
+
+            saved = torch.load(self.out / "contexts.pt")
+            self._ctx = Contexts(saved["tokens"], list(saved["domains"]), list(saved["doc_index"]))
+        return self._ctx
+
+    def hook(self) -> str:
+        return self.lm.default_hook
+
+
+# ----------------------------------------------------------------------------------------------------- stages
+
+
+def _stage_sae(s: _Session, progress: bool) -> None:
+    import torch
+
+    from ..llm.corpus import build_corpus, hf_encoder, tokenize_corpus
+    from ..llm.sae import TrainSAEConfig, collect_activations, sae_quality, train_sae
+
+    out, sc = s.out, s.scale
+    if not (out / "contexts.pt").exists():
+        _say(progress, "corpus")
+        docs = build_corpus(sc.docs_per_domain, seed=sc.seed, stories_path=sc.extra.get(
+            "stories", "/work/shared/data/tinystories"))
+        ctx = tokenize_corpus(docs, hf_encoder(s.lm.tokenizer), sc.ctx_len, s.lm.bos_id,
+                              max_windows_per_doc=sc.windows_per_doc)
+        _atomic_torch_save({"tokens": ctx.tokens, "domains": ctx.domains, "doc_index": ctx.doc_index},
+                           out / "contexts.pt")
+    if (out / "quality.json").exists() and (sc.model == "gemma" or (out / "sae").exists()):
+        return
+    ctx = s.contexts
+    n = len(ctx)
+    g = torch.Generator().manual_seed(sc.seed)
+    perm = torch.randperm(n, generator=g)
+    n_eval = max(1, n // 10)
+    t0 = time.perf_counter()
+    _say(progress, f"activations of {n} contexts at {s.hook()}")
+    acts_tr = collect_activations(s.lm.adapter, ctx.tokens[perm[n_eval:]], s.hook())
+    acts_ev = collect_activations(s.lm.adapter, ctx.tokens[perm[:n_eval]], s.hook())
+    t1 = time.perf_counter()
+    cfg = dict(sc.sae)
+    if cfg["kind"] == "simple":
+        from ..llm.components import save_sae_dir, train_simple_sae
+
+        _say(progress, "training a SimpleSAE")
+        sae, info = train_simple_sae(acts_tr, cfg["d_sae"], cfg["k"], cfg["steps"], cfg["batch_size"], cfg["lr"],
+                                     seed=sc.seed)
+        save_sae_dir(sae, out / "sae")
+    elif cfg["kind"] == "topk":
+        from ..llm.components import save_sae_dir
+
+        _say(progress, f"training a TopK SAE ({cfg['d_sae']} latents, k={cfg['k']}, {cfg['steps']} steps)")
+        sae, info = train_sae(acts_tr.to(s.lm.adapter.device), TrainSAEConfig(
+            d_sae=cfg["d_sae"], architecture="topk", k=cfg["k"], steps=cfg["steps"], batch_size=cfg["batch_size"],
+            lr=cfg["lr"], seed=sc.seed))
+        save_sae_dir(sae, out / "sae")
+    else:  # GemmaScope: nothing to train
+        sae, info = s.sae, {"release": "gemma-scope-2b-pt-res-canonical", "sae_id": "layer_15/width_16k/canonical"}
+    t2 = time.perf_counter()
+    dev = s.lm.adapter.device
+    write_json(out / "quality.json", {
+        "model": s.lm.name, "hook": s.hook(), "n_contexts": n, "ctx_len": sc.ctx_len,
+        "n_train_tokens": int(acts_tr.shape[0]), "n_eval_tokens": int(acts_ev.shape[0]),
+        "train": sae_quality(sae, acts_tr.to(dev)).to_dict(), "eval": sae_quality(sae, acts_ev.to(dev)).to_dict(),
+        "sae": info, "seconds": {"activations": t1 - t0, "training": t2 - t1}})
+
+
+def _stage_scan(s: _Session, progress: bool) -> None:
+    import torch
+
+    from ..llm.qscan import QScanConfig, q_scan, q_statistics
+
+    out, sc = s.out, s.scale
+    if (out / "stats.json").exists() and all((out / f"q_{m}.json").exists() for m in MODES):
+        return
+    d_sae = int(s.sae.W_dec.shape[0])
+    g = torch.Generator().manual_seed(sc.seed)
+    latents = sorted(torch.randperm(d_sae, generator=g)[:min(sc.n_latents, d_sae)].tolist())
+    _say(progress, f"Q scan of {len(latents)} latents over {len(s.contexts)} contexts")
+    t0 = time.perf_counter()
+    res = q_scan(s.lm.adapter, s.sae, s.contexts, s.hook(), latents,
+                 QScanConfig(n_candidates=sc.candidates, n_examples=sc.examples, modes=MODES,
+                             kl_cutoff=sc.kl_cutoff))
+    stats: dict = {"seconds": time.perf_counter() - t0}
+    for mode, r in res.items():
+        write_json(out / f"q_{mode}.json", r.to_dict())
+        stats[mode] = q_statistics(r)
+    write_json(out / "stats.json", stats)
+
+
+def load_scan(out: str | Path, mode: str):
+    """The :class:`~ntpflow.llm.qscan.QScanResult` saved as ``out/q_<mode>.json``."""
+    from ..llm.qscan import QScanResult
+
+    return QScanResult(**read_json(Path(out) / f"q_{mode}.json"))
+
+
+def _resid_norm(s: _Session, n: int = 16) -> float:
+    """Mean residual norm at the SAE site over the first ``n`` contexts (BOS excluded)."""
+    a = s.lm.adapter.activations(s.contexts.tokens[:n], s.hook())[:, 1:]
+    return float(a.float().norm(dim=-1).mean())
+
+
+def _stage_steering(s: _Session, progress: bool) -> None:
+    from ..llm.steering import pick_extremes, steer_latents
+
+    out, st = s.out, s.scale.steer
+    if (out / "steering.json").exists():
+        return
+    r = load_scan(out, "reconstruction")
+    high, low = pick_extremes(r.latents, r.q, r.included, st["n_extreme"])
+    qmap = dict(zip(r.latents, r.q))
+    norm = _resid_norm(s)
+    runs = []
+    for alpha in st["alphas"]:
+        _say(progress, f"steering {len(high)} high-Q and {len(low)} low-Q latents, alpha={alpha}")
+        res = steer_latents(s.lm.adapter, s.lm.tokenizer, s.sae, s.hook(), high + low, list(st["prompts"]),
+                            s.lm.bos_id, alpha, relative_to=norm, max_new_tokens=st["max_new_tokens"],
+                            temperature=st["temperature"], n_samples=st["n_samples"], seed=s.scale.seed)
+        res["alpha"] = alpha
+        runs.append(res)
+    write_json(out / "steering.json", {"high": high, "low": low, "q": {str(f): qmap[f] for f in high + low},
+                                       "resid_norm": norm, "mode": "reconstruction", "runs": runs,
+                                       "rule": "code_score: see ntpflow.llm.steering"})
+
+
+def _stage_lens(s: _Session, progress: bool) -> None:
+    import torch
+
+    from ..llm.components import encoder_matrix
+    from ..llm.lens import _unembedding, fit_lenses, lens_data, lens_q_correlation
+
+    out, ls = s.out, s.scale.lens
+    if (out / "lens.json").exists():
+        return
+    ctx = s.contexts
+    g = torch.Generator().manual_seed(s.scale.seed + 1)
+    idx = torch.randperm(len(ctx), generator=g)[:ls["n_contexts"]]
+    tokens = ctx.tokens[idx]
+    _say(progress, f"look-ahead lens data from {tokens.shape[0]} contexts")
+    X, H = lens_data(s.lm.adapter, tokens, s.hook())
+    W_U, b_U = _unembedding(s.lm.adapter)
+    lenses, metrics = fit_lenses(X, H, tokens, W_U, b_U, ks=ls["ks"], ridge=ls["ridge"], seed=s.scale.seed)
+    d = X.shape[-1]
+    ranks = sorted({max(1, d // q) for q in ls["rank_divisors"]})
+    E = encoder_matrix(s.sae)
+    corr = {}
+    for mode in MODES:
+        r = load_scan(out, mode)
+        corr[mode] = lens_q_correlation(lenses, E, r.latents, r.q, r.included, ranks)
+    write_json(out / "lens.json", {"metrics": metrics, "ranks": ranks, "primary_rank": max(1, d // 16),
+                                   "d_model": d, "n_contexts": int(tokens.shape[0]), "site": s.hook(),
+                                   "target": "final hidden state at t+k-1 (the model's own logits for t+k)",
+                                   "correlation": corr})
+
+
+def _stage_qvi(s: _Session, progress: bool) -> None:
+    from ..config import TrainConfig
+    from ..llm.q_vs_influence import q_vs_influence, toy_sites
+    from ..probe_runs import load_or_probe
+    from ..replay import attribute
+    from ..training import Run, train
+
+    out, ty = s.out, s.scale.toy
+    if (out / "q_vs_influence.json").exists():
+        return
+    import torch
+
+    cfg = TrainConfig(task="majority", seed=s.scale.seed, device="cpu", **ty["train"])
+    _say(progress, f"toy run for Q vs influence ({cfg.steps} steps)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the toy model's ops are tiny: extra threads only add synchronisation on busy cores
+    try:
+        run = train(cfg, out / "toy_run", progress=False)
+        load_or_probe(run, "final", "cpu")
+        attribute(Run.open(out / "toy_run").dir, toy_sites(ty["layers"], ty["positions"]), list(ty["features"]),
+                  device="cpu", progress=False)
+        res = q_vs_influence(out / "toy_run", n_sequences=ty["n_sequences"], device="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    res["train"] = cfg.to_dict()
+    res["eval"] = {k: v for k, v in read_json(out / "toy_run" / "DONE").items() if k != "step"}
+    write_json(out / "q_vs_influence.json", res)
+
+
+def _copy_reuse(reuse: Path, out: Path, progress: bool) -> None:
+    """Copy stage-1/2 outputs of an earlier pipeline run (explicit ``reuse``) into ``out`` where absent."""
+    if not reuse.is_dir():
+        raise FileNotFoundError(f"reuse folder {reuse} does not exist")
+    needed = ["contexts.pt", "sae", "quality.json"]
+    missing = [n for n in needed if not (reuse / n).exists()]
+    if missing:
+        raise FileNotFoundError(f"reuse folder {reuse} lacks {', '.join(missing)}")
+    names = needed + ([f"q_{m}.json" for m in MODES] + ["stats.json"]
+                      if all((reuse / f"q_{m}.json").exists() for m in MODES) and (reuse / "stats.json").exists()
+                      else [])
+    for n in names:
+        src, dst = reuse / n, out / n
+        if dst.exists():
+            continue
+        _say(progress, f"reusing {src}")
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        if src.is_dir():
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            shutil.copytree(src, tmp)
+        else:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+
+
+STAGES = ("sae", "scan", "steering", "lens", "q_vs_influence")
+
+
+def run_llm(scale: str | LLMScale, out: str | Path, *, device: str = "auto", progress: bool = True,
+            reuse: str | Path | None = None, stages: tuple[str, ...] = STAGES) -> Path:
+    """Run (or resume) the LLM experiment at ``scale`` into ``out``; returns ``out``.
+
+    Args:
+        scale: ``"smoke"``, ``"small"``, ``"paper"`` or an :class:`LLMScale`.
+        out: results folder.
+        device: ``"auto"`` (CUDA if present), ``"cpu"`` or ``"cuda"``.
+        progress: stage messages on stderr.
+        reuse: an earlier ``python -m ntpflow.llm.pipeline`` folder whose corpus/SAE/scan to copy (explicit only).
+        stages: the stages to run (default all, in order).
+    """
+    from ..llm.components import resolve_device
+
+    if isinstance(scale, str):
+        if scale not in SCALES:
+            raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
+        scale = SCALES[scale]
+    unknown = [x for x in stages if x not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown stage(s) {unknown}; choose from {STAGES}")
+    if scale.model == "gemma":
+        _check_online()
+    out = ensure_writable_dir(out)
+    meta_path = out / "meta.json"
+    meta = {"scale": scale.name, "settings": _jsonable(asdict(scale)), "reuse": str(reuse) if reuse else None}
+    if meta_path.exists():
+        old = read_json(meta_path)
+        if old.get("scale") != scale.name:
+            raise ValueError(f"{out} holds an llm run of scale {old.get('scale')!r}, not {scale.name!r}; choose "
+                             f"another --out")
+        meta["reuse"] = old.get("reuse") or meta["reuse"]
+    write_json(meta_path, meta)
+    if reuse:
+        _copy_reuse(Path(reuse), out, progress)
+    s = _Session(scale, out, resolve_device(device))
+    fns = {"sae": _stage_sae, "scan": _stage_scan, "steering": _stage_steering, "lens": _stage_lens,
+           "q_vs_influence": _stage_qvi}
+    timing = read_json(out / "timing.json") if (out / "timing.json").exists() else {}
+    for name in STAGES:
+        if name in stages:
+            t0 = time.perf_counter()
+            fns[name](s, progress)
+            dt = time.perf_counter() - t0
+            if dt > 1.0 or name not in timing:
+                timing[name] = dt
+                write_json(out / "timing.json", timing)
+    return out
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x

@@ -1,0 +1,162 @@
+"""Beyond the paper: does Q(w) by ablation track the true ratio of pre-caching to direct influence?
+
+The paper's reviewers asked whether Q(w) (PAPER.md §1.8), a first-order proxy, tracks ``I_pre-cached / I_direct``.
+On ntpflow's own small models both are computable:
+
+* Q by ablation for a probe direction ``w`` at site (layer, pos) of the **final** model: project the component along
+  ``w`` out of ``resid[layer][:, pos]`` (``x <- x - (x . w_hat) w_hat``; nothing else changes, the analogue of the
+  error-preserving mode), ``d_m = KL(clean || ablated)`` of the predictions at ``pos + m - 1``, ``m = 1 .. H`` with
+  ``H = min(horizon, T - 1 - pos)`` (every prediction of a token inside the sequence; the toy tasks' loss mask covers
+  all of them), ``Q = mean over sequences of sum_{m >= 2} d_m / (d_1 + 1e-8)`` - the reference's estimator;
+* ``I_pre-cached`` and ``I_direct`` from the replay's ``attribution/influence.parquet``: Adam, ``feature_type == -1``,
+  the ``cumulative`` value at the last step, per (layer, pos, feature).
+
+``resid[layer]`` is the input of block ``layer`` (``blocks.{layer}.hook_resid_pre``) for ``layer < n_layer`` and the
+output of the last block (``blocks.{n_layer-1}.hook_resid_post``) for ``layer == n_layer``, as
+``GPT.forward(return_resid=True)`` numbers them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EPS = 1e-8
+
+
+def resid_hook_name(layer: int, n_layer: int) -> str:
+    """The HookPoint holding ``resid[layer]`` of a :class:`~ntpflow.model.GPT`."""
+    if not 0 <= layer <= n_layer:
+        raise ValueError(f"layer {layer} out of range 0..{n_layer}")
+    return f"blocks.{layer}.hook_resid_pre" if layer < n_layer else f"blocks.{n_layer - 1}.hook_resid_post"
+
+
+@torch.no_grad()
+def probe_ablation_kl(model: Any, tokens: torch.Tensor, layer: int, pos: int, w: torch.Tensor, horizon: int = 10,
+                      batch_size: int = 512) -> torch.Tensor:
+    """``d`` ``[N, H]``: ``KL(clean || ablated)`` of the predictions at ``pos .. pos+H-1`` after projecting ``w``
+    ``[d_model]`` out of ``resid[layer][:, pos]``, for ``tokens`` ``[N, T]``; ``H = min(horizon, T - 1 - pos)``.
+    A zero ``w`` ablates nothing (``d == 0``)."""
+    from ..hooks import hooks
+
+    n_layer = model.cfg.n_layer
+    T = tokens.shape[1]
+    if not 0 <= pos < T - 1:
+        raise ValueError(f"position {pos} has no later prediction in sequences of length {T}")
+    H = min(horizon, T - 1 - pos)
+    name = resid_hook_name(layer, n_layer)
+    dev = next(model.parameters()).device
+    w = torch.as_tensor(w, dtype=torch.float32, device=dev).reshape(-1)
+    nrm = float(w.norm())
+    u = w / nrm if nrm > 0 else torch.zeros_like(w)
+
+    def ablate(act: torch.Tensor, hook: Any) -> torch.Tensor:
+        act = act.clone()
+        x = act[:, pos]
+        act[:, pos] = x - (x @ u.to(x.dtype))[:, None] * u.to(x.dtype)
+        return act
+
+    was = model.training
+    model.eval()
+    out = []
+    try:
+        for i in range(0, tokens.shape[0], batch_size):
+            t = tokens[i:i + batch_size].to(dev)
+            clean = model(t, myopic="none")[:, pos:pos + H].double()
+            with hooks(model, [(name, ablate)]):
+                abl = model(t, myopic="none")[:, pos:pos + H].double()
+            lc, la = torch.log_softmax(clean, -1), torch.log_softmax(abl, -1)
+            out.append((lc.exp() * (lc - la)).sum(-1).clamp(min=0).cpu())
+    finally:
+        model.train(was)
+    return torch.cat(out)
+
+
+def q_from_d(d: torch.Tensor) -> tuple[float, float]:
+    """``(Q, mean total KL)`` from ``d`` ``[N, H]`` (H >= 2): mean over rows of ``sum_{m>=2} d_m / (d_1 + 1e-8)``."""
+    if d.shape[1] < 2:
+        return math.nan, float(d.sum(1).mean())
+    return float((d[:, 1:].sum(1) / (d[:, 0] + EPS)).mean()), float(d.sum(1).mean())
+
+
+def influence_ratios(parquet: str | Path, optimizer: str = "adam") -> dict[tuple[int, int, str], dict]:
+    """``{(layer, pos, feature): {"pre_cached", "direct", "shared", "full"}}``: cumulative integrated influence at
+    the last step, ``feature_type == -1``, for ``optimizer``."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    t = pq.read_table(parquet)
+    t = t.filter(pc.and_(pc.equal(t["optimizer"], optimizer), pc.equal(t["feature_type"], -1)))
+    rows = t.select(["step", "layer", "pos", "feature", "component", "cumulative"]).to_pylist()
+    if not rows:
+        raise ValueError(f"{parquet} has no {optimizer} rows with feature_type -1")
+    last = max(r["step"] for r in rows)
+    out: dict[tuple[int, int, str], dict] = {}
+    for r in rows:
+        if r["step"] == last:
+            out.setdefault((r["layer"], r["pos"], r["feature"]), {})[r["component"]] = float(r["cumulative"])
+    return out
+
+
+def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 1024, device: str = "cpu") -> dict:
+    """Q by ablation for every attributed probe of a finished, attributed toy run and its influence ratio.
+
+    Args:
+        run_dir: a run with ``probes/`` and ``attribution/influence.parquet`` (``ntpflow.replay.attribute``).
+        horizon: the Q horizon (clipped per site to the sequence).
+        n_sequences: eval sequences used (the first ones of the run's eval set).
+        device: torch device.
+
+    Returns:
+        ``{"rows": [{layer, pos, feature, q, total_kl, H, pre_cached, direct, shared, ratio, share}], "spearman":
+        {...} (Q vs pre_cached/direct), "spearman_share": {...} (Q vs pre_cached/(|pre_cached|+|direct|)),
+        "spearman_full_horizon": {...} (only sites with the full horizon H), "final_layer": {...},
+        "n_sequences", "horizon", "n_layer"}``. The correlations use the sites with ``layer < n_layer`` only: at
+        the last residual (after the last block) nothing later reads the position, so Q and I_pre-cached are both 0
+        by construction (``final_layer`` records their largest absolute values as a check).
+    """
+    from ..probe_runs import load_or_probe
+    from ..training import Run, make_datasets
+    from .lens import spearman
+
+    run = Run.open(run_dir)
+    probes = load_or_probe(run, "final", device)
+    infl = influence_ratios(Path(run_dir) / "attribution" / "influence.parquet")
+    model = run.load_model("final", device)
+    _, eval_set = make_datasets(run.cfg, run.task)
+    tokens = torch.as_tensor(eval_set.tokens[:n_sequences]).long()
+    rows = []
+    for (layer, pos, feat), comp in sorted(infl.items()):
+        w = probes.direction(layer, pos, feat)
+        if pos > tokens.shape[1] - 3:  # fewer than 2 predictions after pos
+            continue
+        d = probe_ablation_kl(model, tokens, layer, pos, w, horizon)
+        q, tot = q_from_d(d)
+        pre, direct = comp.get("pre_cached", math.nan), comp.get("direct", math.nan)
+        ratio = pre / direct if direct != 0 else math.nan
+        share = pre / (abs(pre) + abs(direct)) if (abs(pre) + abs(direct)) > 0 else math.nan
+        rows.append({"layer": layer, "pos": pos, "feature": feat, "q": q, "total_kl": tot, "H": int(d.shape[1]),
+                     "pre_cached": pre, "direct": direct, "shared": comp.get("shared", math.nan),
+                     "ratio": ratio, "share": share})
+    n_layer = run.model_config().n_layer
+    inner = [r for r in rows if r["layer"] < n_layer]
+    full = [r for r in inner if r["H"] == horizon]
+    last = [r for r in rows if r["layer"] == n_layer]
+    return {"rows": rows, "n_layer": n_layer,
+            "spearman": spearman([r["q"] for r in inner], [r["ratio"] for r in inner]),
+            "spearman_share": spearman([r["q"] for r in inner], [r["share"] for r in inner]),
+            "spearman_full_horizon": spearman([r["q"] for r in full], [r["ratio"] for r in full]),
+            "final_layer": {"n": len(last), "max_abs_q": max((abs(r["q"]) for r in last), default=None),
+                            "max_abs_pre_cached": max((abs(r["pre_cached"]) for r in last), default=None)},
+            "n_sequences": int(tokens.shape[0]), "horizon": horizon}
+
+
+def toy_sites(layers: Sequence[int], positions: Sequence[int]) -> list:
+    """``[Site(layer, pos)]`` for every pair."""
+    from ..sites import Site
+
+    return [Site(k, p) for k in layers for p in positions]
