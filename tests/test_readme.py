@@ -11,3 +11,18 @@ def test_readme_example_runs(capsys):
     out = capsys.readouterr().out
     errors = [float(x) for x in re.findall(r"sum error ([0-9.e+-]+)", out)]
     assert len(errors) == 2 and max(errors) < 1e-5
+
+
+def test_readme_cli_lines_name_real_commands_and_docs_exist():
+    from ntpflow.cli import build_parser
+
+    root = Path(__file__).parents[1]
+    text = (root / "README.md").read_text()
+    block = text[text.index("## Command line at a glance"):]
+    block = block[block.index("```") + 3:]
+    block = block[:block.index("```")]
+    used = {line.split()[1] for line in block.splitlines() if line.startswith("ntpflow ")}
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert used and used <= set(sub.choices)
+    for link in re.findall(r"\]\(((?:docs/|BENCHMARKS)[^)#]+)\)", text):
+        assert (root / link).exists(), link
