@@ -179,8 +179,9 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
 
 
 def _num(x, digits: int = 6):
+    """``x`` to ``digits`` significant digits (None if not finite), for a compact, stable data.json."""
     x = float(x)
-    return round(x, digits) if math.isfinite(x) else None
+    return float(f"{x:.{digits}g}") if math.isfinite(x) else None
 
 
 def gather(scale: OthelloScale, out: Path) -> dict:
@@ -226,7 +227,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         [("value", "sum"), ("value", "count")]).to_pylist()
     influence = [{"layer": r["layer"], "pos": r["pos"], "square": r["feature"],
                   "type": TYPE_NAMES.get(r["feature_type"], str(r["feature_type"])), "component": r["component"],
-                  "total": _num(r["value_sum"], 9), "n_steps": r["value_count"]} for r in totals]
+                  "total": _num(r["value_sum"], 12), "n_steps": r["value_count"]} for r in totals]
     # curves: mean over units (layer x pos x square with that type) of the cumulative influence, every curve_every
     units = {}
     for r in influence:
@@ -241,14 +242,14 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         acc[key] = acc.get(key, 0.0) + r["value_sum"]
         if (r["step"] + 1) % scale.curve_every == 0 or r["step"] == last:
             curves.append({"step": r["step"] + 1, "type": tname, "component": r["component"],
-                           "mean_cumulative": _num(acc[key] / len(units[key]), 9)})
+                           "mean_cumulative": _num(acc[key] / len(units[key]), 12)})
     sanity = []
     summ = run.dir / "attribution" / "summary.json"
     if summ.exists():
         for p in read_json(summ)["probes"]:
             sanity.append({"layer": p["layer"], "pos": p["pos"], "square": p["feature"],
-                           "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 9),
-                           "adam_full": _num(p.get("adam_full", math.nan), 9)})
+                           "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 12),
+                           "adam_full": _num(p.get("adam_full", math.nan), 12)})
     timings = read_json(out / "timings.json") if (out / "timings.json").exists() else {}
     return {
         "scale": scale.name, "scale_note": scale.note, "seed": cfg.seed, "train": scale.train,
