@@ -236,3 +236,27 @@ def to_html(blocks, pngs: dict[str, bytes]) -> str:
                        f"<figcaption><b>Figure {nfig}.</b> {e(caption)}</figcaption></figure>")
     out += ["</body>", "</html>"]
     return "\n".join(out) + "\n"
+
+
+def write_from_data(out_dir: str | Path, summarize, make_figures, document) -> Path:
+    """The report pipeline of an experiment folder: read ``data.json``, ``summary = summarize(data)``, figures
+    (``make_figures(summary, figdir) -> {name: png bytes}``), blocks (``document(summary, pngs)``); write
+    summary.json, report.md and report.html atomically. Returns report.md's path."""
+    import json
+
+    out = Path(out_dir)
+    path = out / "data.json"
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"missing file {path}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"corrupted JSON in {path}: {err}") from None
+    summary = summarize(data)
+    pngs = make_figures(summary, out / "figures")
+    blocks = document(summary, pngs)
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, allow_nan=False,
+                                                  ensure_ascii=False) + "\n")
+    atomic_write(out / "report.md", to_markdown(blocks))
+    atomic_write(out / "report.html", to_html(blocks, pngs))
+    return out / "report.md"

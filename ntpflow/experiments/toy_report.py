@@ -27,13 +27,11 @@ identical PNG/SVG).
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from dataclasses import fields
 from pathlib import Path
 
 from ..config import REGIMES, TrainConfig
-from ..io import atomic_write
 from .report_kit import (
     RC as _RC,
 )
@@ -66,8 +64,7 @@ from .report_kit import (
 )
 from .report_kit import (
     stats,
-    to_html,
-    to_markdown,
+    write_from_data,
 )
 
 TASK_ORDER = ("majority", "cond_majority")
@@ -752,22 +749,7 @@ def _document(summary: dict, figures) -> list[tuple]:
 
 def write_report(out_dir: str | Path) -> Path:
     """Read ``out_dir/data.json``; write figures/, summary.json, report.md and report.html. Returns report.md's path."""
-    out = Path(out_dir)
-    path = out / "data.json"
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"missing file {path}") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"corrupted JSON in {path}: {err}") from None
-    summary = summarize(data)
-    pngs = make_figures(summary, out / "figures")
-    blocks = _document(summary, pngs)
-    atomic_write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, allow_nan=False,
-                                                  ensure_ascii=False) + "\n")
-    atomic_write(out / "report.md", to_markdown(blocks))
-    atomic_write(out / "report.html", to_html(blocks, pngs))
-    return out / "report.md"
+    return write_from_data(out_dir, summarize, make_figures, _document)
 
 
 def main(argv=None) -> None:
