@@ -51,6 +51,12 @@ from .report_kit import (
     stats,
     write_from_data,
 )
+from .report_kit import (
+    plain_number as _plain,
+)
+from .report_kit import (
+    sites_text as _sites_text,
+)
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-caching", "shared": "shared", "full": "combined"}
@@ -244,21 +250,6 @@ def summarize(data: dict) -> dict:
     }
     summary["claims"] = _claims(summary)
     return summary
-
-
-def _plain(v) -> str:
-    if isinstance(v, float) and v == int(v) and abs(v) >= 1:
-        return str(int(v))
-    return str(v)
-
-
-def _sites_text(sites) -> str:
-    by_layer = defaultdict(list)
-    for k, p in sites:
-        by_layer[k].append(p)
-    if not by_layer:
-        return "none"
-    return "; ".join(f"layer {k} × positions {', '.join(str(p) for p in sorted(v))}" for k, v in sorted(by_layer.items()))
 
 
 def _settings(data: dict) -> list[dict]:

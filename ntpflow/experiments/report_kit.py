@@ -260,3 +260,21 @@ def write_from_data(out_dir: str | Path, summarize, make_figures, document) -> P
     atomic_write(out / "report.md", to_markdown(blocks))
     atomic_write(out / "report.html", to_html(blocks, pngs))
     return out / "report.md"
+
+
+def plain_number(v) -> str:
+    """A setting for a table: whole floats >= 1 without ``.0``, anything else as ``str``."""
+    if isinstance(v, float) and v == int(v) and abs(v) >= 1:
+        return str(int(v))
+    return str(v)
+
+
+def sites_text(sites) -> str:
+    """``[[layer, pos], ...]`` -> ``"layer 1 × positions 4, 8; layer 2 × positions 4"`` (``"none"`` if empty)."""
+    by_layer: dict = {}
+    for layer, pos in sites:
+        by_layer.setdefault(layer, []).append(pos)
+    if not by_layer:
+        return "none"
+    return "; ".join(f"layer {k} × positions {', '.join(str(p) for p in sorted(v))}"
+                     for k, v in sorted(by_layer.items()))

@@ -51,6 +51,12 @@ from .report_kit import (
 from .report_kit import ci_band as _band
 from .report_kit import figure_grid as _grid
 from .report_kit import finish_figure as _finish
+from .report_kit import (
+    plain_number as _plain,
+)
+from .report_kit import (
+    sites_text as _sites_text,
+)
 
 REGIMES = ("vanilla", "myopic")
 GROUPS = ("tags", "deps", "position", "syntax")  # "syntax" = tags + deps, added by summarize
@@ -104,22 +110,6 @@ SETTING_KEYS = ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_
 
 
 # ---------------------------------------------------------------------------------------------------- summary
-
-
-def _plain(v) -> str:
-    if isinstance(v, float) and v == int(v) and abs(v) >= 1:
-        return str(int(v))
-    return str(v)
-
-
-def _sites_text(sites) -> str:
-    by_layer = defaultdict(list)
-    for layer, pos in sites:
-        by_layer[layer].append(pos)
-    if not by_layer:
-        return "none"
-    return "; ".join(f"layer {k} × positions {', '.join(str(p) for p in sorted(v))}"
-                     for k, v in sorted(by_layer.items()))
 
 
 def _settings(data: dict, seeds) -> list[dict]:

@@ -60,7 +60,13 @@ from .report_kit import (
     mean_of as _mean,
 )
 from .report_kit import (
+    plain_number as _plain,
+)
+from .report_kit import (
     save_figure as _save,
+)
+from .report_kit import (
+    sites_text as _sites_text,
 )
 from .report_kit import (
     stats,
@@ -153,22 +159,6 @@ def _settings(data: dict, n_seeds: int) -> list[dict]:
         r["differs"] = r["setting"] != "scale" and r["this_run"].split(" (")[0] != r["paper"].split(" (")[0]
     rows[len(SETTING_KEYS) + 2]["differs"] = {tuple(s) for s in data.get("sites") or []} != PAPER_SITES
     return rows
-
-
-def _plain(v) -> str:
-    if isinstance(v, float) and v == int(v) and abs(v) >= 1:
-        return str(int(v))
-    return str(v)
-
-
-def _sites_text(sites) -> str:
-    by_layer = defaultdict(list)
-    for layer, pos in sites:
-        by_layer[layer].append(pos)
-    if not by_layer:
-        return "none"
-    return "; ".join(f"layer {k} × positions {', '.join(str(p) for p in sorted(v))}"
-                     for k, v in sorted(by_layer.items()))
 
 
 def _spans(positions) -> list[list[int]]:
