@@ -238,3 +238,28 @@ def test_modes_together_equal_modes_apart(models, sae, tokens):
         both = qscan.ablation_kl(adapter, sae, tokens, HOOK, lat, ctx, pos, mode=qscan.MODES)
         for m in qscan.MODES:
             assert torch.allclose(both[m], qscan.ablation_kl(adapter, sae, tokens, HOOK, lat, ctx, pos, mode=m))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_layer_skip_exact_or_refused(sae, tokens, arch):
+    """The ablated rows may start above the site (Llama: decoder input = embeddings), checked against the full
+    forward on first use; GPT-2 adds position embeddings to its input, so there the shortcut must be refused. Either
+    way the batched KL equals the reference loop."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        if arch == "llama":
+            model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=D, intermediate_size=2 * D,
+                                                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=64))
+        else:
+            model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=D, n_layer=3, n_head=4))
+    adapter = HFAdapter(model.double().eval())
+    hook = "blocks.1.hook_resid_post"
+    lat, ctx, pos = _pairs(11, 6)
+    fast = qscan.ablation_kl(adapter, sae, tokens, hook, lat, ctx, pos, contexts_per_batch=3, pairs_per_batch=4)
+    assert adapter._skip_exact[hook] is (arch == "llama")
+    slow = qscan.reference_loop_kl(adapter, sae, tokens, hook, lat, ctx, pos)
+    assert torch.allclose(fast, slow, rtol=1e-7, atol=1e-12)
+    assert (fast.sum(1) > 0).all()

@@ -86,18 +86,16 @@ SCALES = {
                           {"n_layer": 4, "d_model": 128, "n_head": 4, "batch_size": 256, "steps": 1000, "lr": 1e-3,
                            "n_train": 300_000, "n_eval": 30_000, "eval_every": 100, "ckpt_every": 100},
                           curve_every=10),
-    # this shared 2-core machine in about an hour for both regimes with attribution. Measured while the machine ran
-    # ~10 other jobs (load ~10 on 2 cores, each of 4 workers getting ~0.1 core): the paper's model at batch 64 took
-    # ~12 s per training step, and replaying a step with influence tracking costs ~6 training steps per 2 sites.
-    # So: the shared TinyStories sample (all 2,315 train windows, i.e. every story of >= 64 tokens, and the first
-    # 1,024 of the 1,727 eval windows, since four workers evaluating all of them at once ran out of memory; a BPE
-    # of 4,096 tokens trained on the train split), 4 layers, d 64, 4 heads, batch 32, 80 steps (~1.1 epochs) at
-    # lr 2e-3 (twice the paper's, to get further in few steps), 2 seeds, and one tracked site, layer 2 at
-    # position 32 (inside the paper's layers 1-4 x positions 30-39), all 22 features.
-    "small": StoriesScale("small", SAMPLE_CORPUS, (0, 1), _sites((2,), (32,)),
-                          {"n_layer": 4, "d_model": 64, "n_head": 4, "batch_size": 32, "steps": 80, "lr": 2e-3,
-                           "n_train": 2_315, "n_eval": 1_024, "eval_every": 40, "ckpt_every": 20, "log_every": 10},
-                          curve_every=2),
+    # this shared 2-core machine in about an hour for both regimes with attribution (two workers of one thread each;
+    # a d-64 training step at batch 32 costs ~0.36 CPU-s on an idle core, a replayed step ~2-3x that per tracked
+    # site). The shared TinyStories sample: all 2,315 train windows (every story of >= 64 tokens) and all 1,727 eval
+    # windows, a BPE of 4,096 tokens trained on the train split; 4 layers, d 64, 4 heads, batch 32, 300 steps
+    # (~4 epochs) at lr 2e-3 (twice the paper's, to get further in few steps), 3 seeds, and two tracked sites inside
+    # the paper's layers 1-4 x positions 30-39, ⟨2, 32⟩ and ⟨3, 36⟩, with all 22 features.
+    "small": StoriesScale("small", SAMPLE_CORPUS, (0, 1, 2), _sites((2,), (32,)) + _sites((3,), (36,)),
+                          {"n_layer": 4, "d_model": 64, "n_head": 4, "batch_size": 32, "steps": 300, "lr": 2e-3,
+                           "n_train": 2_315, "n_eval": 1_727, "eval_every": 100, "ckpt_every": 50, "log_every": 10},
+                          curve_every=5),
     # CI: the generated corpus (a small story grammar) with a 512-token BPE, a 2-layer d 32 model, 30 steps and one
     # site; checks the pipeline, not the science
     "smoke": StoriesScale("smoke", "generated:1000", (0,), (Site(1, 30),),

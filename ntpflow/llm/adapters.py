@@ -159,12 +159,13 @@ class TLAdapter(_AdapterBase):
         return self.model.run_with_hooks(tokens, return_type="logits", fwd_hooks=[(hook, tl_hook)])
 
 
-def _decoder_layers(model: Any) -> Any:
-    """The ``ModuleList`` of decoder blocks of a Hugging Face causal LM."""
+def _decoder_layers(model: Any) -> tuple[Any, str, Any]:
+    """``(parent module, attribute name, ModuleList)`` of the decoder blocks of a Hugging Face causal LM."""
     n = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer", None)
-    for _, module in model.named_modules():
+    for name, module in model.named_modules():
         if isinstance(module, torch.nn.ModuleList) and (n is None or len(module) == n):
-            return module
+            parent, _, attr = name.rpartition(".")
+            return model.get_submodule(parent), attr, module
     raise ValueError("could not find the decoder-layer list of the Hugging Face model")
 
 
@@ -177,7 +178,8 @@ class HFAdapter(_AdapterBase):
 
     def __init__(self, model: Any):
         self.model = model.eval()
-        self.layers = _decoder_layers(model)
+        self._layers_parent, self._layers_attr, self.layers = _decoder_layers(model)
+        self._skip_exact: dict[str, bool] = {}  # per hook: whether starting above it reproduces the full run
         self.d_model = int(model.get_input_embeddings().weight.shape[1])
         self.device = next(model.parameters()).device
         self._modules = dict(model.named_modules())
@@ -242,16 +244,55 @@ class HFAdapter(_AdapterBase):
 
     @torch.no_grad()
     def logits_after_prefix(self, kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_len: torch.Tensor,
-                            suffix: torch.Tensor, hook: str | None = None, edit: EditFn | None = None
-                            ) -> torch.Tensor:
+                            suffix: torch.Tensor, hook: str | None = None, edit: EditFn | None = None,
+                            resid: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[b, S, V]`` for ``suffix`` ``[b, S]`` (tokens at positions ``prefix_len[r] + s``), attending to
         the first ``prefix_len[r]`` cached positions of ``kv`` (per layer ``(keys, values)`` ``[b, h, Tp, d_head]``,
         ``Tp >= max(prefix_len)``; later cached slots are masked). ``edit`` sees the suffix activation
-        ``[b, S, d]``."""
+        ``[b, S, d]``.
+
+        ``resid`` ``[b, S, d]``, optional: the unedited activation at ``hook`` (``blocks.{l}.hook_resid_post``) for
+        the suffix, e.g. from the clean run. With it, only decoder layers ``l+1 ...`` run, on ``edit(resid)`` fed as
+        the decoder's input. That is exact where the decoder uses its input embeddings unchanged (the Llama
+        family), not where it adds or scales them (GPT-2's position embeddings, Gemma's scaling): the first call
+        per hook runs both ways and keeps the shortcut only if they agree to rounding.
+        """
+        if resid is not None and edit is not None and _RESID_POST.match(hook or ""):
+            ok = self._skip_exact.get(hook)
+            if ok is None or ok:
+                short = self._logits_above(kv, prefix_len, edit(resid), int(_RESID_POST.match(hook).group(1)))
+                if ok:
+                    return short
+                full = self.logits_after_prefix(kv, prefix_len, suffix, hook, lambda act: edit(resid))
+                tol = 1e-5 if full.dtype == torch.float32 else 1e-10
+                self._skip_exact[hook] = bool(torch.allclose(short, full, rtol=tol,
+                                                             atol=tol * float(full.abs().max())))
+                return full
+        return self._logits_with_cache(kv, prefix_len, suffix, hook if edit is not None else None, edit)
+
+    def _logits_above(self, kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_len: torch.Tensor,
+                      resid: torch.Tensor, layer: int) -> torch.Tensor:
+        """Logits of the residual ``resid`` ``[b, S, d]`` after decoder layer ``layer``, running the later layers
+        only (they are swapped in as the model's layer list for the duration of the call)."""
+        upper = torch.nn.ModuleList(list(self.layers)[layer + 1:])
+        setattr(self._layers_parent, self._layers_attr, upper)
+        try:
+            return self._logits_with_cache(kv, prefix_len, None, None, None, inputs_embeds=resid)
+        finally:
+            setattr(self._layers_parent, self._layers_attr, self.layers)
+
+    def _logits_with_cache(self, kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_len: torch.Tensor,
+                           suffix: torch.Tensor | None, hook: str | None, edit: EditFn | None,
+                           inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         from transformers import DynamicCache
 
-        suffix = self._check_tokens(suffix)
-        b, S = suffix.shape
+        if inputs_embeds is None:
+            suffix = self._check_tokens(suffix)
+            b, S = suffix.shape
+            inputs = {"input_ids": suffix}
+        else:
+            b, S = inputs_embeds.shape[:2]
+            inputs = {"inputs_embeds": inputs_embeds}
         Tp = kv[0][0].shape[2]
         prefix_len = prefix_len.to(self.device)
         slots = torch.arange(Tp, device=self.device)
@@ -261,8 +302,8 @@ class HFAdapter(_AdapterBase):
         if edit is not None:
             self.check_hook(hook)
         cache = DynamicCache(ddp_cache_data=[(k, v) for k, v in kv])
-        out = self._forward(hook if edit is not None else None, edit, input_ids=suffix, attention_mask=mask,
-                            position_ids=pos, use_cache=True, **{self._cache_kw: cache})
+        out = self._forward(hook, edit, **inputs, attention_mask=mask, position_ids=pos, use_cache=True,
+                            **{self._cache_kw: cache})
         return out.logits
 
 

@@ -209,7 +209,8 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
         pairs_per_batch: pairs per ablated forward.
         use_prefix_cache: when the adapter supports it (:class:`~ntpflow.llm.adapters.HFAdapter`), ablated rows
             reuse the clean run's keys/values for positions < p and compute only positions p .. p+H-1 (exact: the
-            ablation cannot change earlier positions). Otherwise each ablated row is a full forward up to p+H.
+            ablation cannot change earlier positions), and, where the model allows it, only the layers above the
+            site, starting from the clean site activations. Otherwise each ablated row is a full forward up to p+H.
 
     Returns:
         ``[P, H]`` float64: ``d[i, m-1] = KL(clean || ablated)`` of the prediction at position
@@ -255,6 +256,7 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
                 r_dev = r.to(acts.device)
                 sub_kv = [(k[r_dev, :, :Tp], v[r_dev, :, :Tp]) for k, v in kv]
                 suffix = tokens[contexts[idx][:, None], tpos.cpu()]  # [b, H]
+                resid = acts[r_dev[:, None], tpos]  # [b, H, d] clean site activations of the suffix
             for m in modes:
                 vecs = new[m][o]
                 if prefix:
@@ -263,7 +265,8 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
                         act[:, 0] = vecs.to(act.dtype)  # suffix position 0 is p
                         return act
 
-                    a = adapter.logits_after_prefix(sub_kv, p_dev, suffix, hook=hook, edit=edit)  # [b, H, V]
+                    a = adapter.logits_after_prefix(sub_kv, p_dev, suffix, hook=hook, edit=edit,
+                                                    resid=resid)  # [b, H, V]
                 else:
                     def edit(act: torch.Tensor, vecs: torch.Tensor = vecs, p_dev: torch.Tensor = p_dev,
                              ar: torch.Tensor = ar) -> torch.Tensor:
