@@ -32,7 +32,6 @@ Sign convention: positive influence = the component moved the feature toward its
 
 from __future__ import annotations
 
-import argparse
 from collections import defaultdict
 from pathlib import Path
 
@@ -47,6 +46,7 @@ from .report_kit import (
     fmt_g,
     has_ci,
     mean_of,
+    report_main,
     save_figure,
     stats,
     write_from_data,
@@ -716,10 +716,7 @@ def write_report(out_dir: str | Path) -> Path:
 
 def main(argv=None) -> None:
     """Command line: write the report of the folder OUT holding data.json and print the report.md path."""
-    ap = argparse.ArgumentParser(prog="python -m ntpflow.experiments.othello_report",
-                                 description="Write the OthelloGPT report from OUT/data.json.")
-    ap.add_argument("out", help="folder holding data.json (the output folder of the othello experiment)")
-    print(write_report(ap.parse_args(argv).out))
+    report_main("othello_report", "OthelloGPT", write_report, argv)
 
 
 if __name__ == "__main__":

@@ -278,3 +278,14 @@ def sites_text(sites) -> str:
         return "none"
     return "; ".join(f"layer {k} × positions {', '.join(str(p) for p in sorted(v))}"
                      for k, v in sorted(by_layer.items()))
+
+
+def report_main(module: str, experiment: str, write_report, argv=None) -> None:
+    """Command line of a report module (``python -m ntpflow.experiments.<module>``): write the report of the folder
+    OUT holding data.json and print the report.md path."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=f"python -m ntpflow.experiments.{module}",
+                                 description=f"Write the {experiment} report from OUT/data.json.")
+    ap.add_argument("out", help=f"folder holding data.json (the output folder of the {experiment} experiment)")
+    print(write_report(ap.parse_args(argv).out))

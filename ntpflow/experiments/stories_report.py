@@ -32,7 +32,6 @@ per seed. The same data.json gives byte-identical md/html/json.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -44,6 +43,7 @@ from .report_kit import (
     fmt_g,
     has_ci,
     mean_of,
+    report_main,
     save_figure,
     stats,
     write_from_data,
@@ -732,11 +732,7 @@ def write_report(out_dir: str | Path) -> Path:
 
 def main(argv=None) -> None:
     """Command line: write the report of the folder OUT holding data.json and print the report.md path."""
-    ap = argparse.ArgumentParser(prog="python -m ntpflow.experiments.stories_report",
-                                 description="Write the TinyStories report from OUT/data.json.")
-    ap.add_argument("out", help="folder holding data.json (the output folder of the stories experiment)")
-    args = ap.parse_args(argv)
-    print(write_report(args.out))
+    report_main("stories_report", "TinyStories", write_report, argv)
 
 
 if __name__ == "__main__":

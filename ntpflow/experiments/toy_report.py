@@ -26,7 +26,6 @@ identical PNG/SVG).
 
 from __future__ import annotations
 
-import argparse
 from collections import defaultdict
 from dataclasses import fields
 from pathlib import Path
@@ -63,14 +62,15 @@ from .report_kit import (
     plain_number as _plain,
 )
 from .report_kit import (
+    report_main,
+    stats,
+    write_from_data,
+)
+from .report_kit import (
     save_figure as _save,
 )
 from .report_kit import (
     sites_text as _sites_text,
-)
-from .report_kit import (
-    stats,
-    write_from_data,
 )
 
 TASK_ORDER = ("majority", "cond_majority")
@@ -744,11 +744,7 @@ def write_report(out_dir: str | Path) -> Path:
 
 def main(argv=None) -> None:
     """Command line: write the report of the folder OUT holding data.json and print the report.md path."""
-    ap = argparse.ArgumentParser(prog="python -m ntpflow.experiments.toy_report",
-                                 description="Write the toy-task report from OUT/data.json.")
-    ap.add_argument("out", help="folder holding data.json (the output folder of the toy experiment)")
-    args = ap.parse_args(argv)
-    print(write_report(args.out))
+    report_main("toy_report", "toy-task", write_report, argv)
 
 
 if __name__ == "__main__":
