@@ -162,6 +162,58 @@ def test_hub_corpus_offline_is_one_line_error():
     assert "\n" not in str(e.value)
 
 
+def _fake_hub(monkeypatch, files: dict[tuple[str, str], str]):
+    """Serve ``{(repo, filename): local path}`` through ``huggingface_hub.hf_hub_download`` (no network); other
+    files raise the hub's EntryNotFoundError. Returns the list of requests made."""
+    import huggingface_hub
+    from huggingface_hub.errors import EntryNotFoundError
+
+    calls = []
+
+    def download(repo_id, filename, repo_type=None, **kw):
+        calls.append((repo_id, filename, repo_type))
+        if (repo_id, filename) not in files:
+            raise EntryNotFoundError(f"{filename} not in {repo_id}")
+        return files[(repo_id, filename)]
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    return calls
+
+
+def test_hub_corpus_reads_the_paper_files(tmp_path, monkeypatch):
+    """The ``hf`` source asks the hub for TinyStoriesV2-GPT4 train/valid (a dataset repo) and reads them like local
+    text files."""
+    train, valid = tmp_path / "t.txt", tmp_path / "v.txt"
+    train.write_text("Once upon a time.<|endoftext|>\nTom ran home.<|endoftext|>\n")
+    valid.write_text("Lily was happy.<|endoftext|>\n")
+    calls = _fake_hub(monkeypatch, {("roneneldan/TinyStories", C.HF_FILES[0]): str(train),
+                                    ("roneneldan/TinyStories", C.HF_FILES[1]): str(valid)})
+    corpus = C.load_corpus("hf")
+    assert corpus.train == ("Once upon a time.", "Tom ran home.") and corpus.eval == ("Lily was happy.",)
+    assert corpus.name == "hf:roneneldan/TinyStories"
+    assert [c[1:] for c in calls] == [(C.HF_FILES[0], "dataset"), (C.HF_FILES[1], "dataset")]
+
+
+@needs_tokenizers
+def test_hub_tokenizer_from_tokenizer_json_or_vocab_and_merges(tmp_path, monkeypatch):
+    """The hub tokenizer is read from tokenizer.json, or from vocab.json + merges.txt when the repo has none
+    (TinyStories-1M's case); both give the same ids for a byte-level BPE."""
+    from ntpflow.stories.tokenizer import HUB_TOKENIZER, hub_tokenizer, train_bpe
+
+    bpe = train_bpe(["Once upon a time there was a little dog.", "Tom and Lily played in the park."] * 20,
+                    vocab_size=300)
+    bpe.tok.save(str(tmp_path / "tokenizer.json"))
+    bpe.tok.model.save(str(tmp_path))  # vocab.json, merges.txt
+    text = "Once upon a time, Tom played."
+    _fake_hub(monkeypatch, {(HUB_TOKENIZER, "tokenizer.json"): str(tmp_path / "tokenizer.json")})
+    a = hub_tokenizer()
+    _fake_hub(monkeypatch, {(HUB_TOKENIZER, "vocab.json"): str(tmp_path / "vocab.json"),
+                            (HUB_TOKENIZER, "merges.txt"): str(tmp_path / "merges.txt")})
+    b = hub_tokenizer()
+    assert a.meta == b.meta == {"source": "hub", "name": HUB_TOKENIZER}
+    assert list(a.encode(text)[0]) == list(b.encode(text)[0]) == list(bpe.encode(text)[0])
+
+
 def test_align_syntax_by_character_overlap():
     # spaCy tokens: "did" [0,3) bits 1, "n't" [3,6) bits 2, " " is not a token, "go" [7,9) bits 4
     start, end, bits = np.array([0, 3, 7]), np.array([3, 6, 9]), np.array([1, 2, 4], dtype=np.uint32)
