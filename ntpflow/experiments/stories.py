@@ -91,7 +91,8 @@ SCALES = {
     # site). The shared TinyStories sample: all 2,315 train windows (every story of >= 64 tokens) and all 1,727 eval
     # windows, a BPE of 4,096 tokens trained on the train split; 4 layers, d 64, 4 heads, batch 32, 300 steps
     # (~4 epochs) at lr 2e-3 (twice the paper's, to get further in few steps), 3 seeds, and two tracked sites inside
-    # the paper's layers 1-4 x positions 30-39, ⟨2, 32⟩ and ⟨3, 36⟩, with all 22 features.
+    # the paper's layers 1-4 x positions 30-39, ⟨2, 32⟩ and ⟨3, 36⟩, with all 22 features. Measured: 37 min for
+    # all six runs, sampling and the report (2026-11-30, load ~2; docs/results/stories-small).
     "small": StoriesScale("small", SAMPLE_CORPUS, (0, 1, 2), _sites((2,), (32,)) + _sites((3,), (36,)),
                           {"n_layer": 4, "d_model": 64, "n_head": 4, "batch_size": 32, "steps": 300, "lr": 2e-3,
                            "n_train": 2_315, "n_eval": 1_727, "eval_every": 100, "ckpt_every": 50, "log_every": 10},
