@@ -3,6 +3,7 @@ Q-vs-influence ablation, the qscan CLI, the smoke scale end to end and its resum
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -135,6 +136,29 @@ def test_smoke_resumes_and_skips_done_stages(smoke):
         assert (smoke / name).stat().st_mtime_ns == mtimes[name], name
     with pytest.raises(ValueError, match="scale 'smoke'"):
         run_llm("small", smoke, progress=False)
+
+
+def test_reuse_of_the_sae_only_is_recorded_and_reported(smoke, tmp_path):
+    """A reuse folder with corpus + SAE but no scan: the scan runs here, meta.json and the report say that only
+    the SAE was reused, and the reused SAE files are the originals."""
+    from ntpflow.experiments.llm import run_llm
+    from ntpflow.experiments.llm_report import write_report
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("contexts.pt", "quality.json"):
+        shutil.copyfile(smoke / name, src / name)
+    shutil.copytree(smoke / "sae", src / "sae")
+    out = tmp_path / "out"
+    run_llm("smoke", out, device="cpu", progress=False, reuse=src, stages=("sae", "scan"))
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["reused_stages"] == ["sae"] and meta["reuse"] == str(src)
+    assert (out / "quality.json").read_bytes() == (smoke / "quality.json").read_bytes()
+    assert (out / "stats.json").exists()  # the scan was computed here
+    write_report(out)
+    text = (out / "report.md").read_text()
+    assert f"Corpus and SAE (the scan was computed here) reused from {src}." in text
+    assert "scan (in the reused run)" not in text
 
 
 def test_paper_scale_fails_offline_in_one_line(tmp_path, monkeypatch):

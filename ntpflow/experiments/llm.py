@@ -16,12 +16,14 @@ is written atomically):
 
 ``meta.json`` records the scale and what was used. ``reuse=DIR`` (explicit, never implied) copies stage-1/2
 outputs of an earlier ``python -m ntpflow.llm.pipeline train/scan`` (``contexts.pt``, ``sae/``, ``quality.json``,
-``q_<mode>.json``, ``stats.json``) into ``out`` instead of recomputing them.
+and, when DIR holds a scan, ``q_<mode>.json``, ``stats.json``) into ``out`` instead of recomputing them;
+``meta.json["reused_stages"]`` says which.
 
 Scales: ``smoke`` (CI, < 90 s: a tiny random GPT-2 over bytes and a quickly trained SimpleSAE; checks the pipeline,
-not the science), ``small`` (SmolLM2-135M-Instruct offline, a TopK SAE trained here with sae-lens; measured on 2
-cores shared with other jobs (load ~8): SAE ~20 min, scan of 96 latents ~22 min, steering ~9 min, lens ~4 min, toy
-~3 min, i.e. about an hour without ``reuse``, ~16 min with it), ``paper`` (the reference's gemma-2-2b + GemmaScope; needs internet and a GPU).
+not the science), ``small`` (SmolLM2-135M-Instruct offline, a TopK SAE trained here with sae-lens, 384 latents
+scored; measured on 2 cores: SAE ~20 min at load ~8; at load ~2 (2026-11-30) the scan of 384 latents ~7.5 min,
+steering, lens and the toy run ~2 min together; under an hour without ``reuse``), ``paper`` (the reference's
+gemma-2-2b + GemmaScope; needs internet and a GPU).
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ SCALES = {
     "small": LLMScale(
         "small", "smollm2", docs_per_domain=100, windows_per_doc=2, ctx_len=64,
         sae={"kind": "topk", "d_sae": 2048, "k": 32, "steps": 1500, "batch_size": 512, "lr": 4e-4},
-        n_latents=96, candidates=16, examples=6,
+        n_latents=384, candidates=16, examples=6,
         steer={"n_extreme": 10, "prompts": _PROMPTS, "alphas": (1.0, 0.25), "max_new_tokens": 20,
                "temperature": 0.0, "n_samples": 1},
         lens={"n_contexts": 200, "ks": (1, 2, 3, 4, 5), "rank_divisors": (64, 16, 4), "ridge": 1e-4},
@@ -357,17 +359,17 @@ def _stage_qvi(s: _Session, progress: bool) -> None:
     write_json(out / "q_vs_influence.json", res)
 
 
-def _copy_reuse(reuse: Path, out: Path, progress: bool) -> None:
-    """Copy stage-1/2 outputs of an earlier pipeline run (explicit ``reuse``) into ``out`` where absent."""
+def _copy_reuse(reuse: Path, out: Path, progress: bool) -> list[str]:
+    """Copy stage-1/2 outputs of an earlier pipeline run (explicit ``reuse``) into ``out`` where absent; returns
+    the reused stages (``["sae"]`` or ``["sae", "scan"]``: the scan only when the folder holds one)."""
     if not reuse.is_dir():
         raise FileNotFoundError(f"reuse folder {reuse} does not exist")
     needed = ["contexts.pt", "sae", "quality.json"]
     missing = [n for n in needed if not (reuse / n).exists()]
     if missing:
         raise FileNotFoundError(f"reuse folder {reuse} lacks {', '.join(missing)}")
-    names = needed + ([f"q_{m}.json" for m in MODES] + ["stats.json"]
-                      if all((reuse / f"q_{m}.json").exists() for m in MODES) and (reuse / "stats.json").exists()
-                      else [])
+    has_scan = all((reuse / f"q_{m}.json").exists() for m in MODES) and (reuse / "stats.json").exists()
+    names = needed + ([f"q_{m}.json" for m in MODES] + ["stats.json"] if has_scan else [])
     for n in names:
         src, dst = reuse / n, out / n
         if dst.exists():
@@ -381,6 +383,7 @@ def _copy_reuse(reuse: Path, out: Path, progress: bool) -> None:
         else:
             shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
+    return ["sae", "scan"] if has_scan else ["sae"]
 
 
 STAGES = ("sae", "scan", "steering", "lens", "q_vs_influence")
@@ -411,16 +414,21 @@ def run_llm(scale: str | LLMScale, out: str | Path, *, device: str = "auto", pro
         _check_online()
     out = ensure_writable_dir(out)
     meta_path = out / "meta.json"
-    meta = {"scale": scale.name, "settings": _jsonable(asdict(scale)), "reuse": str(reuse) if reuse else None}
+    meta = {"scale": scale.name, "settings": _jsonable(asdict(scale)), "reuse": str(reuse) if reuse else None,
+            "reused_stages": []}
     if meta_path.exists():
         old = read_json(meta_path)
         if old.get("scale") != scale.name:
             raise ValueError(f"{out} holds an llm run of scale {old.get('scale')!r}, not {scale.name!r}; choose "
                              f"another --out")
         meta["reuse"] = old.get("reuse") or meta["reuse"]
-    write_json(meta_path, meta)
+        meta["reused_stages"] = old.get("reused_stages", [])
     if reuse:
-        _copy_reuse(Path(reuse), out, progress)
+        done = [st for st in ("sae", "scan") if st not in meta["reused_stages"]
+                and (out / ("quality.json" if st == "sae" else "stats.json")).exists()]
+        reused = [st for st in _copy_reuse(Path(reuse), out, progress) if st not in done]
+        meta["reused_stages"] = sorted(set(meta["reused_stages"]) | set(reused), key=STAGES.index)
+    write_json(meta_path, meta)
     s = _Session(scale, out, resolve_device(device))
     fns = {"sae": _stage_sae, "scan": _stage_scan, "steering": _stage_steering, "lens": _stage_lens,
            "q_vs_influence": _stage_qvi}

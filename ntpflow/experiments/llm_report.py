@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..io import atomic_write, read_json, write_json
 from .report_kit import figure_grid as _grid
-from .report_kit import fmt, fmt_ci, stats, to_html, to_markdown
+from .report_kit import fmt, fmt_ci, report_main, stats, to_html, to_markdown
 from .report_kit import save_figure as _save
 
 MODES = ("reconstruction", "error-preserving")
@@ -192,13 +192,17 @@ def _lens_summary(lj: dict) -> dict:
     return out
 
 
+_REUSED_TEXT = {("sae",): "Corpus and SAE (the scan was computed here)", ("sae", "scan"): "Corpus, SAE and scan"}
+
+
 def summarize(out: Path) -> dict:
     """Every number of the report and the claims, from the files in ``out`` (no writes)."""
     meta = _read(out, "meta.json") or {}
     quality = _read(out, "quality.json") or {}
     st = _read(out, "stats.json") or {}
+    reused = meta.get("reused_stages", ["sae", "scan"] if meta.get("reuse") else [])  # older runs: both
     s: dict = {"scale": meta.get("scale"), "settings": meta.get("settings"), "reuse": meta.get("reuse"),
-               "timing": _read(out, "timing.json")}
+               "reused_stages": reused, "timing": _read(out, "timing.json")}
     s["setup"] = {"model": quality.get("model"), "hook": quality.get("hook"), "n_contexts": quality.get("n_contexts"),
                   "ctx_len": quality.get("ctx_len"), "n_train_tokens": quality.get("n_train_tokens"),
                   "n_eval_tokens": quality.get("n_eval_tokens"), "sae": (quality.get("sae") or {}).get("config")
@@ -210,8 +214,8 @@ def summarize(out: Path) -> dict:
         s["setup"]["contexts_per_domain"] = {d: sum(x == d for x in saved["domains"]) for d in DOMAINS}
     s["sae_quality"] = {"train": quality.get("train"), "eval": quality.get("eval")}
     qsec = quality.get("seconds") or {}
-    s["original_seconds"] = {"sae": (qsec.get("activations") or 0) + (qsec.get("training") or 0) or None,
-                             "scan": st.get("seconds")}
+    orig = {"sae": (qsec.get("activations") or 0) + (qsec.get("training") or 0) or None, "scan": st.get("seconds")}
+    s["original_seconds"] = {k: v for k, v in orig.items() if k in reused}
     s["q"] = {}
     for mode in MODES:
         r = _read(out, f"q_{mode}.json")
@@ -451,7 +455,8 @@ def _blocks(s: dict, have: set[str]) -> list:
                    + f". Corpus: {su.get('n_contexts')} windows of {su.get('ctx_len')} tokens ("
                    + ", ".join(f"{d} {per.get(d, '?')}" for d in DOMAINS) + "); "
                    f"SAE trained on {su.get('n_train_tokens')} tokens, evaluated on {su.get('n_eval_tokens')}."
-                   + (f" Corpus, SAE and scan reused from {s['reuse']}." if s.get("reuse") else "")))
+                   + (f" {_REUSED_TEXT[tuple(s['reused_stages'])]} reused from {s['reuse']}."
+                      if s.get("reused_stages") else "")))
     if s.get("scale") == "smoke":
         b.append(("p", "Smoke scale: a tiny random model; this checks the pipeline, not the science."))
     b.append(("p", ("Domain labels: a latent's domain is where its top-activating contexts come from (stories, "
@@ -560,9 +565,8 @@ def _blocks(s: dict, have: set[str]) -> list:
         b.append(("h2", "Run time"))
         rows = [[k, fmt(v, 0)] for k, v in s["timing"].items()]
         orig = s.get("original_seconds") or {}
-        if s.get("reuse"):
-            rows = [r for r in rows if r[0] not in ("sae", "scan")]
-            rows += [[f"{k} (in the reused run)", fmt(v, 0)] for k, v in orig.items() if v is not None]
+        rows = [r for r in rows if r[0] not in s.get("reused_stages", [])]
+        rows += [[f"{k} (in the reused run)", fmt(v, 0)] for k, v in orig.items() if v is not None]
         b.append(("table", ["stage", "seconds"], rows, "timing"))
     return b
 
@@ -586,3 +590,12 @@ def write_report(out: str | Path) -> Path:
     atomic_write(out / "report.md", to_markdown(blocks))
     atomic_write(out / "report.html", to_html(blocks, pngs))
     return out / "report.html"
+
+
+def main(argv=None) -> None:
+    """Command line: write the report of the folder OUT holding the llm results and print the report.html path."""
+    report_main("llm_report", "pretrained-LLM", write_report, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -281,11 +281,11 @@ def sites_text(sites) -> str:
 
 
 def report_main(module: str, experiment: str, write_report, argv=None) -> None:
-    """Command line of a report module (``python -m ntpflow.experiments.<module>``): write the report of the folder
-    OUT holding data.json and print the report.md path."""
+    """Command line of a report module (``python -m ntpflow.experiments.<module>``): write the report of the
+    experiment's output folder OUT and print the path ``write_report`` returns."""
     import argparse
 
     ap = argparse.ArgumentParser(prog=f"python -m ntpflow.experiments.{module}",
-                                 description=f"Write the {experiment} report from OUT/data.json.")
-    ap.add_argument("out", help=f"folder holding data.json (the output folder of the {experiment} experiment)")
+                                 description=f"Write the {experiment} report from the results in OUT.")
+    ap.add_argument("out", help=f"the output folder of the {experiment} experiment")
     print(write_report(ap.parse_args(argv).out))
