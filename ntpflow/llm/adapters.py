@@ -257,17 +257,15 @@ class HFAdapter(_AdapterBase):
         family), not where it adds or scales them (GPT-2's position embeddings, Gemma's scaling): the first call
         per hook runs both ways and keeps the shortcut only if they agree to rounding.
         """
-        if resid is not None and edit is not None and _RESID_POST.match(hook or ""):
-            ok = self._skip_exact.get(hook)
-            if ok is None or ok:
-                short = self._logits_above(kv, prefix_len, edit(resid), int(_RESID_POST.match(hook).group(1)))
-                if ok:
-                    return short
-                full = self.logits_after_prefix(kv, prefix_len, suffix, hook, lambda act: edit(resid))
-                tol = 1e-5 if full.dtype == torch.float32 else 1e-10
-                self._skip_exact[hook] = bool(torch.allclose(short, full, rtol=tol,
-                                                             atol=tol * float(full.abs().max())))
-                return full
+        site = _RESID_POST.match(hook or "")
+        if resid is not None and edit is not None and site and self._skip_exact.get(hook) is not False:
+            short = self._logits_above(kv, prefix_len, edit(resid), int(site.group(1)))
+            if self._skip_exact.get(hook):
+                return short
+            full = self._logits_with_cache(kv, prefix_len, suffix, hook, lambda act: edit(resid))
+            tol = 1e-10 if full.dtype == torch.float64 else 1e-5
+            self._skip_exact[hook] = bool(torch.allclose(short, full, rtol=tol, atol=tol * float(full.abs().max())))
+            return full
         return self._logits_with_cache(kv, prefix_len, suffix, hook if edit is not None else None, edit)
 
     def _logits_above(self, kv: list[tuple[torch.Tensor, torch.Tensor]], prefix_len: torch.Tensor,
