@@ -22,6 +22,7 @@ the SAE's quality) or ``tiny`` (a random 2-layer GPT-2 from a config, random tok
 Usage:
     python benchmarks/bench_qscan.py --model smollm2 [--ref-pairs 24 --ctx-len 64 --latents 256 --docs 40]
     python benchmarks/bench_qscan.py --model tiny
+    python benchmarks/bench_qscan.py --model smollm2 --device cuda   # the same comparison on a GPU
 Prints both throughputs, the ratio and PASS/FAIL against the target (>= 20x).
 """
 
@@ -47,10 +48,11 @@ def setup_smollm2(args):
     from ntpflow.llm.corpus import build_corpus, hf_encoder, tokenize_corpus
     from ntpflow.llm.sae import load_sae
 
-    lm = load_smollm2()
+    lm = load_smollm2(device=args.device)
     docs = build_corpus(args.docs, seed=args.seed, stories_path="/work/shared/data/tinystories")
     ctx = tokenize_corpus(docs, hf_encoder(lm.tokenizer), args.ctx_len, lm.bos_id, max_windows_per_doc=1)
-    sae = load_sae(args.sae) if args.sae else SimpleSAE(lm.adapter.d_model, 4096, k=32, seed=args.seed)
+    sae = load_sae(args.sae, args.device) if args.sae else SimpleSAE(lm.adapter.d_model, 4096, k=32,
+                                                                    seed=args.seed).to(args.device)
     decode = (lambda i: lm.tokenizer.decode([i]))
     return lm.adapter, sae, ctx.tokens, lm.default_hook, decode
 
@@ -64,7 +66,8 @@ def setup_tiny(args):
         torch.manual_seed(args.seed)
         model = GPT2LMHeadModel(GPT2Config(vocab_size=512, n_positions=128, n_embd=64, n_layer=2, n_head=4)).eval()
     tokens = torch.randint(0, 512, (args.docs, args.ctx_len), generator=torch.Generator().manual_seed(args.seed))
-    return HFAdapter(model), SimpleSAE(64, 512, k=16, seed=args.seed), tokens, "blocks.1.hook_resid_post", str
+    sae = SimpleSAE(64, 512, k=16, seed=args.seed).to(args.device)
+    return HFAdapter(model.to(args.device)), sae, tokens, "blocks.1.hook_resid_post", str
 
 
 def main(argv=None):
@@ -82,11 +85,15 @@ def main(argv=None):
     ap.add_argument("--contexts-per-batch", type=int, default=16)
     ap.add_argument("--pairs-per-batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda; both paths use it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ab-layer-skip", action="store_true", help="also time the batched run without starting the "
                     "ablated rows above the site")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from ntpflow.llm.components import resolve_device
+
+    args.device = resolve_device(args.device)
 
     t0 = time.perf_counter()
     adapter, sae, tokens, hook, decode = (setup_smollm2 if args.model == "smollm2" else setup_tiny)(args)
@@ -96,7 +103,7 @@ def main(argv=None):
     g = torch.Generator().manual_seed(args.seed)
     pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=g)[:args.pairs or len(pairs)].tolist()]
     lat, ctx, pos = (torch.tensor(x) for x in zip(*pairs))
-    print(f"model={args.model} hook={hook} contexts={tuple(tokens.shape)} pairs={len(pairs)} "
+    print(f"model={args.model} device={args.device} hook={hook} contexts={tuple(tokens.shape)} pairs={len(pairs)} "
           f"distinct contexts={torch.unique(ctx).numel()} mean p={pos.float().mean():.1f} "
           f"setup {time.perf_counter() - t0:.1f}s", flush=True)
 

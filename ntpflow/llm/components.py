@@ -70,10 +70,11 @@ def load_model(name: str, device: str | torch.device = "cpu", seed: int = 0) -> 
 
 
 def resolve_device(device: str) -> str:
-    """``"auto"`` -> ``"cuda"`` when available, else ``"cpu"``; other values unchanged."""
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    """``"auto"`` -> ``"cuda"`` when available, else ``"cpu"``; other values checked (:func:`ntpflow.io.resolve_device`)
+    and returned as a string."""
+    from ..io import resolve_device as _resolve
+
+    return str(_resolve(device))
 
 
 def train_simple_sae(acts: torch.Tensor, d_sae: int, k: int = 8, steps: int = 300, batch_size: int = 256,
