@@ -39,11 +39,13 @@ Extra sections:
 Usage:
     python benchmarks/bench_attribution.py [--repeats 3] [--ref-repeats 1] [--skip-reference]
         [--sites-curve 1,4,16,36,63 | --no-curve] [--curve-order layer,spread] [--curve-repeats 1]
-        [--no-memory] [--mem-reference] [--profile] [--threads N] [--markdown PATH] [--smoke]
+        [--no-memory] [--mem-reference] [--profile] [--threads N] [--device auto|cpu|cuda] [--markdown PATH]
+        [--smoke]
 
 On a shared, busy machine use ``--threads 1``: with 2 threads on 2 busy cores, small ops (the plain step) slow down
-far more than big ones and the ratios become meaningless. Runs on the CPU. Exits 0 whatever the PASS/FAIL outcome;
-it only reports.
+far more than big ones and the ratios become meaningless. ``--device`` (default auto: CUDA when available) puts every
+variant on that device; the clock waits for queued CUDA work before each reading, and the memory section (host RSS)
+is skipped off the CPU. Exits 0 whatever the PASS/FAIL outcome; it only reports.
 """
 
 import argparse
@@ -66,6 +68,7 @@ import torch.nn.functional as F
 
 from ntpflow import attribution, influence
 from ntpflow.influence import InfluenceTracker, Probe
+from ntpflow.io import resolve_device
 from ntpflow.loss import per_position_loss
 from ntpflow.model import GPT, GPTConfig
 from ntpflow.sites import Site
@@ -112,6 +115,8 @@ def parse_args(argv=None):
     p.add_argument("--no-check", action="store_true", help="skip the start-up agreement check")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="model seed (θ* uses seed+1000, data seed+1, probes seed+2)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda; the memory section "
+                   "(host RSS) runs on the CPU only")
     p.add_argument("--markdown", default=None, help="also write the report as markdown to this path")
     p.add_argument("--smoke", action="store_true", help="tiny load (4 sites) to test this script quickly")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
@@ -128,6 +133,9 @@ def parse_args(argv=None):
     args.mem_probes = [int(x) for x in args.mem_probes.split(",") if x.strip()]
     if args.smoke:
         MAIN_SITES[:] = MAIN_SITES[:4]
+    args.device = resolve_device(args.device)
+    if args.device.type != "cpu":
+        args.no_memory = True  # host RSS says nothing about device memory
     return args
 
 
@@ -136,24 +144,24 @@ def gpt_config() -> GPTConfig:
     return GPTConfig(vocab_size=VOCAB, n_ctx=N_CTX, n_layer=N_LAYER, n_head=N_HEAD, d_model=D_MODEL)
 
 
-def make_model(seed: int) -> tuple[GPT, torch.optim.Adam]:
-    model = GPT(gpt_config(), seed=seed).train()
+def make_model(seed: int, device: str | torch.device = "cpu") -> tuple[GPT, torch.optim.Adam]:
+    model = GPT(gpt_config(), seed=seed).to(device).train()
     return model, torch.optim.Adam(model.parameters(), lr=LR, betas=BETAS, eps=EPS)
 
 
-def make_batch(seed: int):
+def make_batch(seed: int, device: str | torch.device = "cpu"):
     gen = torch.Generator().manual_seed(seed + 1)
     tokens = torch.randint(0, VOCAB, (BATCH, N_CTX), generator=gen)
-    return tokens, torch.ones(BATCH, N_CTX, dtype=torch.bool)
+    return tokens.to(device), torch.ones(BATCH, N_CTX, dtype=torch.bool, device=device)
 
 
-def make_probes(sites, per_site: int, seed: int) -> list[Probe]:
+def make_probes(sites, per_site: int, seed: int, device: str | torch.device = "cpu") -> list[Probe]:
     gen = torch.Generator().manual_seed(seed + 2)
     probes = []
     for s in sites:
         for j in range(per_site):
             w = torch.randn(D_MODEL, generator=gen)
-            probes.append(Probe(s, f"f{j}", w / w.norm()))
+            probes.append(Probe(s, f"f{j}", (w / w.norm()).to(device)))
     return probes
 
 
@@ -255,10 +263,11 @@ class ReferenceTracker:
 def check_agreement(seed: int, tokens, mask) -> str:
     """ntpflow's tracker vs the reference re-implementation on 2 sites × 2 probes, from identical states."""
     sites = [Site(1, 3), Site(2, 7)]
-    probes = make_probes(sites, 2, seed + 17)
-    final, _ = make_model(seed + 1000)
-    a, opt_a = make_model(seed)
-    b, opt_b = make_model(seed)
+    dev = tokens.device
+    probes = make_probes(sites, 2, seed + 17, dev)
+    final, _ = make_model(seed + 1000, dev)
+    a, opt_a = make_model(seed, dev)
+    b, opt_b = make_model(seed, dev)
     for m, o in ((a, opt_a), (b, opt_b)):
         train_step(m, o, tokens, mask)
     ours = InfluenceTracker(final, probes).track(a, opt_a, tokens, mask)
@@ -277,14 +286,21 @@ def check_agreement(seed: int, tokens, mask) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ timing
+def now() -> float:
+    """``time.perf_counter()`` after waiting for queued CUDA work (a no-op on the CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class Timer:
     def __init__(self):
         self.times: dict[str, list[float]] = {}
 
     def run(self, name, fn):
-        t0 = time.perf_counter()
+        t0 = now()
         out = fn()
-        self.times.setdefault(name, []).append(time.perf_counter() - t0)
+        self.times.setdefault(name, []).append(now() - t0)
         return out
 
     def median_ms(self, name) -> float:
@@ -292,28 +308,28 @@ class Timer:
 
 
 def main_table(args, tokens, mask, lines):
-    plain_m, plain_o = make_model(args.seed)
-    tr_m, tr_o = make_model(args.seed)
-    probes = make_probes(MAIN_SITES, args.probes_per_site, args.seed)
-    tracker = InfluenceTracker(make_model(args.seed + 1000)[0], probes)
+    plain_m, plain_o = make_model(args.seed, args.device)
+    tr_m, tr_o = make_model(args.seed, args.device)
+    probes = make_probes(MAIN_SITES, args.probes_per_site, args.seed, args.device)
+    tracker = InfluenceTracker(make_model(args.seed + 1000, args.device)[0], probes)
     variants = {"plain": None, "tracked": None}
     if not args.skip_reference:
-        ref_m, ref_o = make_model(args.seed)
-        reference = ReferenceTracker(make_model(args.seed + 1000)[0], probes)
+        ref_m, ref_o = make_model(args.seed, args.device)
+        reference = ReferenceTracker(make_model(args.seed + 1000, args.device)[0], probes)
         variants["reference"] = None
     lines.append(f"load: {len(tracker.sites)} sites (layers 1-2 x positions 2-19), {len(probes)} probes "
                  f"({args.probes_per_site} per site), {sum(p.numel() for p in plain_m.parameters()):,} parameters")
 
     def tracked_step():
-        t0 = time.perf_counter()
+        t0 = now()
         tracker.track(tr_m, tr_o, tokens, mask)
-        timer.times.setdefault("tracked: track() only", []).append(time.perf_counter() - t0)
+        timer.times.setdefault("tracked: track() only", []).append(now() - t0)
         train_step(tr_m, tr_o, tokens, mask)
 
     def reference_step():
-        t0 = time.perf_counter()
+        t0 = now()
         reference.track(ref_m, ref_o, tokens, mask)
-        timer.times.setdefault("reference: tracking only", []).append(time.perf_counter() - t0)
+        timer.times.setdefault("reference: tracking only", []).append(now() - t0)
         train_step(ref_m, ref_o, tokens, mask)
 
     # warm-up (allocator, Adam state); the reference code paths were warmed up by the agreement check
@@ -321,9 +337,9 @@ def main_table(args, tokens, mask, lines):
         for _ in range(3):
             train_step(m, o, tokens, mask)
     for _ in range(args.warmup):
-        t0 = time.perf_counter()
+        t0 = now()
         tracker.track(tr_m, tr_o, tokens, mask)
-        print(f"  warm-up tracked step: {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"  warm-up tracked step: {now() - t0:.1f} s", flush=True)
         train_step(tr_m, tr_o, tokens, mask)
 
     timer = Timer()
@@ -335,7 +351,7 @@ def main_table(args, tokens, mask, lines):
             active = [n for n in names if n != "reference" or r < args.ref_repeats]
             k = r % len(active)
             for name in active[k:] + active[:k]:
-                t0 = time.perf_counter()
+                t0 = now()
                 if name == "plain":
                     for _ in range(args.plain_per_round):
                         timer.run("plain", lambda: train_step(plain_m, plain_o, tokens, mask))
@@ -343,7 +359,7 @@ def main_table(args, tokens, mask, lines):
                     timer.run("tracked", tracked_step)
                 else:
                     timer.run("reference", reference_step)
-                print(f"  round {r + 1}/{args.repeats}: {name} {time.perf_counter() - t0:.1f} s", flush=True)
+                print(f"  round {r + 1}/{args.repeats}: {name} {now() - t0:.1f} s", flush=True)
                 gc.collect()
     finally:
         gc.enable()
@@ -373,11 +389,11 @@ def reset_peak_rss() -> bool:
 def child_memory(spec: str, args) -> None:
     """Subprocess entry: ``tracked:N`` or ``reference:N``; prints one JSON line."""
     kind, n = spec.split(":")
-    tokens, mask = make_batch(args.seed)
-    model, opt = make_model(args.seed)
+    tokens, mask = make_batch(args.seed, args.device)
+    model, opt = make_model(args.seed, args.device)
     sites, per_site = probe_load(int(n))
-    probes = make_probes(sites, per_site, args.seed)
-    final = make_model(args.seed + 1000)[0]
+    probes = make_probes(sites, per_site, args.seed, args.device)
+    final = make_model(args.seed + 1000, args.device)[0]
     tracker = InfluenceTracker(final, probes) if kind == "tracked" else ReferenceTracker(final, probes)
     for _ in range(3):
         train_step(model, opt, tokens, mask)
@@ -387,9 +403,9 @@ def child_memory(spec: str, args) -> None:
     was_reset = reset_peak_rss()
     base_rss = proc_status_mb("VmRSS")
     base_peak = proc_status_mb("VmHWM")
-    t0 = time.perf_counter()
+    t0 = now()
     tracker.track(model, opt, tokens, mask)
-    dt = time.perf_counter() - t0
+    dt = now() - t0
     peak = proc_status_mb("VmHWM")
     print(json.dumps({"kind": kind, "probes": len(probes), "sites": len(tracker.sites), "rss_before_mb": base_rss,
                       "plain_peak_mb": plain_peak, "peak_reset": was_reset, "peak_after_mb": peak,
@@ -419,28 +435,28 @@ def memory_section(args) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------------- curve
 def curve_section(args, tokens, mask, order: str) -> list[dict]:
-    model, opt = make_model(args.seed)
-    final = make_model(args.seed + 1000)[0]
+    model, opt = make_model(args.seed, args.device)
+    final = make_model(args.seed + 1000, args.device)[0]
     for _ in range(3):
         train_step(model, opt, tokens, mask)
     out = []
     plain_all = []
     for n in args.curve:
         sites = curve_sites(n, order)
-        tracker = InfluenceTracker(final, make_probes(sites, 3, args.seed))
+        tracker = InfluenceTracker(final, make_probes(sites, 3, args.seed, args.device))
         plain, tracked = [], []
         gc.collect()
         gc.disable()
         try:
             for _ in range(args.curve_repeats):
                 for _ in range(3):
-                    t0 = time.perf_counter()
+                    t0 = now()
                     train_step(model, opt, tokens, mask)
-                    plain.append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
+                    plain.append(now() - t0)
+                t0 = now()
                 tracker.track(model, opt, tokens, mask)
                 train_step(model, opt, tokens, mask)
-                tracked.append(time.perf_counter() - t0)
+                tracked.append(now() - t0)
                 gc.collect()
         finally:
             gc.enable()
@@ -469,14 +485,14 @@ class PhaseStack:
         self.t = 0.0
 
     def push(self, label: str):
-        now = time.perf_counter()
+        now = now()
         if self.stack:
             self.acc[self.stack[-1]] = self.acc.get(self.stack[-1], 0.0) + now - self.t
         self.stack.append(label)
         self.t = now
 
     def pop(self):
-        now = time.perf_counter()
+        now = now()
         label = self.stack.pop()
         self.acc[label] = self.acc.get(label, 0.0) + now - self.t
         self.t = now
@@ -502,9 +518,9 @@ def profile_section(args, tokens, mask) -> list[str]:
     decomposition and for the risk gradients), ``InfluenceTracker._adam_deltas`` and ``.risk_cotangents``, and
     forward hooks on both models. Times are exclusive (a forward inside a VJP helper counts as that helper's forward).
     """
-    model, opt = make_model(args.seed)
-    probes = make_probes(MAIN_SITES, args.probes_per_site, args.seed)
-    final = make_model(args.seed + 1000)[0]
+    model, opt = make_model(args.seed, args.device)
+    probes = make_probes(MAIN_SITES, args.probes_per_site, args.seed, args.device)
+    final = make_model(args.seed + 1000, args.device)[0]
     tracker = InfluenceTracker(final, probes)
     for _ in range(3):
         train_step(model, opt, tokens, mask)
@@ -543,13 +559,13 @@ def profile_section(args, tokens, mask) -> list[str]:
     prof_c = cProfile.Profile()
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
+            t0 = now()
             prof_c.enable()
             ph.push("track")
             tracker.track(model, opt, tokens, mask)
             ph.pop()
             prof_c.disable()
-            total = time.perf_counter() - t0
+            total = now() - t0
     finally:
         for obj, name, fn in patches:
             setattr(obj, name, fn)
@@ -560,19 +576,19 @@ def profile_section(args, tokens, mask) -> list[str]:
     extra = ["", (f"standalone timings on the same state (no profiler; {len(tracker.sites)} sites, {len(probes)} probes; "
              f"a VJP request is one (∂r^k_i/∂θ)ᵀu):"), "", "| call | VJP requests | ms |", "|---|---:|---:|"]
     n_dec = sum(1 if st.layer == N_LAYER else 2 for st in tracker.sites)
-    t0 = time.perf_counter()
+    t0 = now()
     attribution.decompose(model, tokens, tracker.sites, mask)
-    extra.append(f"| decompose() alone | {n_dec} | {(time.perf_counter() - t0) * 1e3:.0f} |")
+    extra.append(f"| decompose() alone | {n_dec} | {(now() - t0) * 1e3:.0f} |")
     with torch.no_grad():
         _, frozen = final(tokens, return_resid=True, myopic="none")
         _, resid = model(tokens, return_resid=True, myopic="none")
     reqs = [(p.site, cot) for p, _, _, cot in tracker.risk_cotangents(resid, frozen, None)]
-    t0 = time.perf_counter()
+    t0 = now()
     attribution.sites_vjp(model, tokens, reqs, myopic="none")
-    extra.append(f"| sites_vjp() of the risk cotangents alone | {len(reqs)} | {(time.perf_counter() - t0) * 1e3:.0f} |")
-    t0 = time.perf_counter()
+    extra.append(f"| sites_vjp() of the risk cotangents alone | {len(reqs)} | {(now() - t0) * 1e3:.0f} |")
+    t0 = now()
     train_step(model, opt, tokens, mask)
-    extra.append(f"| (plain train_step, for scale) | - | {(time.perf_counter() - t0) * 1e3:.0f} |")
+    extra.append(f"| (plain train_step, for scale) | - | {(now() - t0) * 1e3:.0f} |")
 
     phases = dict(ph.acc)
     phases[f"track() itself: SGD deltas, {8 * len(probes)} dot products + .item(), rows"] = phases.pop("track", 0.0)
@@ -636,13 +652,14 @@ def main(argv=None) -> int:
     if args._child:
         child_memory(args._child, args)
         return 0
-    started = time.perf_counter()
-    tokens, mask = make_batch(args.seed)
+    started = now()
+    tokens, mask = make_batch(args.seed, args.device)
     command = "python " + " ".join([os.path.relpath(__file__)] + (argv if argv is not None else sys.argv[1:]))
     head = [f"ntpflow attribution benchmark  {datetime.now(timezone.utc):%Y-%m-%d %H:%M UTC}",
             f"command: {command}",
             f"ntpflow: {git_revision()}",
-            (f"torch {torch.__version__}, python {platform.python_version()}, CPU ({platform.processor() or 'cpu'}, "
+            (f"device {torch.cuda.get_device_name(args.device) if args.device.type == 'cuda' else 'cpu'}; "
+             f"torch {torch.__version__}, python {platform.python_version()}, CPU ({platform.processor() or 'cpu'}, "
             f"{os.cpu_count()} cores), torch threads {torch.get_num_threads()}, load average at start "
             f"{os.getloadavg()[0]:.2f}"),
             (f"config: n_layer {N_LAYER}, d_model {D_MODEL}, n_head {N_HEAD}, T {N_CTX}, vocab {VOCAB}, batch {BATCH}, "
@@ -676,7 +693,7 @@ def main(argv=None) -> int:
 
     if not args.no_memory:
         mem = memory_section(args)  # runs one child at a time; timings there are incidental
-        n_params = sum(p.numel() for p in make_model(args.seed)[0].parameters())
+        n_params = sum(p.numel() for p in make_model(args.seed, args.device)[0].parameters())
         sec = ["", ("memory: peak RSS growth of one track() call in a fresh process per row (VmHWM after track() "
                "minus VmRSS before it; the peak is reset after setup and 3 plain steps, whose own peak is shown)"), "",
                ("| variant | sites | probes | RSS before MB | plain-step peak MB | peak growth in track() MB | "
@@ -712,7 +729,7 @@ def main(argv=None) -> int:
 
     verdict = (f"RESULT: tracked / plain = {ratio:.1f}x, the <= {TARGET:.0f}x target is "
                f"{'MET' if ratio <= TARGET else 'NOT met'}")
-    tail = ["", verdict, (f"total benchmark time {time.perf_counter() - started:.0f} s, load average at end "
+    tail = ["", verdict, (f"total benchmark time {now() - started:.0f} s, load average at end "
             f"{os.getloadavg()[0]:.2f}")]
     print("\n".join(tail), flush=True)
     report += tail
