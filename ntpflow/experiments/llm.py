@@ -361,7 +361,7 @@ def _stage_qvi(s: _Session, progress: bool) -> None:
 
 def _copy_reuse(reuse: Path, out: Path, progress: bool) -> list[str]:
     """Copy stage-1/2 outputs of an earlier pipeline run (explicit ``reuse``) into ``out`` where absent; returns
-    the reused stages (``["sae"]`` or ``["sae", "scan"]``: the scan only when the folder holds one)."""
+    the stages whose outputs were copied now (``"sae"``, and ``"scan"`` when the folder holds one)."""
     if not reuse.is_dir():
         raise FileNotFoundError(f"reuse folder {reuse} does not exist")
     needed = ["contexts.pt", "sae", "quality.json"]
@@ -370,10 +370,12 @@ def _copy_reuse(reuse: Path, out: Path, progress: bool) -> list[str]:
         raise FileNotFoundError(f"reuse folder {reuse} lacks {', '.join(missing)}")
     has_scan = all((reuse / f"q_{m}.json").exists() for m in MODES) and (reuse / "stats.json").exists()
     names = needed + ([f"q_{m}.json" for m in MODES] + ["stats.json"] if has_scan else [])
+    copied = []
     for n in names:
         src, dst = reuse / n, out / n
         if dst.exists():
             continue
+        copied.append(n)
         _say(progress, f"reusing {src}")
         tmp = dst.with_name(f".{dst.name}.tmp")
         if src.is_dir():
@@ -383,7 +385,7 @@ def _copy_reuse(reuse: Path, out: Path, progress: bool) -> list[str]:
         else:
             shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
-    return ["sae", "scan"] if has_scan else ["sae"]
+    return [stage for stage, marker in (("sae", "quality.json"), ("scan", "stats.json")) if marker in copied]
 
 
 STAGES = ("sae", "scan", "steering", "lens", "q_vs_influence")
@@ -424,10 +426,8 @@ def run_llm(scale: str | LLMScale, out: str | Path, *, device: str = "auto", pro
         meta["reuse"] = old.get("reuse") or meta["reuse"]
         meta["reused_stages"] = old.get("reused_stages", [])
     if reuse:
-        done = [st for st in ("sae", "scan") if st not in meta["reused_stages"]
-                and (out / ("quality.json" if st == "sae" else "stats.json")).exists()]
-        reused = [st for st in _copy_reuse(Path(reuse), out, progress) if st not in done]
-        meta["reused_stages"] = sorted(set(meta["reused_stages"]) | set(reused), key=STAGES.index)
+        reused = set(meta["reused_stages"]) | set(_copy_reuse(Path(reuse), out, progress))
+        meta["reused_stages"] = sorted(reused, key=STAGES.index)
     write_json(meta_path, meta)
     s = _Session(scale, out, resolve_device(device))
     fns = {"sae": _stage_sae, "scan": _stage_scan, "steering": _stage_steering, "lens": _stage_lens,
