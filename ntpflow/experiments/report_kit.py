@@ -63,6 +63,11 @@ def finite(x) -> bool:
     return x is not None and isinstance(x, (int, float)) and math.isfinite(x)
 
 
+def finite_or_none(x):
+    """``x`` if it is a finite number, else None (for JSON: NaN and ±inf become null)."""
+    return x if finite(x) else None
+
+
 def stats(values) -> dict:
     """Mean, sd, 95% t-interval (lo, hi) and n of the finite values; None where undefined."""
     xs = [float(v) for v in values if finite(v)]

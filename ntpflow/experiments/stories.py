@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import TrainConfig
 from ..io import ensure_writable_dir, read_json, write_json
 from ..sites import Site
+from .parallel import run_jobs
+from .report_kit import finite_or_none as _finite
 
 log = logging.getLogger(__name__)
 
@@ -166,8 +166,6 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     """Run (or resume) every run of ``scale`` into ``out/runs``, sample, gather ``out/data.json`` and write the
     report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). Returns ``out``.
     """
-    from tqdm.auto import tqdm
-
     from .stories_report import write_report
 
     scale = resolve_scale(scale)
@@ -183,15 +181,7 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     threads = max(1, (os.cpu_count() or 1) // workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
     jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, device, threads) for c in configs]
-    if workers == 1:
-        for job in tqdm(jobs, disable=not progress, desc=f"stories {scale.name}"):
-            _one_run(*job)
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(_one_run, *job) for job in jobs]
-            for f in tqdm(as_completed(futures), total=len(futures), disable=not progress,
-                          desc=f"stories {scale.name}"):
-                f.result()
+    run_jobs(_one_run, jobs, workers, f"stories {scale.name}", progress)
     sample_continuations(scale, out, configs, device=device)
     write_json(out / "data.json", gather(scale, out, configs))
     write_report(out)
@@ -333,10 +323,6 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
             "feature_groups": {g: [FEATURE_NAMES[i] for i in idx] for g, idx in FEATURE_GROUPS.items()},
             "runs": runs, "probes": probes, "profiles": profiles, "influence": influence, "curves": curves,
             "samples": samples}
-
-
-def _finite(x):
-    return x if x is not None and math.isfinite(x) else None
 
 
 def _mean(values):

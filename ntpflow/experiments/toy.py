@@ -8,13 +8,14 @@ Every stage is resumable and skipped when finished, so an interrupted call conti
 import json
 import logging
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import REGIMES, TrainConfig
 from ..io import ensure_writable_dir, read_json, write_json
 from ..sites import Site
+from .parallel import run_jobs
+from .report_kit import finite_or_none as _finite
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +91,6 @@ def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], feature
 def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
             progress: bool = True) -> Path:
     """Run (or resume) every run of ``scale`` into ``out/runs`` and gather ``out/data.json``. Returns ``out``."""
-    from tqdm.auto import tqdm
-
     if isinstance(scale, str):
         if scale not in SCALES:
             raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
@@ -103,14 +102,7 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
     threads = max(1, (os.cpu_count() or 1) // workers)
     jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), [(s.layer, s.pos) for s in scale.sites],
              list(TRACKED[c.task]), device, threads) for c in configs]
-    if workers == 1:
-        for job in tqdm(jobs, disable=not progress, desc=f"toy {scale.name}"):
-            _one_run(*job)
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(_one_run, *job) for job in jobs]
-            for f in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc=f"toy {scale.name}"):
-                f.result()
+    run_jobs(_one_run, jobs, workers, f"toy {scale.name}", progress)
     data = gather(scale, out, configs)
     write_json(out / "data.json", data)
     return out
@@ -153,10 +145,6 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig]) -> dict:
     return {"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
             "train": scale.train, "tracked": {t: list(TRACKED[t]) for t in TASKS},
             "runs": runs, "probes": probes, "influence": influence, "curves": curves}
-
-
-def _finite(x: float) -> float | None:
-    return x if x == x and abs(x) != float("inf") else None
 
 
 def load_data(out: str | Path) -> dict:
