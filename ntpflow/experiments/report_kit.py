@@ -1,27 +1,19 @@
-"""Shared pieces of the experiment reports: statistics, number formatting, figures and the md/html document.
+"""Shared pieces of the experiment reports: statistics, number formatting and the report pipeline.
 
-A document is a list of blocks: ``("h1"|"h2"|"p", text)`` or ``("h2", text, html_id)``, ``("nav", [(text,
-href), ...])``, ``("table", header, rows, html_id)`` and ``("fig", name, caption)`` (``name`` = a figure stem, or
-``"<experiment>/<stem>"`` in the combined report). ``to_markdown`` and ``to_html`` render it; the HTML is self-contained (PNGs as base64
-data URIs, inline CSS), and a table column named ``verdict`` is coloured by its value.
+The figure style lives in ``figure_style`` and the md/html/json renderer in ``render``; the names ``RC``,
+``save_figure``, ``ci_band``, ``to_markdown`` and ``to_html`` are kept here for the modules that import them from here.
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
 import math
 from functools import cache
 from pathlib import Path
 
-from ..io import atomic_write
-
-RC = {"svg.hashsalt": "ntpflow-toy-report", "svg.fonttype": "path", "font.size": 10, "axes.titlesize": 11,
-       "axes.labelsize": 10, "legend.fontsize": 9, "xtick.labelsize": 9, "ytick.labelsize": 9,
-       "axes.grid": True, "grid.alpha": 0.3, "grid.linewidth": 0.6, "axes.spines.top": False,
-       "axes.spines.right": False, "path.simplify": False}
-DPI = 150
+from . import figure_style
+from .figure_style import RC, ci_band  # noqa: F401  (re-exported)
+from .figure_style import save as save_figure  # noqa: F401  (re-exported)
+from .render import to_html, to_markdown, write_documents  # noqa: F401  (re-exported)
 
 
 def _t_central(t: float, df: int) -> float:
@@ -112,135 +104,16 @@ def fmt_ci(s: dict | None, fmt=fmt) -> str:
     return f"{fmt(s['mean'])} (n={s['n']})"
 
 
-def save_figure(fig, figdir: Path, name: str) -> bytes:
-    """Write ``name``.png and ``name``.svg atomically; returns the PNG bytes."""
-    import matplotlib
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    FigureCanvasAgg(fig)
-    out = {}
-    with matplotlib.rc_context(RC):
-        for fmt, kw in (("png", {"dpi": DPI}), ("svg", {"metadata": {"Date": None}})):
-            buf = io.BytesIO()
-            fig.savefig(buf, format=fmt, **kw)
-            out[fmt] = buf.getvalue()
-            atomic_write(figdir / f"{name}.{fmt}", out[fmt])
-    return out["png"]
-
-
-def figure_grid(width, height, nrows, ncols, *, left, right, top, bottom, wspace, hspace=0.0, **kw):
-    """A figure of ``width`` × ``height`` inches with an nrows × ncols grid of axes; margins and gaps in inches.
-
-    A fixed layout (no constrained layout): faster, and the same on every run.
-    """
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(width, height))
-    axw = (width - left - right - (ncols - 1) * wspace) / ncols
-    axh = (height - top - bottom - (nrows - 1) * hspace) / nrows
-    fig.subplots_adjust(left=left / width, right=1 - right / width, top=1 - top / height, bottom=bottom / height,
-                        wspace=wspace / axw, hspace=hspace / axh)
-    axes = fig.subplots(nrows, ncols, squeeze=False, **kw)
-    return fig, axes
+def figure_grid(width, height, nrows, ncols, *, left=None, right=None, top=None, bottom=None, wspace=None,
+                hspace=None, **kw):
+    """A ``width`` × ``height``-inch figure with an nrows × ncols grid of axes in constrained layout (the margin and
+    gap arguments of the former fixed layout are accepted and ignored); see ``figure_style.figure``."""
+    return figure_style.figure(width, height, nrows, ncols, **kw)
 
 
 def finish_figure(fig, title, handles, labels, ncol):
-    """Title at the top, one legend for the whole figure at the bottom."""
-    fig.suptitle(title, y=1 - 0.08 / fig.get_figheight(), va="top")
-    fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=ncol, frameon=False)
-
-
-def ci_band(ax, xs, rows, color, alpha=0.18):
-    """Shade the 95% intervals of ``rows`` (stats dicts) over ``xs`` on ``ax`` when at least 2 points have one."""
-    pts = [(x, r["lo"], r["hi"]) for x, r in zip(xs, rows) if has_ci(r)]
-    if len(pts) >= 2:
-        ax.fill_between([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], color=color, alpha=alpha,
-                        lw=0)
-
-
-def _md_cell(s: str) -> str:
-    return str(s).replace("|", "\\|").replace("\n", " ")
-
-
-def _figure_path(name: str) -> str:
-    """``figures/<name>`` for a report's own figure, ``<experiment>/figures/<stem>`` for ``"<experiment>/<stem>"``."""
-    folder, _, stem = name.rpartition("/")
-    return f"{folder}/figures/{stem}" if folder else f"figures/{stem}"
-
-
-def to_markdown(blocks) -> str:
-    """Markdown of the report blocks (``h1``, ``h2``, ``p``, ``table``, ``nav``, ``fig`` tuples)."""
-    out = []
-    for blk in blocks:
-        kind = blk[0]
-        if kind == "h1":
-            out.append(f"# {blk[1]}")
-        elif kind == "h2":
-            out.append(f"## {blk[1]}")
-        elif kind == "p":
-            out.append(blk[1])
-        elif kind == "table":
-            _, header, rows, _id = blk
-            lines = ["| " + " | ".join(_md_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
-            lines += ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in rows]
-            out.append("\n".join(lines))
-        elif kind == "nav":
-            out.append(" · ".join(f"[{text}]({href})" for text, href in blk[1]))
-        elif kind == "fig":
-            _, name, caption = blk
-            path = _figure_path(name)
-            out.append(f"![{name}]({path}.png)\n\n*{caption}* (vector: [{path}.svg]({path}.svg))")
-    return "\n\n".join(out) + "\n"
-
-
-CSS = """
-body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1200px; margin: 2em auto;
-       padding: 0 1em; color: #222; line-height: 1.45; }
-h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
-table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
-th, td { border: 1px solid #ccc; padding: 0.3em 0.55em; vertical-align: top; text-align: left; }
-th { background: #f3f3f3; }
-figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
-figcaption { font-size: 0.9em; color: #444; }
-td.v-reproduced { background: #dff0d8; } td.v-not-reproduced { background: #f2dede; }
-td.v-inconclusive { background: #fcf8e3; }
-""".strip()
-
-
-def to_html(blocks, pngs: dict[str, bytes]) -> str:
-    """A standalone HTML page of the report blocks, with the figures' PNGs (``pngs``: name -> bytes) inline."""
-    e = html.escape
-    title = next((blk[1] for blk in blocks if blk[0] == "h1"), "Report")
-    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', f"<title>{e(title)}</title>",
-           f"<style>\n{CSS}\n</style>", "</head>", "<body>"]
-    nfig = 0
-    for blk in blocks:
-        kind = blk[0]
-        if kind in ("h1", "h2", "p"):
-            anchor = f' id="{e(blk[2])}"' if len(blk) > 2 else ""
-            out.append(f"<{kind}{anchor}>{e(blk[1])}</{kind}>")
-        elif kind == "nav":
-            out.append("<nav>" + " · ".join(f'<a href="{e(href)}">{e(text)}</a>' for text, href in blk[1]) + "</nav>")
-        elif kind == "table":
-            _, header, rows, tid = blk
-            t = [f'<table id="{e(tid)}">' if tid else "<table>",
-                 "<thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr></thead>", "<tbody>"]
-            for r in rows:
-                cells = []
-                for h, c in zip(header, r):
-                    cls = f' class="v-{c.replace(" ", "-")}"' if h == "verdict" else ""
-                    cells.append(f"<td{cls}>{e(str(c))}</td>")
-                t.append("<tr>" + "".join(cells) + "</tr>")
-            t.append("</tbody></table>")
-            out.append("\n".join(t))
-        elif kind == "fig":
-            _, name, caption = blk
-            nfig += 1
-            data = base64.b64encode(pngs[name]).decode("ascii")
-            out.append(f'<figure id="fig-{e(name)}"><img alt="{e(name)}" src="data:image/png;base64,{data}">'
-                       f"<figcaption><b>Figure {nfig}.</b> {e(caption)}</figcaption></figure>")
-    out += ["</body>", "</html>"]
-    return "\n".join(out) + "\n"
+    """Title at the top, one legend for the whole figure at the bottom (``figure_style.finish``)."""
+    figure_style.finish(fig, title, handles, labels, ncol)
 
 
 def write_from_data(out_dir: str | Path, summarize, make_figures, document) -> Path:
@@ -259,12 +132,7 @@ def write_from_data(out_dir: str | Path, summarize, make_figures, document) -> P
         raise ValueError(f"corrupted JSON in {path}: {err}") from None
     summary = summarize(data)
     pngs = make_figures(summary, out / "figures")
-    blocks = document(summary, pngs)
-    atomic_write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, allow_nan=False,
-                                                  ensure_ascii=False) + "\n")
-    atomic_write(out / "report.md", to_markdown(blocks))
-    atomic_write(out / "report.html", to_html(blocks, pngs))
-    return out / "report.md"
+    return write_documents(out, document(summary, pngs), pngs, summary)
 
 
 def plain_number(v) -> str:

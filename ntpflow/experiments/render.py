@@ -1,0 +1,164 @@
+"""The one renderer of every report: a list of blocks (claims, figures, tables, text) -> report.md, report.html and
+summary.json.
+
+Blocks are tuples:
+
+- ``("h1" | "h2" | "p", text)`` or ``("h2", text, html_id)``;
+- ``("nav", [(text, href), ...])`` and ``("links", lead_text, [(text, href), ...])``: real links;
+- ``("table", header, rows, html_id)``: a column named ``verdict`` is coloured by its value;
+- ``("claims", claims, show_experiment)``: the claims table (``claims``: dicts of ``Claim.to_dict()``, with an
+  ``experiment`` key when ``show_experiment``), ``id="claims"``, with the paper's value, ours, the verdict, the
+  rule and the preconditions;
+- ``("fig", name, caption)``: ``name`` = a figure stem, or ``"<experiment>/<stem>"`` in the combined report.
+
+The HTML is self-contained (PNGs as base64 data URIs, inline CSS). :func:`write_documents` writes all three files
+atomically; summary.json gets the report's ``claims`` and ``figures`` (name + caption) besides the caller's numbers.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from pathlib import Path
+
+from ..io import atomic_write
+
+CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
+
+
+def _claim_rows(claims, show_experiment: bool) -> tuple[list[str], list[list[str]]]:
+    header = (["experiment"] if show_experiment else []) + CLAIM_HEADER
+    rows = []
+    for c in claims:
+        label = f"({c['id']}) " if c.get("id") else ""
+        context = f" [{c['context']}]" if c.get("context") else ""
+        pre = "; ".join(f"{p['name']}: {p['value']}{'' if p['ok'] else ' (fails)'}"
+                        for p in c.get("preconditions") or [])
+        rule = c.get("rule", "") + (f" Preconditions: {pre}." if pre else "")
+        row = [f"{label}{c['claim']}{context}", c.get("paper") or "n/a", c.get("measured", ""), c["verdict"], rule]
+        rows.append(([c.get("experiment", "")] if show_experiment else []) + row)
+    return header, rows
+
+
+def _md_cell(s) -> str:
+    return str(s).replace("|", "\\|").replace("\n", " ")
+
+
+def _figure_path(name: str) -> str:
+    """``figures/<name>`` for a report's own figure, ``<experiment>/figures/<stem>`` for ``"<experiment>/<stem>"``."""
+    folder, _, stem = name.rpartition("/")
+    return f"{folder}/figures/{stem}" if folder else f"figures/{stem}"
+
+
+def _md_table(header, rows) -> str:
+    lines = ["| " + " | ".join(_md_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(_md_cell(c) for c in r) + " |" for r in rows])
+
+
+def to_markdown(blocks) -> str:
+    """Markdown of the report blocks."""
+    out, nfig = [], 0
+    for blk in blocks:
+        kind = blk[0]
+        if kind in ("h1", "h2"):
+            out.append(f"{'#' * int(kind[1])} {blk[1]}")
+        elif kind == "p":
+            out.append(blk[1])
+        elif kind == "table":
+            out.append(_md_table(blk[1], blk[2]))
+        elif kind == "claims":
+            out.append(_md_table(*_claim_rows(blk[1], blk[2])))
+        elif kind == "nav":
+            out.append(" · ".join(f"[{text}]({href})" for text, href in blk[1]))
+        elif kind == "links":
+            out.append(blk[1] + " " + " · ".join(f"[{text}]({href})" for text, href in blk[2]))
+        elif kind == "fig":
+            _, name, caption = blk
+            nfig += 1
+            path = _figure_path(name)
+            out.append(f"![{name}]({path}.png)\n\n*Figure {nfig}. {caption}* (vector: [{path}.svg]({path}.svg))")
+    return "\n\n".join(out) + "\n"
+
+
+CSS = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; max-width: 1200px; margin: 2em auto;
+       padding: 0 1em; color: #222; line-height: 1.45; }
+h1 { font-size: 1.6em; } h2 { font-size: 1.25em; margin-top: 1.8em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.3em 0.55em; vertical-align: top; text-align: left; }
+th { background: #f3f3f3; }
+figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { font-size: 0.9em; color: #444; }
+td.v-reproduced { background: #dff0d8; } td.v-not-reproduced { background: #f2dede; }
+td.v-inconclusive { background: #fcf8e3; } td.v-not-testable-at-this-scale { background: #e8e8e8; }
+""".strip()
+
+
+def _html_table(header, rows, tid) -> str:
+    e = html.escape
+    t = [f'<table id="{e(tid)}">' if tid else "<table>",
+         "<thead><tr>" + "".join(f"<th>{e(h)}</th>" for h in header) + "</tr></thead>", "<tbody>"]
+    for r in rows:
+        cells = []
+        for h, c in zip(header, r):
+            cls = f' class="v-{e(str(c).replace(" ", "-"))}"' if h == "verdict" else ""
+            cells.append(f"<td{cls}>{e(str(c))}</td>")
+        t.append("<tr>" + "".join(cells) + "</tr>")
+    t.append("</tbody></table>")
+    return "\n".join(t)
+
+
+def _html_links(items) -> str:
+    return " · ".join(f'<a href="{html.escape(href)}">{html.escape(text)}</a>' for text, href in items)
+
+
+def to_html(blocks, pngs: dict[str, bytes]) -> str:
+    """A standalone HTML page of the report blocks, with the figures' PNGs (``pngs``: name -> bytes) inline."""
+    e = html.escape
+    title = next((blk[1] for blk in blocks if blk[0] == "h1"), "Report")
+    out = ["<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">', f"<title>{e(title)}</title>",
+           f"<style>\n{CSS}\n</style>", "</head>", "<body>"]
+    nfig = 0
+    for blk in blocks:
+        kind = blk[0]
+        if kind in ("h1", "h2", "p"):
+            anchor = f' id="{e(blk[2])}"' if len(blk) > 2 and blk[2] else ""
+            out.append(f"<{kind}{anchor}>{e(blk[1])}</{kind}>")
+        elif kind == "nav":
+            out.append(f"<nav>{_html_links(blk[1])}</nav>")
+        elif kind == "links":
+            out.append(f"<p>{e(blk[1])} {_html_links(blk[2])}</p>")
+        elif kind == "table":
+            out.append(_html_table(blk[1], blk[2], blk[3]))
+        elif kind == "claims":
+            out.append(_html_table(*_claim_rows(blk[1], blk[2]), "claims"))
+        elif kind == "fig":
+            _, name, caption = blk
+            nfig += 1
+            data = base64.b64encode(pngs[name]).decode("ascii")
+            out.append(f'<figure id="fig-{e(name)}"><img alt="{e(caption)}" src="data:image/png;base64,{data}">'
+                       f"<figcaption><b>Figure {nfig}.</b> {e(caption)}</figcaption></figure>")
+    out += ["</body>", "</html>"]
+    return "\n".join(out) + "\n"
+
+
+def figure_list(blocks) -> list[dict]:
+    """``[{name, caption}]`` of the figures among ``blocks``, in order."""
+    return [{"name": blk[1], "caption": blk[2]} for blk in blocks if blk[0] == "fig"]
+
+
+def write_documents(out: str | Path, blocks, pngs: dict[str, bytes], summary: dict) -> Path:
+    """Write ``out``/report.md, report.html and summary.json (``summary`` + the blocks' ``figures`` and the
+    claims of its claims tables) atomically; returns report.md's path."""
+    out = Path(out)
+    summary = dict(summary)
+    summary["figures"] = figure_list(blocks)
+    tables = [blk[1] for blk in blocks if blk[0] == "claims"]
+    if tables:
+        summary["claims"] = [c for t in tables for c in t]
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, allow_nan=False,
+                                                  ensure_ascii=False) + "\n")
+    atomic_write(out / "report.md", to_markdown(blocks))
+    atomic_write(out / "report.html", to_html(blocks, pngs))
+    return out / "report.md"

@@ -1,0 +1,91 @@
+"""Claims as data: rules decide from the same parameters their text states; preconditions gate the verdict; the
+renderer writes every claim and figure caption to md, html and summary.json."""
+
+import json
+
+import pytest
+
+from ntpflow.experiments.claims import (
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    NOT_TESTABLE,
+    REPRODUCED,
+    Claim,
+    at_least,
+    every,
+    interval_above,
+    interval_contains,
+)
+from ntpflow.experiments.figure_style import ci_label, clip
+from ntpflow.experiments.render import to_html, to_markdown, write_documents
+
+
+def ci(lo, hi):
+    return {"mean": None if lo is None else (lo + hi) / 2, "lo": lo, "hi": hi}
+
+
+@pytest.mark.parametrize(("lo", "hi", "threshold", "verdict"), [
+    (0.1, 0.5, 0.0, REPRODUCED), (-0.5, -0.1, 0.0, NOT_REPRODUCED), (-0.1, 0.2, 0.0, INCONCLUSIVE),
+    (1.2, 1.7, 1.0, REPRODUCED), (0.9, 1.7, 1.0, INCONCLUSIVE), (0.2, 0.8, 1.0, NOT_REPRODUCED),
+    (None, None, 0.0, INCONCLUSIVE), (0.0, 0.3, 0.0, INCONCLUSIVE),  # a bound on the threshold decides nothing
+])
+def test_interval_above_decides_what_its_text_says(lo, hi, threshold, verdict):
+    rule = interval_above("the gap", "gap", threshold)
+    assert rule.decide({"gap": ci(lo, hi)}) == verdict
+    t = f"{threshold:g}"
+    assert f"lower bound > {t}" in rule.text and f"upper bound < {t}" in rule.text and "the gap" in rule.text
+
+
+def test_contains_and_every_combine_as_stated():
+    rule = every(interval_above("useful", "u"), interval_contains("useless", "s"))
+    assert rule.decide({"u": ci(1, 2), "s": ci(-1, 1)}) == REPRODUCED
+    assert rule.decide({"u": ci(1, 2), "s": ci(0.5, 1)}) == NOT_REPRODUCED  # useless excludes 0
+    assert rule.decide({"u": ci(-1, 2), "s": ci(-1, 1)}) == INCONCLUSIVE
+    assert rule.decide({"u": ci(-2, -1), "s": ci(-1, 1)}) == NOT_REPRODUCED
+    assert rule.decide({}) == INCONCLUSIVE
+    assert rule.text.startswith("(1) Reproduced if the 95% CI of useful")
+    assert "(2) Reproduced if the 95% CI of useless contains 0" in rule.text
+
+
+def test_a_failed_precondition_makes_the_claim_not_testable_whatever_the_numbers():
+    rule = interval_above("Δ", "d")
+    numbers = {"d": ci(0.1, 0.2)}
+    ok = Claim("a", "Δ > 0", "0.76", rule, numbers, "Δ = 0.15", (at_least("seeds", 3, 2),))
+    low = Claim("a", "Δ > 0", "0.76", rule, numbers, "Δ = 0.15", (at_least("seeds", 1, 2), at_least("units", 9, 2)))
+    missing = Claim("a", "Δ > 0", "0.76", rule, numbers, "", (at_least("seeds", None, 2),))
+    assert ok.verdict == REPRODUCED
+    assert low.verdict == NOT_TESTABLE and missing.verdict == NOT_TESTABLE
+    d = low.to_dict()
+    assert d["preconditions"] == [{"name": "seeds ≥ 2", "value": 1, "ok": False},
+                                  {"name": "units ≥ 2", "value": 9, "ok": True}]
+    assert d["claim"] == "Δ > 0" and d["paper"] == "0.76" and d["rule"] == rule.text and d["verdict"] == NOT_TESTABLE
+    json.dumps(d, allow_nan=False)  # the form written to summary.json
+
+
+def test_renderer_writes_claims_captions_and_figures(tmp_path):
+    claim = Claim("i", "the gap is positive", "[2.85, 12.38]", interval_above("the gap", "g"), {"g": ci(0.2, 0.4)},
+                  "0.3 [0.2, 0.4]", (at_least("squares", 16, 2),), context="majority")
+    png = b"\x89PNG fake bytes"
+    blocks = [("h1", "Title"), ("claims", [claim.to_dict()], False), ("fig", "gap", "The gap by layer, n = 16."),
+              ("links", "Full report:", [("toy/report.html", "toy/report.html")])]
+    write_documents(tmp_path, blocks, {"gap": png}, {"scale": "small"})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["claims"] == [claim.to_dict()] and summary["scale"] == "small"
+    assert summary["figures"] == [{"name": "gap", "caption": "The gap by layer, n = 16."}]
+    html = (tmp_path / "report.html").read_text()
+    assert html == to_html(blocks, {"gap": png})
+    assert '<table id="claims">' in html and "[2.85, 12.38]" in html and 'class="v-reproduced"' in html
+    assert "<b>Figure 1.</b> The gap by layer, n = 16." in html
+    assert '<a href="toy/report.html">toy/report.html</a>' in html
+    assert "squares ≥ 2: 16" in html and "[majority]" in html
+    md = (tmp_path / "report.md").read_text()
+    assert md == to_markdown(blocks)
+    assert "![gap](figures/gap.png)" in md and "*Figure 1. The gap by layer, n = 16.*" in md
+    assert "Full report: [toy/report.html](toy/report.html)" in md
+
+
+def test_style_words_and_clipping():
+    assert ci_label(3, "seeds") == "95% t-CI over n = 3 seeds"
+    assert ci_label(1, "seeds") == "1 seed: no CI"
+    assert clip(-1.3, 1.2, (-1, 1)) == (-1, 1) and clip(0.2, 0.4, (-1, 1)) == (0.2, 0.4)
+    assert clip(None, 2.0, (0, 1)) == (None, 1) and clip(-5, 5, None) == (-5, 5)
