@@ -1,4 +1,4 @@
-"""Q(w): the pre-caching degree of SAE latents in a pretrained LM, by ablation (PAPER.md §1.8, §2.6).
+"""Q(w): the pre-caching degree of SAE latents in a pretrained LM, by ablation (docs/paper.md#q, #gemma).
 
 For a latent w and one of its top-activating contexts with max-activating position p:
 
@@ -214,7 +214,8 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
 
     Returns:
         ``[P, H]`` float64: ``d[i, m-1] = KL(clean || ablated)`` of the prediction at position
-        ``positions[i] + m - 1``; for a sequence of modes, a dict ``{mode: [P, H]}``.
+        ``positions[i] + m - 1``; for a sequence of modes, a dict ``{mode: [P, H]}``. In ``error-preserving`` mode
+        a latent inactive at ``p`` changes nothing: its row is exactly 0 and costs no forward.
     """
     h = as_sae(sae)
     latents, contexts, positions = (torch.as_tensor(x, dtype=torch.long).reshape(-1)
@@ -224,7 +225,6 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
         _check_pairs(adapter, h, tokens, hook, latents, contexts, positions, horizon, m)
     P = latents.numel()
     out = {m: torch.zeros(P, horizon, dtype=torch.float64) for m in modes}
-    offs = torch.arange(horizon)
     uniq = torch.unique(contexts)
     for ci in range(0, uniq.numel(), contexts_per_batch):
         chunk = uniq[ci:ci + contexts_per_batch]
@@ -239,45 +239,57 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
         row_of[chunk] = torch.arange(chunk.numel())
         rows = row_of[contexts[sel]]
         x = acts[rows.to(acts.device), positions[sel].to(acts.device)]  # [n, d]
-        new = {m: h.ablated(x, latents[sel].to(x.device), m) for m in modes}  # [n, d] per mode
-        order = torch.argsort(positions[sel], stable=True)  # similar lengths together
-        for j in range(0, order.numel(), pairs_per_batch):
-            o = order[j:j + pairs_per_batch]
-            idx, r, p = sel[o], rows[o], positions[sel][o]
-            b = idx.numel()
-            Tb = int(p.max()) + horizon
-            p_dev = p.to(acts.device)
-            ar = torch.arange(b, device=acts.device)
-
-            tpos = (p[:, None] + offs[None]).to(acts.device)  # [b, H]
-            c = clean_logits[r.to(acts.device)[:, None], tpos]  # [b, H, V]
-            if prefix:
-                Tp = int(p.max())
-                r_dev = r.to(acts.device)
-                sub_kv = [(k[r_dev, :, :Tp], v[r_dev, :, :Tp]) for k, v in kv]
-                suffix = tokens[contexts[idx][:, None], tpos.cpu()]  # [b, H]
-                resid = acts[r_dev[:, None], tpos]  # [b, H, d] clean site activations of the suffix
-            for m in modes:
-                vecs = new[m][o]
-                if prefix:
-                    def edit(act: torch.Tensor, vecs: torch.Tensor = vecs) -> torch.Tensor:
-                        act = act.clone()
-                        act[:, 0] = vecs.to(act.dtype)  # suffix position 0 is p
-                        return act
-
-                    a = adapter.logits_after_prefix(sub_kv, p_dev, suffix, hook=hook, edit=edit,
-                                                    resid=resid)  # [b, H, V]
-                else:
-                    def edit(act: torch.Tensor, vecs: torch.Tensor = vecs, p_dev: torch.Tensor = p_dev,
-                             ar: torch.Tensor = ar) -> torch.Tensor:
-                        act = act.clone()
-                        act[ar, p_dev] = vecs.to(act.dtype)
-                        return act
-
-                    abl = adapter.logits(tokens[contexts[idx], :Tb], hook=hook, edit=edit)  # [b, Tb, V]
-                    a = abl[ar[:, None], tpos]  # [b, H, V]
-                out[m][idx] = _kl(c, a).double().cpu()
+        lat_sel = latents[sel].to(x.device)
+        active = (h.encode(x)[torch.arange(x.shape[0], device=x.device), lat_sel] != 0).cpu()  # [n]
+        for m in modes:
+            # error-preserving: an inactive latent contributes nothing, so its ablation changes nothing and its
+            # d stays exactly 0 without a forward (a forward would give rounding residues of ~1e-16 instead)
+            keep = active if m == "error-preserving" else torch.ones_like(active)
+            new = h.ablated(x, lat_sel, m)  # [n, d]
+            kept = torch.nonzero(keep).flatten()
+            order = kept[torch.argsort(positions[sel][kept], stable=True)]  # similar lengths together
+            for j in range(0, order.numel(), pairs_per_batch):
+                o = order[j:j + pairs_per_batch]
+                out[m][sel[o]] = _ablated_batch_kl(adapter, tokens, hook, contexts[sel[o]], rows[o],
+                                                   positions[sel][o], new[o.to(new.device)], clean_logits, acts,
+                                                   kv if prefix else None, horizon)
     return out[mode] if isinstance(mode, str) else out
+
+
+def _ablated_batch_kl(adapter: Any, tokens: torch.Tensor, hook: str, ctx: torch.Tensor, r: torch.Tensor,
+                      p: torch.Tensor, vecs: torch.Tensor, clean_logits: torch.Tensor, acts: torch.Tensor,
+                      kv: list | None, horizon: int) -> torch.Tensor:
+    """``[b, H]`` KL of ``b`` pairs: context ``ctx`` (row ``r`` of the clean run's ``clean_logits`` ``[B, T, V]``
+    and ``acts`` ``[B, T, d]``), activation at position ``p`` replaced by ``vecs`` ``[b, d]``; ``kv`` is the clean
+    run's per-layer key/value cache (prefix-cache path) or None (full ablated forwards)."""
+    b = ctx.numel()
+    dev = acts.device
+    p_dev, r_dev = p.to(dev), r.to(dev)
+    tpos = (p[:, None] + torch.arange(horizon)[None]).to(dev)  # [b, H]
+    c = clean_logits[r_dev[:, None], tpos]  # [b, H, V]
+    if kv is not None:
+        Tp = int(p.max())
+        sub_kv = [(k[r_dev, :, :Tp], v[r_dev, :, :Tp]) for k, v in kv]
+        suffix = tokens[ctx[:, None], tpos.cpu()]  # [b, H]
+        resid = acts[r_dev[:, None], tpos]  # [b, H, d] clean site activations of the suffix
+
+        def edit(act: torch.Tensor) -> torch.Tensor:
+            act = act.clone()
+            act[:, 0] = vecs.to(act.dtype)  # suffix position 0 is p
+            return act
+
+        a = adapter.logits_after_prefix(sub_kv, p_dev, suffix, hook=hook, edit=edit, resid=resid)  # [b, H, V]
+    else:
+        ar = torch.arange(b, device=dev)
+
+        def edit(act: torch.Tensor) -> torch.Tensor:
+            act = act.clone()
+            act[ar, p_dev] = vecs.to(act.dtype)
+            return act
+
+        abl = adapter.logits(tokens[ctx, :int(p.max()) + horizon], hook=hook, edit=edit)  # [b, Tb, V]
+        a = abl[ar[:, None], tpos]  # [b, H, V]
+    return _kl(c, a).double().cpu()
 
 
 @torch.no_grad()
