@@ -5,8 +5,8 @@ alignment of a list of stories, without the cache; spaCy's load time is excluded
 10,000 BPE tokens/s (wall clock). CPU time of this process is reported too (with ``--n-process 1`` it measures the
 work regardless of other load on a shared machine; with more processes the workers' time is not counted).
 
-Corpus: the shared TinyStories sample (``../shared/data/tinystories``) if present, else the project's generated
-stories. The tokenizer is a byte-level BPE (vocabulary 4096) trained on the corpus' train split, as a run makes it
+Corpus: ``--corpus PATH`` (a TinyStories folder of your own), else the project's generated stories. The tokenizer
+is a byte-level BPE (vocabulary 4096) trained on the corpus' train split, as a run makes it
 when the hub is out of reach (the 50,257-id hub tokenizer gives somewhat fewer tokens per story, so fewer tokens/s).
 
 Usage:
@@ -23,15 +23,13 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 TARGET = 10_000.0
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinystories"
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--corpus", default=str(SHARED) if SHARED.exists() else "generated")
+    p.add_argument("--corpus", default="generated")
     p.add_argument("--stories", type=int, default=600, help="stories featurised per repeat")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--n-process", type=int, default=1)

@@ -49,7 +49,7 @@ def setup_smollm2(args):
     from ntpflow.llm.sae import load_sae
 
     lm = load_smollm2(device=args.device)
-    docs = build_corpus(args.docs, seed=args.seed, stories_path="/work/shared/data/tinystories")
+    docs = build_corpus(args.docs, seed=args.seed, stories_path=None)  # generated stories: no local corpus assumed
     ctx = tokenize_corpus(docs, hf_encoder(lm.tokenizer), args.ctx_len, lm.bos_id, max_windows_per_doc=1)
     sae = load_sae(args.sae, args.device) if args.sae else SimpleSAE(lm.adapter.d_model, 4096, k=32,
                                                                     seed=args.seed).to(args.device)

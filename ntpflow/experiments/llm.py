@@ -1,4 +1,4 @@
-"""The pretrained-LLM reproduction (PAPER.md §1.8-1.10, §2.6; claims 5-6 of §3) and a check beyond the paper.
+"""The pretrained-LLM reproduction (docs/paper.md#q, #gemma; claims 5–6 of #claims) and a check beyond the paper.
 
 ``run_llm(scale, out)`` runs these stages into ``out``, each skipped when its output exists (resumable; every file
 is written atomically):
@@ -196,8 +196,7 @@ def _stage_sae(s: _Session, progress: bool) -> None:
     out, sc = s.out, s.scale
     if not (out / "contexts.pt").exists():
         _say(progress, "corpus")
-        docs = build_corpus(sc.docs_per_domain, seed=sc.seed, stories_path=sc.extra.get(
-            "stories", "/work/shared/data/tinystories"))
+        docs = build_corpus(sc.docs_per_domain, seed=sc.seed, stories_path=sc.extra.get("stories"))
         ctx = tokenize_corpus(docs, hf_encoder(s.lm.tokenizer), sc.ctx_len, s.lm.bos_id,
                               max_windows_per_doc=sc.windows_per_doc)
         _atomic_torch_save({"tokens": ctx.tokens, "domains": ctx.domains, "doc_index": ctx.doc_index},

@@ -1,4 +1,4 @@
-"""Report of the pretrained-LLM reproduction (PAPER.md §1.8-1.10, §2.6; §3 claims 5-6) from the files of
+"""Report of the pretrained-LLM reproduction (docs/paper.md#q, #gemma; claims 5–6 of #claims) from the files of
 ``ntpflow.experiments.llm.run_llm``.
 
 ``write_report(out)`` reads ``meta.json``, ``quality.json``, ``q_<mode>.json``, ``stats.json``, and (when present)

@@ -1,4 +1,4 @@
-"""Report of the OthelloGPT reproduction (PAPER.md §2.4, §3 claim 3) from ``OUT/data.json``.
+"""Report of the OthelloGPT reproduction (docs/paper.md#othello, claim 3) from ``OUT/data.json``.
 
 ``write_report(out_dir)`` reads ``out_dir/data.json`` (written by ``ntpflow.experiments.othello.run_othello``) and
 writes ``figures/{training,probe_by_layer,probe_by_move,gap,influence_bars,influence_curves}.{png,svg}``,
@@ -68,7 +68,7 @@ BASELINE_COLOR = "#7F7F7F"
 
 SIGN = "Sign convention: positive = the component moved the feature toward its final value."
 INFLUENCE_UNIT = "probe units² (first-order reduction of the squared probe mismatch, summed over steps)"
-PAPER_CI = {  # PAPER.md §2.4 (95% CIs; [S]); unit unknown
+PAPER_CI = {  # docs/paper.md#numbers (95% CIs, second-hand); unit unknown
     ("direct", "useful"): (2.85, 12.38), ("direct", "useless"): (-4.69, 2.74),
     ("pre_cached", "useful"): (-1.99, 0.66), ("pre_cached", "useless"): (0.55, 3.05),
     ("shared", "useful"): (4.80, 12.48), ("shared", "useless"): (2.93, 9.91),
@@ -530,7 +530,7 @@ def _fig_influence_bars(summary, figdir):
             ax.grid(axis="x", visible=False)
             ax.set_ylabel("integrated Adam influence\n(+ = toward final value)")
             ax.set_title("this run: mean, 95% t-CI over square × position × layer" if source == "ours" else
-                         "paper (PAPER.md §2.4): CI midpoint and 95% CI; unit unknown", fontsize=9)
+                         "paper (docs/paper.md#numbers): CI midpoint and 95% CI; unit unknown", fontsize=9)
         h, lab = axes[0][0].get_legend_handles_labels()
         finish_figure(fig, f"Integrated influence on the central squares by type (Adam variant).\n{SIGN}", h, lab, 2)
         return save_figure(fig, figdir, "influence_bars")
@@ -580,7 +580,7 @@ def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
 def _document(summary: dict, figures) -> list[tuple]:
     sc = summary["scale"]
     cfg = summary["config"]
-    b = [("h1", "OthelloGPT: useful and useless squares (PAPER §2.4, §3 claim 3)")]
+    b = [("h1", "OthelloGPT: useful and useless squares (docs/paper.md#othello, claim 3)")]
     size = (f"{cfg.get('n_layer')} layers, d_model {cfg.get('d_model')}, {cfg.get('n_head')} heads, "
             f"{summary['n_params']} parameters; {cfg.get('steps')} steps at batch {cfg.get('batch_size')}, lr "
             f"{cfg.get('lr')}, {cfg.get('n_train')} training games, {cfg.get('n_eval')} eval games; seed "
@@ -674,7 +674,7 @@ def _document(summary: dict, figures) -> list[tuple]:
                     "rows where it is useful / useless (per-type risks, as the reference). Unit of the CI: one "
                     "square × position × layer whose type occurred in training (tracked sites: "
                     f"{_sites_text(summary['sites'])}). Value unit: {INFLUENCE_UNIT}. {SIGN} The paper's intervals "
-                    "(PAPER.md §2.4, unit unknown) are beside ours; only signs and which CIs exclude 0 are "
+                    "(docs/paper.md#numbers, unit unknown) are beside ours; only signs and which CIs exclude 0 are "
                     "comparable, not magnitudes.")))
     rows = []
     for c in COMPONENTS:
@@ -700,7 +700,7 @@ def _document(summary: dict, figures) -> list[tuple]:
         b.append(("p", ("Sanity check (whole-batch risks, per tracked square): mean integrated full Adam influence "
                         f"{fmt_ci(sn['adam_full'], fmt_g)} vs mean mismatch actually removed on held-out games "
                         f"R(θ0) − R(θT) {fmt_ci(sn['R0_minus_RT_eval'], fmt_g)}; ratio {ratio}. The two agree only to "
-                        "first order in the step size (PAPER.md §1.7): a ratio far from 1 means the per-step "
+                        "first order in the step size (docs/paper.md#influence): a ratio far from 1 means the per-step "
                         "linearisation misses curvature, and the integrated influences then indicate the direction "
                         "of each component's push more reliably than its size.")))
     return b

@@ -1,4 +1,4 @@
-"""The TinyStories reproduction (PAPER.md §2.5, §3 claim 4): a small LM trained vanilla and myopic.
+"""The TinyStories reproduction (docs/paper.md#tinystories, claim 4): a small LM trained vanilla and myopic.
 
 ``run_stories(scale, out)`` trains every (regime, seed) on 64-token story windows, fits ridge probes for the 22
 features (10 tags, 10 dependency labels, ``pos_int``, ``pos_prop``) on the final and the untrained model, replays
@@ -37,9 +37,9 @@ from .report_kit import finite_or_none as _finite
 log = logging.getLogger(__name__)
 
 REGIMES = ("vanilla", "myopic")
-# the TinyStories sample of this project's workspace, in the folder ``shared`` beside the repository (not part of the
-# project: pass ``corpus=`` / ``--corpus`` for any other copy)
-SAMPLE_CORPUS = str(Path(__file__).resolve().parents[3] / "shared" / "data" / "tinystories")
+CORPUS_HELP = ("pass --corpus PATH (a folder with train.txt and valid.txt, stories separated by <|endoftext|>, or "
+               "JSON lines), --corpus hf (TinyStoriesV2-GPT4 from the hub) or --corpus generated:N; in Python "
+               "run_stories(scale, out, corpus=...)")
 
 
 @dataclass(frozen=True)
@@ -60,13 +60,14 @@ class SamplingSpec:
 class StoriesScale:
     """Settings of one scale.
 
-    ``corpus``: the corpus source (``ntpflow.stories.load_corpus``); ``train``: TrainConfig overrides shared by all
+    ``corpus``: the corpus source (``ntpflow.stories.load_corpus``), or None where the user must choose it (a
+    local copy of TinyStories is the user's, not the project's); ``train``: TrainConfig overrides shared by all
     runs; ``sites``: tracked residual sites (all 22 features at each); ``curve_every``: step stride of the stored
     influence curves.
     """
 
     name: str
-    corpus: str
+    corpus: str | None
     seeds: tuple[int, ...]
     sites: tuple[Site, ...]
     train: dict = field(default_factory=dict)
@@ -79,7 +80,7 @@ def _sites(layers, positions) -> tuple[Site, ...]:
 
 
 SCALES = {
-    # the paper (PAPER.md §2.5): 4 layers, d 128, 4 heads, T 64, batch 256, 1000 steps, lr 1e-3, 10 seeds,
+    # the paper (docs/paper.md#tinystories): 4 layers, d 128, 4 heads, T 64, batch 256, 1000 steps, lr 1e-3, 10 seeds,
     # 300,000 training windows of TinyStoriesV2-GPT4 from the hub (30,000 eval windows), tracked positions 30-39 at
     # layers 1-4 (the paper splits them over two runs of 5 positions; here one replay tracks all 40 sites)
     "paper": StoriesScale("paper", "hf", tuple(range(10)), _sites((1, 2, 3, 4), range(30, 40)),
@@ -93,7 +94,7 @@ SCALES = {
     # (~4 epochs) at lr 2e-3 (twice the paper's, to get further in few steps), 3 seeds, and two tracked sites inside
     # the paper's layers 1-4 x positions 30-39, ⟨2, 32⟩ and ⟨3, 36⟩, with all 22 features. Measured: 37 min for
     # all six runs, sampling and the report (2026-11-30, load ~2; docs/results/stories-small).
-    "small": StoriesScale("small", SAMPLE_CORPUS, (0, 1, 2), _sites((2,), (32,)) + _sites((3,), (36,)),
+    "small": StoriesScale("small", None, (0, 1, 2), _sites((2,), (32,)) + _sites((3,), (36,)),
                           {"n_layer": 4, "d_model": 64, "n_head": 4, "batch_size": 32, "steps": 300, "lr": 2e-3,
                            "n_train": 2_315, "n_eval": 1_727, "eval_every": 100, "ckpt_every": 50, "log_every": 10},
                           curve_every=5),
@@ -115,8 +116,11 @@ def resolve_scale(scale: str | StoriesScale) -> StoriesScale:
     return SCALES[scale]
 
 
-def check_corpus(corpus: str) -> None:
-    """Fail early, in one line, when a local corpus path is missing (hub and generated sources are not checked)."""
+def check_corpus(corpus: str | None, scale: str = "") -> None:
+    """Fail early, in one line, when no corpus was chosen or a local corpus path is missing (hub and generated
+    sources are not checked)."""
+    if corpus is None:
+        raise ValueError(f"the stories {scale} scale needs a corpus of your choice: {CORPUS_HELP}")
     if corpus == "hf" or corpus.startswith(("hf:", "generated")):
         return
     if not Path(corpus).exists():
@@ -169,8 +173,9 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     from .stories_report import write_report
 
     scale = resolve_scale(scale)
-    corpus = str(corpus or scale.corpus)
-    check_corpus(corpus)
+    corpus = corpus or scale.corpus
+    check_corpus(corpus, scale.name)
+    corpus = str(corpus)
     out = ensure_writable_dir(out)
     (out / "runs").mkdir(exist_ok=True)
     configs = run_configs(scale, corpus)
@@ -292,7 +297,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                         profiles.append({**key, "weights": weights, "layer": layer, "pos": p, "group": g,
                                          "r": _mean(_finite(r[layer, p, c].item()) for c in cols)})
         table = pq.read_table(rd / "attribution" / "influence.parquet")
-        table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
+        table = table.filter(pc.and_(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)),
+                                     pc.equal(table["mismatch"], "paper")))
         rows = table.select(["step", "layer", "pos", "feature", "component", "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
         cacc = defaultdict(list)

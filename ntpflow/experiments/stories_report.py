@@ -1,4 +1,4 @@
-"""Report of the TinyStories reproduction (PAPER.md §2.5, §3 claim 4) from ``OUT/data.json``.
+"""Report of the TinyStories reproduction (docs/paper.md#tinystories, claim 4) from ``OUT/data.json``.
 
 ``write_report(out_dir)`` reads ``out_dir/data.json`` (written by ``ntpflow.experiments.stories.run_stories``) and
 writes
@@ -68,7 +68,7 @@ ALL_COMPONENTS = COMPONENTS + ("full",)
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
 REGIME_COLORS = {"vanilla": "#0072B2", "myopic": "#D55E00", "init": "#7F7F7F"}
 COMPONENT_COLORS = {"direct": "#E69F00", "pre_cached": "#56B4E9", "shared": "#6A3D9A", "full": "#333333"}
-PAPER_LOSS = {"vanilla": (2.53, 0.10), "myopic": (3.29, 0.02)}  # PAPER.md §2.5 [S]: mean ± (presumably) sd, 10 seeds
+PAPER_LOSS = {"vanilla": (2.53, 0.10), "myopic": (3.29, 0.02)}  # docs/paper.md#numbers: mean ± (presumably) sd, 10 seeds
 
 SIGN = "Sign convention: positive influence = the component moved the feature toward its final value."
 INFLUENCE_UNIT = "squared probe units (first-order reduction of the batch-mean squared probe mismatch)"
@@ -613,7 +613,7 @@ def _document(summary: dict, figures) -> list[tuple]:
         ci_note = "Only 1 seed: means only, no intervals; every verdict that needs a CI is inconclusive."
     else:
         ci_note = "No runs in data.json: nothing to report; every verdict is inconclusive."
-    b = [("h1", "TinyStories: pre-caching, syntax and story position (PAPER §2.5, §3 claim 4)"),
+    b = [("h1", "TinyStories: pre-caching, syntax and story position (docs/paper.md#tinystories, claim 4)"),
          ("p", (f"Scale {summary['scale']!s}, {n} seed(s), regimes: {', '.join(summary['regimes']) or 'none'}. "
                 f"{ci_note} {SIGN} Layer k = residual stream after block k (0 = embeddings); positions are window "
                 "positions (no BOS; the logits at p predict token p+1). Every number below is also in "

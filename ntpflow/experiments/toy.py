@@ -1,4 +1,4 @@
-"""The toy-task reproduction (PAPER.md §2.2–2.3): majority and conditioned majority in four regimes.
+"""The toy-task reproduction (docs/paper.md#majority): majority and conditioned majority in four regimes.
 
 ``run_toy(scale, out)`` trains every (task, regime, seed), fits probes on the final and the untrained model,
 replays each run with influence tracking at the tracked sites, and gathers everything into ``out/data.json``.

@@ -1,4 +1,4 @@
-"""Report of the toy-task reproduction (PAPER.md §2.2–2.3, §3 claims 1–2) from ``OUT/data.json``.
+"""Report of the toy-task reproduction (docs/paper.md#majority, claims 1–2) from ``OUT/data.json``.
 
 ``write_report(out_dir)`` reads ``out_dir/data.json`` (written by ``ntpflow.experiments.toy.run_toy``) and writes
 
@@ -122,7 +122,7 @@ RULE_C = ("Vanilla runs; per seed, the integrated influence of each component av
           f"and direct's CI includes 0 or |mean direct| < {C_RATIO} · mean(pre_cached + shared); otherwise "
           "inconclusive.")
 
-# the paper's setting (PAPER.md §2.1–2.3), for the settings table
+# the paper's setting (docs/paper.md#settings), for the settings table
 PAPER_SETTINGS = {"seeds": "10 (0–9)", "steps": "3000", "batch_size": "256", "lr": "0.001", "n_layer": "2",
                   "d_model": "128", "n_head": "4", "n_train": "102400", "n_eval": "10240",
                   "sites": "layers 1–2 × positions 2–19"}
@@ -645,7 +645,7 @@ def _document(summary: dict, figures) -> list[tuple]:
         ci_note = "Only 1 seed: means only, no intervals; every verdict that needs a CI is inconclusive."
     else:
         ci_note = "No runs in data.json: nothing to report; every verdict is inconclusive."
-    b = [("h1", "Toy tasks: majority and conditioned majority (PAPER §2.2–2.3, §3 claims 1–2)"),
+    b = [("h1", "Toy tasks: majority and conditioned majority (docs/paper.md#majority, claims 1–2)"),
          ("p", (f"Scale {summary['scale']!s}, {n} seed(s), tasks: {', '.join(summary['tasks']) or 'none'}, "
                 f"regimes: {', '.join(summary['regimes']) or 'none'}. {ci_note} {SIGN} Influence unit: "
                 f"{INFLUENCE_UNIT}. Every number below is also in summary.json."))]

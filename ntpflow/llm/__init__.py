@@ -1,4 +1,4 @@
-"""Pretrained LLMs: Q(w) for SAE latents by ablation (PAPER.md §1.8-1.10, §2.6).
+"""Pretrained LLMs: Q(w) for SAE latents by ablation (docs/paper.md#q, #gemma).
 
 Modules: :mod:`.adapters` (TransformerLens / Hugging Face models behind one protocol, ``load_smollm2``),
 :mod:`.sae` (SAE interface, training with sae-lens, quality), :mod:`.corpus` (stories / code / math corpus),

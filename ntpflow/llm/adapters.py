@@ -373,7 +373,7 @@ GEMMA_PRESET = {
     "sae_id": "layer_15/width_16k/canonical",
     "hook": "blocks.15.hook_resid_post",
 }
-"""The reference's setup (PAPER.md §1.8); needs internet and a GPU."""
+"""The reference's setup (docs/paper.md#q); needs internet and a GPU."""
 
 
 def load_gemma_preset(device: str = "cuda") -> tuple[LoadedModel, Any]:

@@ -1,9 +1,10 @@
-"""Look-ahead lens (PAPER.md §1.9): linear maps from the residual at position t to the prediction of token t + k.
+"""Look-ahead lens (docs/paper.md#lookahead): linear maps from the residual at position t to the prediction of
+token t + k.
 
 The reference trains, per k in 1..5, ``x -> W_U^T (A x + b)`` with cross-entropy on token t+k
 (Adam, 10 epochs, A identity-initialised) from ``blocks.15.hook_resid_pre`` - one block *before* the SAE's site
-``blocks.15.hook_resid_post`` (a quirk, PAPER.md §4.5.6). ntpflow fits the lens **at the SAE's own site** and in
-**closed form**:
+``blocks.15.hook_resid_post`` (quirk 6 of docs/reference-quirks.md). ntpflow fits the lens **at the SAE's own site**
+and in **closed form**:
 
 * target: the model's own final hidden state ``h_final`` (the input of the unembedding, after the final norm) at
   position ``t + k - 1``, i.e. what the model itself feeds to ``W_U`` when predicting token ``t + k``. Fitting

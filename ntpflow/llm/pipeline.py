@@ -97,8 +97,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(prog="python -m ntpflow.llm.pipeline", description=__doc__.split("\n")[0])
     ap.add_argument("step", choices=["train", "scan"])
     ap.add_argument("--out", default="runs/llm")
-    ap.add_argument("--stories", default="/work/shared/data/tinystories",
-                    help="TinyStories folder (generated stories if missing)")
+    ap.add_argument("--stories", default=None,
+                    help="a folder of TinyStories .txt files (default: generated stories)")
     ap.add_argument("--docs", type=int, default=100, help="documents per domain")
     ap.add_argument("--windows", type=int, default=2, help="windows per document")
     ap.add_argument("--ctx-len", type=int, default=64)

@@ -14,6 +14,7 @@ back into the weights afterwards, so the returned SAE works on raw activations.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -256,7 +257,7 @@ def train_sae(acts: torch.Tensor, cfg: TrainSAEConfig | None = None, log_every: 
     Args:
         acts: training activations ``[N, d_in]``.
         cfg: settings (:class:`TrainSAEConfig`).
-        log_every: print the losses every this many steps (0: silent).
+        log_every: print the losses to stderr every this many steps (0: silent).
 
     Returns:
         ``(sae, info)``: the sae-lens training SAE (in eval mode; ``encode``/``decode``/``W_dec`` work on raw
@@ -298,7 +299,8 @@ def train_sae(acts: torch.Tensor, cfg: TrainSAEConfig | None = None, log_every: 
             since_fired = torch.where(fired, torch.zeros_like(since_fired), since_fired + 1)
         if log_every and (step % log_every == 0 or step == cfg.steps - 1):
             losses = {k: float(v.detach()) for k, v in out.losses.items()}
-            print(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in losses.items()), flush=True)
+            print(f"SAE step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in losses.items()), file=sys.stderr,
+                  flush=True)
     losses = {k: float(v.detach()) for k, v in out.losses.items()}
     sae.eval()
     with torch.no_grad():  # fold the input scale into the weights (see module docstring)

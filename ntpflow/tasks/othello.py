@@ -1,4 +1,4 @@
-"""OthelloGPT task: random legal Othello games (PAPER.md §2.4).
+"""OthelloGPT task: random legal Othello games (docs/paper.md#othello).
 
 Sequence layout (``T = 61``)::
 

@@ -24,7 +24,7 @@ who chooses token ``t + 1`` (after a pass, the opponent of the player who passed
     * ``boards[:, t]``: int8 ``[64]``, +1 own stone, -1 opponent stone, 0 empty;
     * ``legal[:, t]``: bool ``[64]``, that player's legal moves (all False: the next token is a pass);
     * ``types[:, t]``: int8 ``[64]``, 0 empty; 2 useful: flipping that stone's colour changes the set of
-      legal moves of that player; 1 useless otherwise (PAPER.md §1.10, the reference's ``features_type``).
+      legal moves of that player; 1 useless otherwise (docs/paper.md#useful-useless, the reference's ``features_type``).
 
 Randomness: every function takes an ``int`` seed or a ``np.random.Generator``. Games are generated in blocks
 of :data:`BLOCK` games; each block draws ``rng.random(block_size)`` once per token (60 draws, passes included)

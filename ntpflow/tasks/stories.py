@@ -1,4 +1,5 @@
-"""TinyStories as a task of the training loop (PAPER.md §2.5): fixed windows of a corpus instead of sampled sequences.
+"""TinyStories as a task of the training loop (docs/paper.md#tinystories): fixed windows of a corpus instead of
+sampled sequences.
 
 Unlike the synthetic tasks there is no ``<bos>``: position 0 is the first token of a 64-token window, logits at
 position ``p`` predict token ``p + 1`` and every prediction but the last counts in the loss. ``legal`` is None.
