@@ -1,4 +1,4 @@
-"""The OthelloGPT reproduction (PAPER.md §2.4, §3 claim 3): world-model probes and where useful and useless squares
+"""The OthelloGPT reproduction (docs/paper.md#othello, claim 3): world-model probes and where useful and useless squares
 come from.
 
 ``run_othello(scale, out)`` runs these stages into ``out`` (each resumable and skipped when done):
@@ -70,8 +70,8 @@ def _sites(layers, positions) -> tuple[Site, ...]:
 PAPER_POSITIONS = tuple(range(4, 57, 4))  # 4, 8, ..., 56
 
 SCALES = {
-    # the paper (PAPER.md §2.4): 6 layers, d 256, 4 heads, batch 1024, 5000 steps, lr 1e-3, 20,480 eval games; the
-    # paper's train-set size is unknown (a pre-generated set on disk): we use 1,000,000 games (~25 GB in host memory,
+    # the paper (docs/paper.md#othello): 6 layers, d 256, 4 heads, batch 1024, 5000 steps, lr 1e-3, 20,480 eval games;
+    # the paper's train-set size is unknown (a pre-generated set on disk): we use 1,000,000 games (~25 GB in host memory,
     # ~5 epochs). Tracked: the 16 central squares x layers 1-6 x positions 4, 8, ..., 56, per-type risks. The
     # reference runs one replay per position (14 runs x 6 sites); tracking does not change training, so one replay of
     # all 84 sites gives the same numbers. Needs a GPU.

@@ -1,6 +1,6 @@
 """Beyond the paper: does Q(w) by ablation track the true ratio of pre-caching to direct influence?
 
-The paper's reviewers asked whether Q(w) (PAPER.md §1.8), a first-order proxy, tracks ``I_pre-cached / I_direct``.
+The paper's reviewers asked whether Q(w) (docs/paper.md#q), a first-order proxy, tracks ``I_pre-cached / I_direct``.
 On ntpflow's own small models both are computable:
 
 * Q by ablation for a probe direction ``w`` at site (layer, pos) of the **final** model: project the component along
