@@ -238,9 +238,10 @@ def test_report_statistics_on_hand_made_data(tmp_path):
     assert [c["verdict"] for c in summary["claims"]] == ["reproduced", "reproduced", "not reproduced", "inconclusive"]
 
 
-def test_report_missing_data_is_inconclusive(tmp_path):
+def test_report_missing_data_is_not_testable(tmp_path):
     s = summarize({"scale": "empty"})
-    assert [c["verdict"] for c in s["claims"]] == ["inconclusive"] * 4
+    assert [c["verdict"] for c in s["claims"]] == ["not testable at this scale"] * 4
+    assert s["claims"][0]["preconditions"][0] == {"name": "squares ≥ 2", "value": 0, "ok": False}
     with pytest.raises(FileNotFoundError, match="missing file"):
         write_report(tmp_path)
     (tmp_path / "data.json").write_text("{not json")

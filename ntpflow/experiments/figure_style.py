@@ -54,10 +54,18 @@ def figure(width: float, height: float, nrows: int = 1, ncols: int = 1, **kw):
 
 
 def finish(fig, title: str, handles=(), labels=(), ncol: int = 1) -> None:
-    """Title at the top and one legend for the whole figure below the axes (both inside the canvas)."""
+    """Title at the top and one legend for the whole figure below the axes (both inside the canvas); a label given
+    twice gets one entry."""
     fig.suptitle(title)
-    if handles:
-        fig.legend(list(handles), list(labels), loc="outside lower center", ncol=max(1, ncol), frameon=False)
+    unique = {}
+    for lab, h in zip(labels, handles):  # one entry per label: its first handle, in order
+        unique.setdefault(lab, h)
+    if unique:
+        # as many columns as asked for, as long as the widest entries fit in the figure's width (~0.07 in/char)
+        entry = max(len(str(lab)) for lab in unique) * 0.07 + 0.6
+        fits = max(1, int(fig.get_figwidth() / entry))
+        fig.legend(list(unique.values()), list(unique), loc="outside lower center",
+                   ncol=max(1, min(ncol, len(unique), fits)), frameon=False)
 
 
 def clip(lo, hi, bounds):

@@ -21,7 +21,8 @@ data.json schema:
 - ``curves``: [{step, type, component, mean_cumulative}]: mean over units of the cumulative influence;
 - ``sanity``: [{layer, pos, square, R0_minus_RT_eval, adam_full}].
 
-Layer convention: ``resid[0]`` = embeddings, ``resid[k]`` = output of block ``k``; position ``p`` = after reading
+Layer convention (docs/conventions.md): ``resid[0]`` = embeddings, ``resid[k]`` = output of block ``k − 1`` (after
+k blocks); position ``p`` = after reading
 token ``p`` (move ``p``); logits at ``p`` predict token ``p + 1``.
 
 Statistics: one training run (seed 0), so the units are squares (probe quality: a 95% Student-t interval over the 64
@@ -35,6 +36,17 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
+from .claims import (
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    Claim,
+    Rule,
+    at_least,
+    every,
+    interval_above,
+    interval_contains,
+)
 from .report_kit import (
     RC,
     ci_band,
@@ -65,6 +77,9 @@ TYPE_COLORS = {"all": "#333333", "useless": "#D55E00", "useful": "#0072B2"}
 PROBE_TYPES = ("all", "useless", "useful")
 METRICS = {"r": "ridge probe Pearson r", "acc": "3-way classifier accuracy"}
 BASELINE_COLOR = "#7F7F7F"
+TRAINED_COLOR = "#0072B2"
+STEP0_LABEL = "step 0 (untrained baseline; right: mean over layers ≥ 1)"
+METRIC_BOUNDS = {"r": (-1.0, 1.0), "acc": (0.0, 1.0)}
 
 SIGN = "Sign convention: positive = the component moved the feature toward its final value."
 INFLUENCE_UNIT = "probe units² (first-order reduction of the squared probe mismatch, summed over steps)"
@@ -78,27 +93,6 @@ PAPER_SETTINGS = {"n_layer": "6", "d_model": "256", "n_head": "4", "batch_size":
                   "lr": "0.001", "n_train": "unknown (pre-generated)", "n_eval": "20480",
                   "sites": "layers 1–6 × positions 4, 8, …, 56", "squares": "16 central (C3–F6)"}
 SETTING_KEYS = ("n_layer", "d_model", "n_head", "batch_size", "steps", "lr", "n_train", "n_eval")
-
-CLAIM_I = ("NTP-useful squares are represented better than NTP-useless ones: the gap r(useful) − r(useless) is "
-           "positive at every layer ≥ 1 and grows with layer and with move index (Fig. 3)")
-CLAIM_II = "direct influence is positive for useful squares and not different from 0 for useless squares"
-CLAIM_III = "pre-caching influence is positive for useless squares"
-CLAIM_IV = "shared (circuit-sharing) influence is positive for both useful and useless squares"
-RULE_I = ("Final weights, ridge r. Per square, gap = r(useful rows) − r(useless rows) at each (layer, position) where "
-          "both are defined; by layer = the square's mean over positions; by move = its mean over layers ≥ 1. "
-          "Slopes: per square, least-squares slope of its by-layer gap over layers 1..L and of its by-move gap over "
-          "positions. All CIs: 95% t over squares. Reproduced if every layer ≥ 1 has gap CI lower bound > 0 and both "
-          "slope CIs have lower bound > 0. Not reproduced if some layer ≥ 1 has gap CI upper bound < 0, or the mean "
-          "gap over layers ≥ 1 is ≤ 0. Otherwise inconclusive (also with fewer than 2 squares or 2 layers).")
-RULE_II = ("Integrated Adam influence, 95% t-CI over units square × position × layer. Reproduced if useful-direct "
-           "has CI lower bound > 0 and the useless-direct CI contains 0. Not reproduced if useful-direct has CI upper "
-           "bound < 0 or useless-direct has CI lower bound > 0 or upper bound < 0 (different from 0). Otherwise "
-           "inconclusive (also with fewer than 2 units).")
-RULE_III = ("Same units and CIs. Reproduced if useless-pre-caching has CI lower bound > 0; not reproduced if its "
-            "upper bound < 0; otherwise inconclusive.")
-RULE_IV = ("Same units and CIs. Reproduced if shared has CI lower bound > 0 for both useful and useless; not "
-           "reproduced if either has CI upper bound < 0; otherwise inconclusive.")
-
 
 # ---------------------------------------------------------------------------------------------------- statistics
 
@@ -248,7 +242,7 @@ def summarize(data: dict) -> dict:
         "gap_by_layer": gap_layer, "gap_by_pos": gap_pos, "gap_grid": gap_grid, "gap_slopes": gap_slopes,
         "influence": table, "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
     }
-    summary["claims"] = _claims(summary)
+    summary["claims"] = [c.to_dict() for c in claims(summary)]
     return summary
 
 
@@ -280,73 +274,71 @@ def _row(summary, key):
     return summary["influence"].get(key) or {"mean": None, "lo": None, "hi": None, "n": 0}
 
 
-def _claim_i(summary) -> dict:
-    row = {"claim": CLAIM_I, "rule": RULE_I}
+def _gap_rule() -> Rule:
+    """Claim (i): the final ridge-r gap, per layer ≥ 1 and its slopes over layers and moves (95% t-CI over squares)."""
+
+    def decide(n):
+        gaps, sl = n["gap_by_layer"], n["slopes"]
+        if any(g["hi"] is not None and g["hi"] < 0 for g in gaps) or (sl["mean_gap"] is not None and
+                                                                      sl["mean_gap"] <= 0):
+            return NOT_REPRODUCED
+        los = [g["lo"] for g in gaps] + [sl["per_layer_lo"], sl["per_move_lo"]]
+        return REPRODUCED if all(x is not None and x > 0 for x in los) else INCONCLUSIVE
+
+    return Rule("Final weights, ridge r. Per square, gap = r(useful rows) − r(useless rows) at each (layer, position) "
+                "where both are defined; by layer = the square's mean over positions; by move = its mean over layers "
+                "≥ 1; slopes = per square, the least-squares slope of its gap over layers 1..L and over positions. "
+                "95% t-CIs over squares. Reproduced if every layer ≥ 1 has its gap CI above 0 and both slope CIs "
+                "lie above 0; not reproduced if some layer ≥ 1 has its gap CI below 0 or the mean gap over layers ≥ 1 "
+                "is ≤ 0; otherwise inconclusive.", decide)
+
+
+def claims(summary) -> list[Claim]:
+    """The four OthelloGPT claims of the paper (docs/paper.md#othello), judged on ``summary``."""
     gl = [g for g in summary["gap_by_layer"] if g["metric"] == "r" and g["weights"] == "final" and g["layer"] >= 1]
-    sl = summary["gap_slopes"].get("r/final")
-    if not gl or sl is None:
-        return {**row, "measured": "no final ridge probes with both useful and useless rows", "verdict": "inconclusive"}
-    measured = ("gap by layer (final): " + "; ".join(f"L{g['layer']} {fmt_ci(g)}" for g in gl)
-                + f". Slope per layer {fmt_ci(sl['per_layer'], fmt_g)}; per move {fmt_ci(sl['per_move'], fmt_g)}"
-                + f"; mean over layers ≥ 1 {fmt_ci(sl['mean_layers_ge1'])}. n = {gl[0]['n']} squares")
-    if len(gl) < 2 or any(not has_ci(g) for g in gl):
-        return {**row, "measured": measured, "verdict": "inconclusive"}
-    mean_up = sl["mean_layers_ge1"]["mean"]
-    if any(g["hi"] < 0 for g in gl) or (mean_up is not None and mean_up <= 0):
-        verdict = "not reproduced"
-    elif (all(g["lo"] > 0 for g in gl) and has_ci(sl["per_layer"]) and has_ci(sl["per_move"])
-          and sl["per_layer"]["lo"] > 0 and sl["per_move"]["lo"] > 0):
-        verdict = "reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+    sl = summary["gap_slopes"].get("r/final") or {"per_layer": stats([]), "per_move": stats([]),
+                                                    "mean_layers_ge1": stats([])}
+    gap_numbers = {"gap_by_layer": [{"layer": g["layer"], "mean": g["mean"], "lo": g["lo"], "hi": g["hi"]} for g in gl],
+                   "slopes": {"per_layer_lo": sl["per_layer"]["lo"], "per_move_lo": sl["per_move"]["lo"],
+                              "mean_gap": sl["mean_layers_ge1"]["mean"]}}
+    gap_text = ("gap by layer (final): " + "; ".join(f"L{g['layer']} {fmt_ci(g)}" for g in gl)
+                + f". Slope per layer {fmt_ci(sl['per_layer'], fmt_g)}; per move {fmt_ci(sl['per_move'], fmt_g)}; "
+                f"mean over layers ≥ 1 {fmt_ci(sl['mean_layers_ge1'])}") if gl else "no final ridge probes"
+    n_sq = gl[0]["n"] if gl else 0
+    row = {k: _row(summary, k) for k in ("direct/useful", "direct/useless", "pre_cached/useless",
+                                          "pre_cached/useful", "shared/useful", "shared/useless")}
 
+    def infl(*keys):
+        return "; ".join(f"{k.replace('_', '-').replace('/', ' ')} {fmt_ci(row[k], fmt_g)} (n={row[k]['n']})"
+                         for k in keys)
 
-def _claim_ii(summary) -> dict:
-    row = {"claim": CLAIM_II, "rule": RULE_II}
-    u, s = _row(summary, "direct/useful"), _row(summary, "direct/useless")
-    measured = f"direct: useful {fmt_ci(u, fmt_g)} (n={u['n']}); useless {fmt_ci(s, fmt_g)} (n={s['n']})"
-    if not (has_ci(u) and has_ci(s)):
-        return {**row, "measured": measured, "verdict": "inconclusive"}
-    if u["hi"] < 0 or s["lo"] > 0 or s["hi"] < 0:
-        verdict = "not reproduced"
-    elif u["lo"] > 0 and s["lo"] <= 0 <= s["hi"]:
-        verdict = "reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+    def units(*keys):
+        return tuple(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys)
 
-
-def _claim_iii(summary) -> dict:
-    row = {"claim": CLAIM_III, "rule": RULE_III}
-    s, u = _row(summary, "pre_cached/useless"), _row(summary, "pre_cached/useful")
-    measured = f"pre-caching: useless {fmt_ci(s, fmt_g)} (n={s['n']}); useful {fmt_ci(u, fmt_g)} (n={u['n']})"
-    if not has_ci(s):
-        return {**row, "measured": measured, "verdict": "inconclusive"}
-    verdict = "reproduced" if s["lo"] > 0 else "not reproduced" if s["hi"] < 0 else "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
-
-
-def _claim_iv(summary) -> dict:
-    row = {"claim": CLAIM_IV, "rule": RULE_IV}
-    u, s = _row(summary, "shared/useful"), _row(summary, "shared/useless")
-    measured = f"shared: useful {fmt_ci(u, fmt_g)} (n={u['n']}); useless {fmt_ci(s, fmt_g)} (n={s['n']})"
-    if not (has_ci(u) and has_ci(s)):
-        return {**row, "measured": measured, "verdict": "inconclusive"}
-    if u["hi"] < 0 or s["hi"] < 0:
-        verdict = "not reproduced"
-    elif u["lo"] > 0 and s["lo"] > 0:
-        verdict = "reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
-
-
-def _claims(summary) -> list[dict]:
-    out = []
-    for i, fn in zip(("i", "ii", "iii", "iv"), (_claim_i, _claim_ii, _claim_iii, _claim_iv)):
-        out.append({"id": i, **fn(summary)})
-    return out
+    pc = PAPER_CI
+    return [
+        Claim("i", "NTP-useful squares are represented better than NTP-useless ones: the gap r(useful) − r(useless) "
+              "is positive at every layer ≥ 1 and grows with layer and with move index (Fig. 3)",
+              "positive at every layer, growing with layer and move index (no number given)", _gap_rule(),
+              gap_numbers, gap_text, (at_least("squares", n_sq, 2), at_least("layers ≥ 1", len(gl), 2))),
+        Claim("ii", "direct influence is positive for useful squares and not different from 0 for useless squares",
+              f"useful {list(pc[('direct', 'useful')])}, useless {list(pc[('direct', 'useless')])}",
+              every(interval_above("useful-square direct influence", "direct/useful"),
+                    interval_contains("useless-square direct influence", "direct/useless")),
+              {k: row[k] for k in ("direct/useful", "direct/useless")}, infl("direct/useful", "direct/useless"),
+              units("direct/useful", "direct/useless")),
+        Claim("iii", "pre-caching influence is positive for useless squares",
+              f"useless {list(pc[('pre_cached', 'useless')])}, useful {list(pc[('pre_cached', 'useful')])}",
+              interval_above("useless-square pre-caching influence", "pre_cached/useless"),
+              {"pre_cached/useless": row["pre_cached/useless"]}, infl("pre_cached/useless", "pre_cached/useful"),
+              units("pre_cached/useless")),
+        Claim("iv", "shared (circuit-sharing) influence is positive for both useful and useless squares",
+              f"useful {list(pc[('shared', 'useful')])}, useless {list(pc[('shared', 'useless')])}",
+              every(interval_above("useful-square shared influence", "shared/useful"),
+                    interval_above("useless-square shared influence", "shared/useless")),
+              {k: row[k] for k in ("shared/useful", "shared/useless")}, infl("shared/useful", "shared/useless"),
+              units("shared/useful", "shared/useless")),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- figures
@@ -408,16 +400,17 @@ def _fig_probe_by_layer(summary, figdir):
                         continue
                     xs = [r["layer"] for r in sel]
                     if w == "final":
-                        ci_band(ax, xs, sel, TYPE_COLORS[typ])
+                        ci_band(ax, xs, sel, TYPE_COLORS[typ], bounds=METRIC_BOUNDS[metric])
                     ax.plot(xs, [r["mean"] for r in sel], ls=ls, marker="o" if w == "final" else None, ms=3,
                             color=TYPE_COLORS[typ], lw=1.6 if w == "final" else 1.1,
                             label=f"{typ} squares, {'trained' if w == 'final' else 'step 0 (baseline)'}")
-            ax.set_xlabel("layer k (resid[0] = embeddings, resid[k] = after block k)")
+            ax.set_xlabel("layer k (resid[0] = embeddings, resid[k] = output of block k−1)")
             ax.set_ylabel(METRICS[metric] + " (test games)")
             ax.set_xticks(summary["layers"])
             ax.set_title(METRICS[metric])
         h, lab = axes[0][0].get_legend_handles_labels()
-        finish_figure(fig, "Probe quality by layer (mean over positions; 95% t-CI over the 64 squares)", h, lab, 3)
+        finish_figure(fig, "Probe quality by layer (mean over positions; bands: 95% t-CI over the 64 squares, clipped "
+                      "to the metric's range)", h, lab, 3)
         return save_figure(fig, figdir, "probe_by_layer")
 
 
@@ -461,13 +454,14 @@ def _fig_gap(summary, figdir):
         fig, axes = figure_grid(11.4, 7.6, 2, 2, left=1.15, right=0.2, top=0.6, bottom=1.2, wspace=1.05, hspace=0.75)
         for i, metric in enumerate(METRICS):
             a, b = axes[i]
-            for w, ls, color in (("final", "-", "#000000"), ("init", "--", BASELINE_COLOR)):
+            for w, ls, color in (("final", "-", TRAINED_COLOR), ("init", "--", BASELINE_COLOR)):
                 sel = sorted((r for r in gl if r["metric"] == metric and r["weights"] == w), key=lambda r: r["layer"])
                 if sel:
                     xs = [r["layer"] for r in sel]
-                    ci_band(a, xs, sel, color)
+                    if w == "final":  # the step-0 line has no band: one band per panel, never two greys
+                        ci_band(a, xs, sel, color, alpha=0.25)
                     a.plot(xs, [r["mean"] for r in sel], ls=ls, marker="o", ms=3, color=color,
-                           label="trained" if w == "final" else "step 0 (baseline)")
+                           label="trained (band: 95% t-CI over squares)" if w == "final" else STEP0_LABEL)
             a.axhline(0, color="#000000", lw=0.6)
             a.set_xticks(layers)
             a.set_xlabel("layer k")
@@ -484,7 +478,7 @@ def _fig_gap(summary, figdir):
                           key=lambda r: r["pos"])
             if base:
                 b.plot([r["pos"] for r in base], [r["mean"] for r in base], ls="--", color=BASELINE_COLOR, lw=1.4,
-                       label="step 0, mean over layers ≥ 1")
+                       label=STEP0_LABEL)
             b.axhline(0, color="#000000", lw=0.6)
             b.set_xlabel("move index (position p)")
             b.set_ylabel(f"useful − useless\n({METRICS[metric]})")
@@ -611,10 +605,9 @@ def _document(summary: dict, figures) -> list[tuple]:
                   + (". Per step: " + "; ".join(extra) if extra else "") + "."))
 
     b.append(("h2", "Claims"))
-    b.append(("table", ["claim", "measured", "verdict", "rule"],
-              [[f"({c['id']}) “{c['claim']}”", c["measured"], c["verdict"], c["rule"]] for c in summary["claims"]],
-              "claims"))
-    b.append(("p", "Decision rules are fixed in the code (othello_report.py) and applied mechanically to the numbers."))
+    b.append(("claims", [c.to_dict() for c in claims(summary)], False))
+    b.append(("p", "Each rule's text and the code that applies it come from the same Claim (othello_report.claims); "
+                   "a claim whose preconditions fail at this scale is 'not testable at this scale'."))
 
     def fig(name, caption):
         if name in figures:
@@ -637,7 +630,8 @@ def _document(summary: dict, figures) -> list[tuple]:
                     "test rows where the square is an NTP-useless / NTP-useful stone (per example). The step-0 "
                     "(untrained) model is the baseline in every probe figure.")))
     fig("probe_by_layer", "Probe quality by layer for all, useless and useful squares; solid: trained, dashed: step 0. "
-                          "Bands: 95% t-CI over the 64 squares of each square's mean over positions.")
+                          "Bands: 95% t-CI over the 64 squares of each square's mean over positions, clipped to the "
+                          "metric's range ([−1, 1] for r, [0, 1] for accuracy).")
     fig("probe_by_move", "Probe quality by move index for each layer (all squares, mean over the 64 squares); solid: "
                          "trained, dotted: step 0.")
     rows = []

@@ -117,22 +117,34 @@ def finish_figure(fig, title, handles, labels, ncol):
 
 
 def write_from_data(out_dir: str | Path, summarize, make_figures, document) -> Path:
-    """The report pipeline of an experiment folder: read ``data.json``, ``summary = summarize(data)``, figures
+    """The report pipeline of an experiment folder: ``summary = summarize(data)`` from ``data.json`` (or, when only
+    ``summary.json`` is there, as for the committed results under docs/results, the stored summary itself), figures
     (``make_figures(summary, figdir) -> {name: png bytes}``), blocks (``document(summary, pngs)``); write
-    summary.json, report.md and report.html atomically. Returns report.md's path."""
+    summary.json, report.md and report.html atomically (``render.write_documents``). Returns report.md's path."""
+    out = Path(out_dir)
+    summary = summarize(read_json_file(out / "data.json")) if (out / "data.json").exists() or not (
+        out / "summary.json").exists() else stored_summary(out)
+    pngs = make_figures(summary, out / "figures")
+    return write_documents(out, document(summary, pngs), pngs, summary)
+
+
+def read_json_file(path: Path):
+    """The parsed JSON of ``path``; one-line FileNotFoundError / ValueError when missing or corrupted."""
     import json
 
-    out = Path(out_dir)
-    path = out / "data.json"
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"missing file {path}") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"corrupted JSON in {path}: {err}") from None
-    summary = summarize(data)
-    pngs = make_figures(summary, out / "figures")
-    return write_documents(out, document(summary, pngs), pngs, summary)
+
+
+def stored_summary(out: Path) -> dict:
+    """``out/summary.json`` without what the renderer derives (figures; claims are judged again from the numbers)."""
+    summary = read_json_file(out / "summary.json")
+    summary.pop("figures", None)
+    return summary
 
 
 def plain_number(v) -> str:
