@@ -56,7 +56,6 @@ from .report_kit import (
     fmt,
     fmt_ci,
     fmt_g,
-    has_ci,
     mean_of,
     report_main,
     save_figure,

@@ -36,18 +36,19 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from .claims import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Claim, Rule, at_least, every, interval_above
 from .report_kit import (
     RC,
     fmt,
     fmt_ci,
     fmt_g,
-    has_ci,
     mean_of,
     report_main,
     save_figure,
     stats,
     write_from_data,
 )
+from .figure_style import ci_label, error_bars
 from .report_kit import ci_band as _band
 from .report_kit import figure_grid as _grid
 from .report_kit import finish_figure as _finish
@@ -76,31 +77,6 @@ INFLUENCE_UNIT = "squared probe units (first-order reduction of the batch-mean s
 A_REL = 0.02  # claim a: "clearly worse" = at least 2% above vanilla's mean loss
 B_KEEP = 0.8  # claim b: myopic keeps >= 80% of vanilla's probe gain over init
 B_LOSE = 0.5  # claim b: not reproduced if myopic significantly loses more than half of it
-
-CLAIM_A = "a myopic model (no pre-caching) reaches a clearly worse held-out loss"
-CLAIM_B = "syntactic features (POS tags, dependency labels) survive myopic training"
-CLAIM_C = "syntactic features are learned mainly through the direct path (pre-cached influence ≪ direct)"
-CLAIM_D = "story-position features come from pre-caching, and their probe quality drops under myopic training"
-
-RULE_A = ("Per seed, Δ = myopic eval loss − vanilla eval loss (same seed, same windows); 95% t-CI over seeds. "
-          f"Reproduced if the CI lower bound > 0 and mean Δ ≥ {A_REL:.0%} of vanilla's mean loss. Not reproduced if "
-          "the CI upper bound < 0 (myopic better). Otherwise inconclusive (also with fewer than 2 seeds).")
-RULE_B = ("Per seed, probe quality q = test Pearson r averaged over the 20 syntactic features, layers 1–L and probed "
-          "positions 1–63; gain = q(final) − q(init, same seed); D = q(vanilla) − q(myopic), paired by seed. "
-          f"Reproduced if myopic's gain has CI lower bound > 0 and mean D ≤ {1 - B_KEEP:.1f} × vanilla's mean gain "
-          f"(myopic keeps ≥ {B_KEEP:.0%} of it). Not reproduced if D's CI lower bound > {B_LOSE} × vanilla's mean "
-          "gain. Otherwise inconclusive (also with fewer than 2 seeds).")
-RULE_C = ("Vanilla runs; per seed, the influence share of each component (component / (|direct| + |pre-cached| + "
-          "|shared|) per tracked site × feature) averaged over the 20 syntactic features at all tracked sites; "
-          "E = share(direct) − share(pre-cached), paired by seed; 95% t-CI. Reproduced if E's CI lower bound > 0 and "
-          "the mean direct share > 0. Not reproduced if E's CI upper bound < 0. Otherwise inconclusive. (Whether "
-          "direct also beats shared is reported, not scored: the paper's statement compares direct with "
-          "pre-cached.)")
-RULE_D = ("Two parts. (d1) vanilla runs, story-position features (pos_int, pos_prop) at the tracked sites: "
-          "P = share(pre-cached) − share(direct), paired by seed. (d2) probe quality q of the position features "
-          "(layers 1–L, positions 1–63): D = q(vanilla) − q(myopic), paired by seed. Reproduced if both CI lower "
-          "bounds > 0. Not reproduced if either CI upper bound < 0. Otherwise inconclusive (also with fewer than "
-          "2 seeds).")
 
 PAPER_SETTINGS = {"corpus": "TinyStoriesV2-GPT4 (hub)", "tokenizer": "TinyStories-1M (GPT-Neo BPE, 50,257)",
                   "seeds": "10", "steps": "1000", "batch_size": "256", "lr": "0.001", "n_layer": "4",
@@ -271,118 +247,117 @@ def summarize(data: dict) -> dict:
         "probe_profiles": profile_rows, "influence": infl, "influence_curves": curve_rows,
         "samples": samples,
     }
-    summary["claims"] = [_claim_a(summary), _claim_b(summary), _claim_c(summary), _claim_d(summary)]
+    summary["claims"] = [c.to_dict() for c in claims(summary)]
     return summary
 
 
 # ---------------------------------------------------------------------------------------------------- claims
 
 
-def _n_ok(*ss) -> bool:
-    return all(has_ci(s) and s["n"] >= 2 for s in ss)
+def _lo(s):
+    return (s or {}).get("lo")
 
 
-def _claim_a(summary) -> dict:
-    row = {"claim": CLAIM_A, "rule": RULE_A}
-    lo = summary["loss"]
-    d = lo.get("myopic_minus_vanilla")
-    if d is None:
-        return {**row, "measured": "no vanilla and myopic runs", "verdict": "inconclusive"}
-    v, m = lo["per_regime"]["vanilla"]["eval_loss"], lo["per_regime"]["myopic"]["eval_loss"]
-    measured = (f"eval loss (nats/token): vanilla {fmt_ci(v)}, myopic {fmt_ci(m)}; paired Δ {fmt_ci(d)} "
-                f"(paper: 2.53 ± 0.10 vs 3.29 ± 0.02). n = {d['n']} seeds")
-    if not _n_ok(d) or v["mean"] is None:
-        verdict = "inconclusive"
-    elif d["lo"] > 0 and d["mean"] >= A_REL * v["mean"]:
-        verdict = "reproduced"
-    elif d["hi"] < 0:
-        verdict = "not reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+def _rule_a() -> Rule:
+    def decide(n):
+        d, v = n["delta"] or {}, n["vanilla_loss"]
+        if d.get("lo") is not None and v is not None and d["lo"] > 0 and d["mean"] >= A_REL * v:
+            return REPRODUCED
+        return NOT_REPRODUCED if d.get("hi") is not None and d["hi"] < 0 else INCONCLUSIVE
+
+    return Rule("Per seed, Δ = myopic eval loss − vanilla eval loss (same seed, same windows); 95% t-CI over seeds. "
+                f"Reproduced if the CI lies above 0 and mean Δ ≥ {A_REL:.0%} of vanilla's mean loss; not reproduced "
+                "if the CI lies below 0 (myopic better); otherwise inconclusive.", decide)
 
 
-def _claim_b(summary) -> dict:
-    row = {"claim": CLAIM_B, "rule": RULE_B}
-    pq = summary["probe_quality"].get("syntax")
-    if pq is None or any(rg not in pq["per_regime"] for rg in ("vanilla", "myopic")):
-        return {**row, "measured": "no probe data for vanilla and myopic", "verdict": "inconclusive"}
-    v, m = pq["per_regime"]["vanilla"], pq["per_regime"]["myopic"]
-    # q(vanilla) − q(myopic), paired: the same seed has the same initial model and the same windows
-    D = pq["vanilla_minus_myopic"]
-    measured = (f"syntactic probe r (layers 1–L, positions 1–63): vanilla {fmt_ci(v['final'])}, myopic "
-                f"{fmt_ci(m['final'])}, init {fmt_ci(pq['init'])}; gain over init: vanilla {fmt_ci(v['gain'])}, "
-                f"myopic {fmt_ci(m['gain'])}; D = vanilla − myopic {fmt_ci(D)}. n = {D['n']} seeds")
-    if not _n_ok(D, m["gain"]) or v["gain"]["mean"] is None:
-        verdict = "inconclusive"
-    elif m["gain"]["lo"] > 0 and D["mean"] <= (1 - B_KEEP) * v["gain"]["mean"]:
-        verdict = "reproduced"
-    elif D["lo"] > B_LOSE * v["gain"]["mean"]:
-        verdict = "not reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+def _rule_b() -> Rule:
+    def decide(n):
+        d, gm, gv = n["D"] or {}, n["gain_myopic"] or {}, n["gain_vanilla"]
+        if gv is None or d.get("lo") is None or gm.get("lo") is None:
+            return INCONCLUSIVE
+        if gm["lo"] > 0 and d["mean"] <= (1 - B_KEEP) * gv:
+            return REPRODUCED
+        return NOT_REPRODUCED if d["lo"] > B_LOSE * gv else INCONCLUSIVE
+
+    return Rule("Per seed, probe quality q = test Pearson r averaged over the 20 syntactic features, layers 1–L and "
+                "probed positions 1–63; gain = q(final) − q(init, same seed); D = q(vanilla) − q(myopic), paired by "
+                f"seed. Reproduced if myopic's gain has its CI above 0 and mean D ≤ {1 - B_KEEP:.1f} × vanilla's mean "
+                f"gain (myopic keeps ≥ {B_KEEP:.0%} of it); not reproduced if D's CI lower bound > {B_LOSE} × "
+                "vanilla's mean gain; otherwise inconclusive.", decide)
 
 
-def _claim_c(summary) -> dict:
-    row = {"claim": CLAIM_C, "rule": RULE_C}
-    v = summary["influence"].get("syntax", {}).get("per_regime", {}).get("vanilla")
-    if v is None:
-        return {**row, "measured": "no vanilla influence for the syntactic features", "verdict": "inconclusive"}
-    E, sh, ds = v["direct_minus_pre_cached_share"], v["share"], v["direct_minus_shared_share"]
-    measured = ("vanilla influence shares, syntactic features at the tracked sites: "
-                + "; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(sh[c])}" for c in COMPONENTS)
-                + f"; E = direct − pre-cached {fmt_ci(E)}; direct − shared {fmt_ci(ds)}. n = {E['n']} seeds")
-    if not _n_ok(E) or sh["direct"]["mean"] is None:
-        verdict = "inconclusive"
-    elif E["lo"] > 0 and sh["direct"]["mean"] > 0:
-        verdict = "reproduced"
-    elif E["hi"] < 0:
-        verdict = "not reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+def _rule_c() -> Rule:
+    def decide(n):
+        e, direct = n["E"] or {}, n["direct_share"]
+        if e.get("lo") is not None and e["lo"] > 0 and direct is not None and direct > 0:
+            return REPRODUCED
+        return NOT_REPRODUCED if e.get("hi") is not None and e["hi"] < 0 else INCONCLUSIVE
+
+    return Rule("Vanilla runs; per seed, each component's influence share (component / (|direct| + |pre-cached| + "
+                "|shared|) per tracked site × feature) averaged over the 20 syntactic features; E = share(direct) − "
+                "share(pre-cached), paired by seed; 95% t-CI. Reproduced if E's CI lies above 0 and the mean direct "
+                "share > 0; not reproduced if E's CI lies below 0; otherwise inconclusive. (Direct vs shared is "
+                "reported, not scored: the paper compares direct with pre-cached.)", decide)
 
 
-def _claim_d(summary) -> dict:
-    row = {"claim": CLAIM_D, "rule": RULE_D}
-    infl = summary["influence"].get("position", {}).get("per_regime", {}).get("vanilla")
-    pq = summary["probe_quality"].get("position")
-    if infl is None or pq is None or "vanilla_minus_myopic" not in pq:
-        return {**row, "measured": "no vanilla influence or no vanilla/myopic probes for the position features",
-                "verdict": "inconclusive"}
-    P, D = infl["pre_cached_minus_direct_share"], pq["vanilla_minus_myopic"]
-    sh = infl["share"]
-    measured = ("(d1) vanilla influence shares, position features: "
-                + "; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(sh[c])}" for c in COMPONENTS)
-                + f"; P = pre-cached − direct {fmt_ci(P)}. (d2) position probe r: vanilla "
-                f"{fmt(pq['per_regime']['vanilla']['final']['mean'])}, myopic "
-                f"{fmt(pq['per_regime']['myopic']['final']['mean'])}, init {fmt(pq['init']['mean'])}; "
-                f"D = vanilla − myopic {fmt_ci(D)}. n = {min(P['n'], D['n'])} seeds")
-    if not _n_ok(P, D):
-        verdict = "inconclusive"
-    elif P["lo"] > 0 and D["lo"] > 0:
-        verdict = "reproduced"
-    elif P["hi"] < 0 or D["hi"] < 0:
-        verdict = "not reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+def claims(summary) -> list[Claim]:
+    """The four TinyStories claims of the paper (docs/paper.md#tinystories), judged on ``summary``."""
+    lo, pq, infl = summary["loss"], summary["probe_quality"], summary["influence"]
+    seeds = (at_least("seeds", summary["n_seeds"], 2),)
+    empty = stats([])
+    # (a) loss
+    d = lo.get("myopic_minus_vanilla") or empty
+    van = lo["per_regime"].get("vanilla", {}).get("eval_loss", empty)
+    myo = lo["per_regime"].get("myopic", {}).get("eval_loss", empty)
+    a_text = f"eval loss (nats/token): vanilla {fmt_ci(van)}, myopic {fmt_ci(myo)}; paired Δ {fmt_ci(d)}"
+    # (b) syntax survives
+    syn = pq.get("syntax") or {"per_regime": {}}
+    v, m = syn["per_regime"].get("vanilla"), syn["per_regime"].get("myopic")
+    big_d = syn.get("vanilla_minus_myopic") or empty
+    b_text = (f"syntactic probe r: vanilla {fmt_ci(v['final'])}, myopic {fmt_ci(m['final'])}, init "
+              f"{fmt_ci(syn.get('init'))}; gain over init: vanilla {fmt_ci(v['gain'])}, myopic {fmt_ci(m['gain'])}; "
+              f"D = vanilla − myopic {fmt_ci(big_d)}") if v and m else "no probe data for vanilla and myopic"
+    # (c) syntax through the direct path
+    sv = infl.get("syntax", {}).get("per_regime", {}).get("vanilla")
+    e = sv["direct_minus_pre_cached_share"] if sv else empty
+    c_text = ("vanilla influence shares, syntactic features: "
+              + "; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(sv['share'][c])}" for c in COMPONENTS)
+              + f"; E = direct − pre-cached {fmt_ci(e)}; direct − shared {fmt_ci(sv['direct_minus_shared_share'])}"
+              ) if sv else "no vanilla influence for the syntactic features"
+    # (d) position through pre-caching
+    pv = infl.get("position", {}).get("per_regime", {}).get("vanilla")
+    pos = pq.get("position") or {}
+    big_p = pv["pre_cached_minus_direct_share"] if pv else empty
+    pos_d = pos.get("vanilla_minus_myopic") or empty
+    d_text = ("(d1) vanilla influence shares, position features: "
+              + ("; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(pv['share'][c])}" for c in COMPONENTS) if pv else "n/a")
+              + f"; P = pre-cached − direct {fmt_ci(big_p)}. (d2) position probe r: D = vanilla − myopic "
+              f"{fmt_ci(pos_d)}")
+    return [
+        Claim("a", "a myopic model (no pre-caching) reaches a clearly worse held-out loss",
+              f"vanilla {PAPER_LOSS['vanilla'][0]} ± {PAPER_LOSS['vanilla'][1]}, myopic {PAPER_LOSS['myopic'][0]} ± "
+              f"{PAPER_LOSS['myopic'][1]} nats/token", _rule_a(), {"delta": d, "vanilla_loss": van["mean"]}, a_text,
+              seeds),
+        Claim("b", "syntactic features (POS tags, dependency labels) survive myopic training",
+              "survive (no number given)", _rule_b(),
+              {"D": big_d, "gain_myopic": m["gain"] if m else None,
+               "gain_vanilla": v["gain"]["mean"] if v else None}, b_text, seeds),
+        Claim("c", "syntactic features are learned mainly through the direct path (pre-cached influence ≪ direct)",
+              "pre-cached ≪ direct (no number given)", _rule_c(),
+              {"E": e, "direct_share": sv["share"]["direct"]["mean"] if sv else None}, c_text, seeds),
+        Claim("d", "story-position features come from pre-caching, and their probe quality drops under myopic "
+              "training", "high pre-cached influence (one secondary source, low confidence)",
+              every(interval_above("P = share(pre-cached) − share(direct) of the position features (vanilla)", "P"),
+                    interval_above("D = q(vanilla) − q(myopic) of the position features' probe r", "D")),
+              {"P": big_p, "D": pos_d}, d_text, seeds),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------- figures
 
 
-def _errbars(ax, xs, ss, color="#000000"):
-    pts = [(x, s) for x, s in zip(xs, ss) if has_ci(s)]
-    if pts:
-        ax.errorbar([x for x, _ in pts], [s["mean"] for _, s in pts],
-                    yerr=[[s["mean"] - s["lo"] for _, s in pts], [s["hi"] - s["mean"] for _, s in pts]],
-                    fmt="none", ecolor=color, capsize=2.5, elinewidth=1)
-
-
 def _ci_text(n, capital=False):
-    text = f"whiskers: 95% t-CI over {n} seeds" if n >= 2 else "1 seed (no CI)"
+    text = f"whiskers: {ci_label(n, 'seeds')}"
     return text[0].upper() + text[1:] if capital else text
 
 
@@ -439,7 +414,7 @@ def _fig_probe_groups(summary, figdir):
             xs = [i + (j - (len(series) - 1) / 2) * w for i in range(len(groups))]
             ss = [pq[g]["init"] if key == "init" else pq[g]["per_regime"][key]["final"] for g in groups]
             hs.append(ax.bar(xs, [s["mean"] or 0.0 for s in ss], w, color=REGIME_COLORS[key], label=label))
-            _errbars(ax, xs, ss)
+            error_bars(ax, xs, ss, bounds=(-1.0, 1.0))
         ax.axhline(0, color="#000000", lw=0.6)
         ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups])
         ax.set_ylabel("probe test Pearson r\n(mean over features, layers 1–L, positions 1–63)")
@@ -473,7 +448,7 @@ def _fig_probe_profiles(summary, figdir):
                         continue
                     xs = [r["pos"] for r in sel]
                     if key != "init":
-                        _band(ax, xs, sel, REGIME_COLORS[key])
+                        _band(ax, xs, sel, REGIME_COLORS[key], bounds=(-1.0, 1.0))
                     ax.plot(xs, [r["mean"] for r in sel], color=REGIME_COLORS[key], lw=1.0 if key == "init" else 1.5,
                             ls="--" if key == "init" else "-", label="untrained (init)" if key == "init" else key)
                 for layer_, pos in summary["sites"]:
@@ -485,8 +460,9 @@ def _fig_probe_profiles(summary, figdir):
                 if j == 0:
                     ax.set_ylabel("probe r")
         handles, labels = axes[0][0].get_legend_handles_labels()
-        _finish(fig, "Probe quality along the window (mean over the group's features)\nbands: 95% t-CI over seeds; "
-                "thin grey lines: tracked sites", handles, labels, len(labels))
+        _finish(fig, "Probe quality along the window (mean over the group's features)\nbands: "
+                f"{ci_label(summary['n_seeds'], 'seeds')}, clipped to [−1, 1]; thin grey lines: tracked sites",
+                handles, labels, len(labels))
         return save_figure(fig, figdir, "probe_profiles")
 
 
@@ -511,7 +487,7 @@ def _fig_influence_shares(summary, figdir):
                            label=COMPONENT_LABELS[c])
                 if ax is axes[0][0]:
                     hs.append(h)
-                _errbars(ax, xs, ss)
+                error_bars(ax, xs, ss)
             ax.axhline(0, color="#000000", lw=0.6)
             ax.set_xticks(range(len(groups)), [GROUP_LABELS[g].split(" (")[0] for g in groups])
             ax.set_title(rg)
@@ -556,10 +532,10 @@ def _fig_influence_curves(summary, figdir):
                     ax.set_xlabel("training step")
                     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 if j == 0:
-                    ax.set_ylabel("cumulative influence\n(+ = toward final value)")
+                    ax.set_ylabel("cumulative influence\n(squared probe units;\n+ = toward final value)")
         handles, labels = axes[0][0].get_legend_handles_labels()
-        _finish(fig, "Cumulative Adam influence (mean over tracked sites × the group's features; bands: 95% t-CI "
-                f"over seeds)\n{SIGN}", handles, labels, len(labels))
+        _finish(fig, "Cumulative Adam influence (mean over tracked sites × the group's features; bands: "
+                f"{ci_label(summary['n_seeds'], 'seeds')})\n{SIGN}", handles, labels, len(labels))
         return save_figure(fig, figdir, "influence_curves")
 
 
@@ -627,9 +603,7 @@ def _document(summary: dict, figures) -> list[tuple]:
               None))
 
     b.append(("h2", "Claims"))
-    b.append(("table", ["claim", "measured", "verdict", "rule"],
-              [[f"({'abcd'[i]}) “{c['claim']}”", c["measured"], c["verdict"], c["rule"]]
-               for i, c in enumerate(summary["claims"])], "claims"))
+    b.append(("claims", [c.to_dict() for c in claims(summary)], False))
     b.append(("p", ("Decision rules (fixed before looking at the numbers; the verdicts are whatever the numbers give). "
                    "Influence shares put features of different scales on one footing: per tracked site × feature, "
                    "component / (|direct| + |pre-cached| + |shared|).")))
