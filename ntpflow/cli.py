@@ -46,7 +46,7 @@ def cmd_train(args) -> int:
     cfg = _config(args)
     out = Path(args.out or f"runs/{cfg.task}-{cfg.regime}-s{cfg.seed}")
     track = [t for t in (args.track or "").split(",") if t]
-    run = train(cfg, out, progress=not args.quiet, track=track)
+    run = train(cfg, out, progress=not args.quiet, track=track, force_unlock=args.force_unlock)
     final = run.metrics()[-1]
     scores = " ".join(f"{k}={final[k]:.4f}" for k in ("eval_loss", "legal_acc", "first_acc") if k in final)
     log.info("finished %s: %s", out, scores)
@@ -76,7 +76,7 @@ def cmd_attribute(args) -> int:
 
     features = [f for f in args.features.split(",") if f] if args.features else None
     out = attribute(args.run_dir, parse_sites(args.sites), features, out_dir=args.out,
-                    device=args.device or "auto", progress=not args.quiet)
+                    device=args.device or "auto", progress=not args.quiet, force_unlock=args.force_unlock)
     print(out)
     return 0
 
@@ -84,7 +84,11 @@ def cmd_attribute(args) -> int:
 def cmd_reproduce(args) -> int:
     """``ntpflow reproduce``: run one experiment (or all) at a scale and print the report's path."""
     from .experiments.report_all import run_all, run_experiment
+    from .io import resolve_device
 
+    check_extras(args.experiment)  # before hours of training, not after
+    if args.device:
+        resolve_device(args.device)
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
     options = {"workers": args.workers, "device": args.device or "auto", "progress": not args.quiet,
                "corpus": args.corpus}
@@ -97,12 +101,17 @@ def cmd_reproduce(args) -> int:
 
 def cmd_sweep(args) -> int:
     """``ntpflow sweep``: run (or resume) a sweep spec and print the path of its results.parquet."""
-    from .sweep import SweepSpec, run_sweep
+    from .sweep import SweepSpec, failures, run_sweep
 
     spec = SweepSpec.load(args.spec)
     out = run_sweep(spec, args.out or f"sweeps/{spec.name}", executor=args.executor, workers=args.workers,
                     progress=not args.quiet)
     print(out / "results.parquet")
+    failed = failures(spec, out)
+    if failed:
+        print(f"ntpflow: error: {len(failed)} of {len(spec.points())} runs failed ({', '.join(failed)}); their "
+              "errors are in results.parquet and RUN/FAILED; rerun the same command to retry them", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -131,6 +140,25 @@ def cmd_demo(args) -> int:
     return 0
 
 
+# Modules each experiment needs beyond the core dependencies, with the extra that installs them.
+EXTRAS = {"toy": {"matplotlib": "plot"}, "othello": {"matplotlib": "plot"},
+          "stories": {"matplotlib": "plot", "spacy": "stories", "tokenizers": "stories"},
+          "llm": {"matplotlib": "plot", "transformers": "llm", "sae_lens": "llm", "scipy": "llm"}}
+
+
+def check_extras(experiment: str) -> None:
+    """Raise ValueError naming the missing packages of ``experiment`` (or of every one, for ``all``)."""
+    import importlib.util
+
+    wanted = {}
+    for name in EXTRAS if experiment == "all" else [experiment]:
+        wanted |= EXTRAS.get(name, {})
+    missing = {m: extra for m, extra in wanted.items() if importlib.util.find_spec(m) is None}
+    if missing:
+        extras = ",".join(sorted(set(missing.values())))
+        raise ValueError(f"reproduce {experiment} needs {', '.join(sorted(missing))}: pip install 'ntpflow[{extras}]'")
+
+
 def demo_table(rows: dict) -> str:
     """Mean over v of Pearson r of ``is_majority_<v>`` at input positions 1..9 (NTP-useless), per layer."""
     first = next(iter(rows.values()))
@@ -153,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ntpflow", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings only")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
 
     def common(sp):
@@ -166,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--regime", help="vanilla | myopic | untied | myopic-untied")
     t.add_argument("--out", help="run directory (default runs/<task>-<regime>-s<seed>)")
     t.add_argument("--track", help="extra metric sinks besides metrics.jsonl: tensorboard, wandb (comma-separated)")
+    t.add_argument("--force-unlock", action="store_true",
+                   help="take over the run directory's lock left by a process on another host that is gone")
     common(t)
     t.set_defaults(fn=cmd_train)
 
@@ -184,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:5,2:7 or 1-2:2-19")
     a.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
+    a.add_argument("--force-unlock", action="store_true",
+                   help="take over the output folder's lock left by a process on another host that is gone")
     a.add_argument("--device")
     a.set_defaults(fn=cmd_attribute)
 
@@ -232,13 +265,20 @@ def main(argv: list[str] | None = None) -> int:
         args.quiet = True
     try:
         return args.fn(args)
-    except (ValueError, FileNotFoundError, PermissionError, OSError, RuntimeError) as e:
-        msg = str(e).strip("'\"").splitlines()[0] if str(e) else type(e).__name__
-        print(f"ntpflow: error: {msg}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("ntpflow: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - every error ends in one line; --debug shows the traceback
+        if args.debug:
+            raise
+        expected = isinstance(e, ValueError | OSError | RuntimeError | ImportError)
+        msg = str(e).strip("'\"").splitlines()[0] if str(e).strip() else type(e).__name__
+        if expected:
+            print(f"ntpflow: error: {msg}", file=sys.stderr)
+            return 2
+        print(f"ntpflow: internal error ({type(e).__name__}): {msg}; rerun with --debug for the traceback",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

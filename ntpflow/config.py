@@ -3,6 +3,7 @@
 import ast
 import hashlib
 import json
+import math
 import types
 import typing
 from dataclasses import asdict, dataclass, fields, replace
@@ -61,8 +62,19 @@ class TrainConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.batch_size > self.n_train:
             raise ValueError(f"batch_size={self.batch_size} exceeds n_train={self.n_train}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr must be positive and finite, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
+        if not 0 < self.adam_eps < math.inf:
+            raise ValueError(f"adam_eps must be positive and finite, got {self.adam_eps}")
+        for name in ("n_layer", "n_head", "d_model"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("seed", "data_seed", "split_at"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def myopic(self) -> str:
@@ -86,6 +98,16 @@ class TrainConfig:
         if unknown:
             raise ValueError(f"unknown config key(s) {sorted(unknown)}; known keys: {sorted(known)}")
         return cls(**d)
+
+    @classmethod
+    def from_values(cls, d: dict) -> "TrainConfig":
+        """Like :meth:`from_dict` for values parsed from a file (JSON/TOML): each is checked against its field's type
+        and coerced exactly as a ``--set key=value`` override (``steps = 30.0`` is refused, ``lr = 1`` becomes 1.0)."""
+        types_ = typing.get_type_hints(cls)
+        unknown = set(d) - set(types_)
+        if unknown:
+            raise ValueError(f"unknown config key(s) {sorted(unknown)}; known keys: {sorted(types_)}")
+        return cls(**{k: _check_type(k, v, v, types_[k]) for k, v in d.items()})
 
     def hash(self) -> str:
         """SHA-256 of the canonical JSON of the fields that change results (not ``device`` or logging)."""
@@ -113,6 +135,12 @@ def _coerce(key: str, raw: str, typ):
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):
         value = raw  # a bare string such as regime=myopic
+    return _check_type(key, value, raw, typ)
+
+
+def _check_type(key: str, value, raw, typ):
+    """``value`` if it fits the field type ``typ`` (an int where a float is expected becomes a float), else a
+    ValueError naming ``key`` and the input ``raw``."""
     allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) or typing.get_origin(typ) else (typ,)
     if typing.get_origin(typ) is Literal:
         allowed = (str,)

@@ -1,26 +1,83 @@
-"""Atomic file writes, safetensors checkpoints with JSON sidecars, and the environment record of a run."""
+"""Atomic file writes, safetensors checkpoints with checksummed JSON sidecars, folder locks, and the environment
+record of a run."""
 
+import errno
+import hashlib
 import json
+import math
 import os
 import platform
+import secrets
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+
+class CorruptFileError(ValueError):
+    """A file that exists but cannot be trusted: unreadable, truncated, or not matching its recorded checksum."""
+
+
+class SimulatedKill(BaseException):
+    """Raised at a :func:`fault_point` named by ``NTPFLOW_FAULT`` (tests): not an Exception, so no handler of
+    ordinary errors catches it, as none would catch a real kill."""
+
+
+def fault_point(name: str) -> None:
+    """A named point where tests inject a crash: the environment variable ``NTPFLOW_FAULT`` (read at each call)
+    equal to ``name`` raises :class:`SimulatedKill`; ``name:kill`` sends this process SIGKILL. A no-op otherwise."""
+    want = os.environ.get("NTPFLOW_FAULT")
+    if want == name:
+        raise SimulatedKill(f"simulated kill at {name}")
+    if want == f"{name}:kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _open_temp(path: Path) -> tuple[int, str]:
+    """A new temporary file beside ``path``, created with mode 0o666 so that the umask applies as to any new file
+    (``tempfile.mkstemp`` would make it 0o600)."""
+    for _ in range(100):
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            return os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666), str(tmp)
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, f"cannot create a temporary file beside {path}")
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Flush a folder's entries (a rename into it) to disk; a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def atomic_write(path: str | Path, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    """Write ``data`` to ``path`` through a temporary file in the same folder (flushed with ``fsync``) and
+    ``os.replace``: readers see the old file or the new one, never a part. The new file's mode follows the umask."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = _open_temp(path)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except OSError as e:  # disk full, permissions, ...: the old file (if any) is untouched
         Path(tmp).unlink(missing_ok=True)
         raise OSError(e.errno, f"cannot write {path}: {e.strerror or e}") from None
@@ -45,33 +102,60 @@ def read_json(path: str | Path):
         raise ValueError(f"corrupted JSON in {path}: {e}") from None
 
 
-def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
-    """Save tensors to ``path`` (safetensors) atomically, and ``meta`` to its ``.json`` sidecar if given.
+def json_safe(obj):
+    """``obj`` with every non-finite float (NaN, ±inf) replaced by None, recursively: standard JSON (``null``)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
 
-    The sidecar is written last, so a checkpoint counts as complete only when its sidecar exists.
+
+def sidecar(path: str | Path) -> Path:
+    """The JSON sidecar of a tensor file: ``x.safetensors`` -> ``x.json``."""
+    return Path(path).with_suffix(".json")
+
+
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
+    """Save tensors to ``path`` (safetensors) atomically (fsync, then rename), and ``meta`` plus the file's SHA-256
+    (``"sha256"``) to its ``.json`` sidecar if given.
+
+    The sidecar is written last, so a checkpoint counts as complete only when its sidecar exists; its checksum is
+    verified by :func:`load_tensors`.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    data = save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    atomic_write(path, data)
     if meta is not None:
-        write_json(path.with_suffix(".json"), meta)
+        fault_point("save_tensors:before_sidecar")
+        write_json(sidecar(path), {**meta, "sha256": hashlib.sha256(data).hexdigest()})
 
 
 def load_tensors(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Load a safetensors file; a missing or corrupted file raises a one-line error."""
+    """Load a safetensors file, checked against the SHA-256 its sidecar records (if any). A missing file raises
+    FileNotFoundError; a truncated, unreadable or altered one :class:`CorruptFileError` (one line each)."""
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"missing checkpoint {path}")
     try:
-        return load_file(str(path), device=str(device))
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"missing checkpoint {path}") from None
+    except OSError as e:
+        raise CorruptFileError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
+    side = sidecar(path)
+    try:
+        meta = read_json(side) if side.exists() else {}
+    except ValueError as e:
+        raise CorruptFileError(str(e)) from None
+    want = meta.get("sha256") if isinstance(meta, dict) else None
+    if want is not None and hashlib.sha256(data).hexdigest() != want:
+        raise CorruptFileError(f"corrupted checkpoint {path}: its contents do not match the checksum in {side}")
+    try:
+        tensors = load_safetensors(data)
     except Exception as e:  # safetensors raises its own error types
-        raise ValueError(f"corrupted checkpoint {path}: {e}") from None
+        raise CorruptFileError(f"corrupted checkpoint {path}: {e}") from None
+    return {k: v.to(device) for k, v in tensors.items()} if str(device) != "cpu" else tensors
 
 
 def environment() -> dict:
@@ -111,9 +195,20 @@ def resolve_device(spec: str = "auto") -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(spec)
-    except RuntimeError:
-        raise ValueError(f"unknown device {spec!r}") from None
+        dev = torch.device(spec)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {spec!r}: CUDA is not available to this torch ({torch.__version__}); "
+                             "use --device cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ValueError(f"device {spec!r}: MPS is not available")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unknown device {spec!r}; use auto, cpu, cuda or cuda:N")
+    return dev
 
 
 def ensure_writable_dir(path: str | Path) -> Path:
@@ -130,40 +225,91 @@ def ensure_writable_dir(path: str | Path) -> Path:
 
 
 class DirLock:
-    """An exclusive lock on a folder (``.lock`` holding the owner's host and pid), so that two processes never
-    write the same run directory. A lock left by a dead process on this host is taken over.
+    """An exclusive lock on a folder, so that two processes never write the same run directory.
 
-    Use as ``with DirLock(run_dir): ...``; a held lock raises RuntimeError with its owner.
+    The lock is ``FOLDER/.lock``, held with ``flock`` while it names its owner (host, pid). The kernel releases a
+    ``flock`` when its process dies, so a lock left by a dead process on this host (or an empty one, from a kill
+    between creating and filling the file) is taken over atomically by the next run. A lock naming another host
+    cannot be checked from here: it is refused, with the message to rerun with ``force=True`` (``--force-unlock``)
+    once that process is known to be gone.
+
+    Use as ``with DirLock(run_dir): ...``; a held lock raises RuntimeError naming its owner and how to release it.
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, force: bool = False):
         self.path = Path(folder) / ".lock"
+        self.force = force
+        self._fd: int | None = None
 
     def __enter__(self) -> "DirLock":
-        me = {"host": platform.node(), "pid": os.getpid()}
-        for _ in range(2):
+        for _ in range(10):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._owner()
-                if owner is not None and owner.get("host") == me["host"] and not _alive(owner.get("pid")):
-                    self.path.unlink(missing_ok=True)  # stale: its process is gone
-                    continue
-                raise RuntimeError(f"{self.path.parent} is in use by another process ({owner or 'unknown owner'}); "
-                                   "concurrent runs must use different directories") from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            return self
+                if self._acquire(fd):
+                    self._fd = fd
+                    return self
+            except BaseException:
+                os.close(fd)
+                raise
+            os.close(fd)  # released and removed by its owner meanwhile: lock the new file instead
         raise RuntimeError(f"could not lock {self.path.parent}")
 
-    def __exit__(self, *exc) -> None:
-        self.path.unlink(missing_ok=True)
-
-    def _owner(self) -> dict | None:
+    def _acquire(self, fd: int) -> bool:
+        me = {"host": platform.node(), "pid": os.getpid()}
+        if not _flock(fd):
+            raise RuntimeError(f"{self.path.parent} is in use by another process ({_describe(_read_owner(fd))}); "
+                               "concurrent runs must use different directories")
         try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
+            if os.fstat(fd).st_ino != os.stat(self.path).st_ino:
+                return False
+        except FileNotFoundError:
+            return False
+        owner = _read_owner(fd)
+        if owner and owner.get("host") != me["host"] and not self.force:
+            raise RuntimeError(f"{self.path.parent} is locked by {_describe(owner)} on another host; if that process "
+                               f"is gone, rerun with --force-unlock (or delete {self.path})")
+        fault_point("lock:before_owner")
+        # free: nobody holds the flock, and the recorded owner (if any) is a dead process on this host
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+        os.fsync(fd)
+        return True
+
+    def __exit__(self, *exc) -> None:
+        self.path.unlink(missing_ok=True)  # while still holding the flock
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _flock(fd: int) -> bool:
+    """Take an exclusive non-blocking ``flock`` on ``fd``: False if another holder has it. Where the filesystem has
+    no flock, the owner recorded in the file decides (a live process on this host keeps it)."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        owner = _read_owner(fd)
+        return not (owner and owner.get("host") == platform.node() and owner.get("pid") != os.getpid()
+                    and _alive(owner.get("pid")))
+
+
+def _read_owner(fd: int) -> dict | None:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _describe(owner: dict | None) -> str:
+    return f"host {owner.get('host')}, pid {owner.get('pid')}" if owner else "unknown owner"
 
 
 def _alive(pid) -> bool:

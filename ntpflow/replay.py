@@ -4,14 +4,20 @@ Output folder (default ``RUN_DIR/attribution``)::
 
     spec.json           sites, features, the run's config hash
     parts/part_*.parquet  rows per block of steps (written before the state that covers them)
-    state.safetensors(+.json)  model, Adam and tracker state at the last block boundary (resume point)
-    influence.parquet   all rows {step, layer, pos, feature, feature_type, component, optimizer, value, cumulative}
-    summary.json        per probe: integrated influence per component vs the mismatch removed, R(θ_0) − R(θ_T)
+    state/step_000500/state.safetensors(+.json)  model, Adam and tracker state at a block boundary (resume point;
+                        the folder is renamed into place whole, and the last two are kept)
+    influence.parquet   all rows {step, layer, pos, feature, feature_type, mismatch, component, optimizer, value,
+                        cumulative}; mismatch "paper" (R) or "centred" (R_c, see ntpflow.influence)
+    summary.json        per probe and mismatch: integrated influence per component vs the mismatch removed,
+                        R(θ_0) − R(θ_T) on held-out data, and the offset share of R(θ_0), mean² / R
 
 **Positive influence means the component moved the feature toward its final value.**
 """
 
 import logging
+import os
+import secrets
+import shutil
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +25,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .influence import InfluenceTracker, Probe
+from .influence import MISMATCHES, InfluenceTracker, Probe, mismatch_value
 from .io import (
+    CorruptFileError,
     DirLock,
     ensure_writable_dir,
+    fault_point,
+    fsync_dir,
     load_tensors,
     read_json,
     resolve_device,
@@ -42,7 +51,7 @@ from .training import (
 )
 
 log = logging.getLogger(__name__)
-KEY = ("layer", "pos", "feature", "feature_type", "component", "optimizer")
+KEY = ("layer", "pos", "feature", "feature_type", "mismatch", "component", "optimizer")
 
 
 def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None, device="auto") -> list[Probe]:
@@ -65,12 +74,12 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
 
 def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str] | None = None, *,
               out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
-              progress: bool = True) -> Path:
+              progress: bool = True, force_unlock: bool = False) -> Path:
     """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
     its last saved state when interrupted. ``block`` (default: the run's ``ckpt_every``) is the number of steps
-    between saved states.
+    between saved states. ``force_unlock`` takes over a lock left by a process on another host.
     """
     run = Run.open(run_dir)
     if not run.done:
@@ -83,7 +92,7 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     for s in sites:  # before anything is written
         s.check(run.model_config().n_layer, run.task.seq_len)
     out = ensure_writable_dir(out_dir or run.dir / "attribution")
-    with DirLock(out):  # one writer per attribution folder
+    with DirLock(out, force=force_unlock):  # one writer per attribution folder
         return _replay(run, out, sites, features, dev, device, block, progress)
 
 
@@ -127,23 +136,59 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
         if (step + 1) % block == 0 or step + 1 == cfg.steps:
             _write_part(out / "parts" / f"part_{block_start:06d}.parquet", rows)
             rows, block_start = [], step + 1
-            save_state(out / "state.safetensors", model, opt, {"step": step + 1},
-                       {f"tracker.{k}": v for k, v in tracker.state_dict().items()})
+            _save_resume_point(out, model, opt, tracker, step + 1)
     _check_replay(run, model)
     _finish(out, run, probes, tracker, eval_set, dev)
     return out
 
 
+def _save_resume_point(out: Path, model, opt, tracker, step: int) -> None:
+    """Write ``out/state/step_NNNNNN`` (state tensors and sidecar) in a temporary folder and rename it into place: a
+    resume point exists whole or not at all. Keeps this one and the one before (the fallback if this one rots)."""
+    states = out / "state"
+    states.mkdir(exist_ok=True)
+    tmp = states / f".tmp-{step:06d}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    save_state(tmp / "state.safetensors", model, opt, {"step": step},
+               {f"tracker.{k}": v for k, v in tracker.state_dict().items()})
+    fault_point("attribute:before_state_rename")
+    final = states / f"step_{step:06d}"
+    if final.exists():  # a state that failed its checksum before, now recomputed
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    fsync_dir(states)
+    fault_point("attribute:after_state_rename")
+    for old in _resume_points(out)[:-2]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _resume_points(out: Path) -> list[Path]:
+    """The complete resume points ``out/state/step_*``, oldest first."""
+    return sorted(p for p in (out / "state").glob("step_*") if (p / "state.json").exists())
+
+
 def _resume(out: Path, model, opt, tracker, dev):
     cums: dict[tuple, float] = defaultdict(float)
-    if not (out / "state.json").exists():
+    for stale in [*(out / "state").glob(".tmp-*"), out / "state.safetensors", out / "state.json"]:
+        if stale.is_dir():  # a resume point cut short by a kill, or the single state of older versions
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+    start, state = 0, {}
+    for point in reversed(_resume_points(out)):
+        try:
+            meta, state = load_state(point / "state.safetensors", model, opt, dev)
+        except CorruptFileError as e:
+            log.warning("warning: %s; falling back to the previous resume point", e)
+            continue
+        start = meta["step"]
+        break
+    if not start:
         for p in (out / "parts").glob("part_*.parquet"):
             p.unlink()
         return 0, cums
     import pyarrow.parquet as pq
 
-    meta, state = load_state(out / "state.safetensors", model, opt, dev)
-    start = meta["step"]
     tracker.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("tracker.")})
     for p in sorted((out / "parts").glob("part_*.parquet")):
         if int(p.stem.split("_")[1]) >= start:
@@ -198,13 +243,16 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
     for p in probes:
         k, i = p.site.layer, p.site.pos
         w = p.w.to(dev)
-        entry = {"layer": k, "pos": i, "feature": p.name,
-                 "R0_minus_RT_eval": (((r0[k][:, i] - r_star[k][:, i]) @ w).pow(2).mean()
-                                      - ((rT[k][:, i] - r_star[k][:, i]) @ w).pow(2).mean()).item()}
-        for r in last:
-            if (r["layer"], r["pos"], r["feature"], r["feature_type"]) == (k, i, p.name, -1) and r["component"] != "risk":
-                entry[f"{r['optimizer']}_{r['component']}"] = r["cumulative"]
-        summary.append(entry)
+        d0, dT = (r0[k][:, i] - r_star[k][:, i]) @ w, (rT[k][:, i] - r_star[k][:, i]) @ w  # [batch]
+        for mismatch in MISMATCHES:
+            R0, RT = (mismatch_value(d, mismatch).item() for d in (d0, dT))
+            entry = {"layer": k, "pos": i, "feature": p.name, "mismatch": mismatch, "R0_eval": R0,
+                     "R0_minus_RT_eval": R0 - RT, "offset_share_R0": (d0.mean().pow(2) / d0.pow(2).mean()).item()}
+            for r in last:
+                if ((r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"]) == (k, i, p.name, -1, mismatch)
+                        and r["component"] != "risk"):
+                    entry[f"{r['optimizer']}_{r['component']}"] = r["cumulative"]
+            summary.append(entry)
     write_json(out / "summary.json", {"probes": summary, "steps": run.cfg.steps,
                                       "sign": "positive = the component moved the feature toward its final value"})
     tmp.replace(out / "influence.parquet")

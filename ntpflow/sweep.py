@@ -26,14 +26,16 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import subprocess
 import sys
+import typing
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import TrainConfig
+from .config import TrainConfig, _check_type
 from .io import ensure_writable_dir, read_json, write_json
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,8 @@ class SweepSpec:
         grid = raw.get("grid") or {}
         if not grid or not all(isinstance(v, list) and v for v in grid.values()):
             raise ValueError("a sweep spec needs a [grid] of TrainConfig fields, each a non-empty list of values")
-        spec = cls(name=str(raw.get("name", default_name)), grid={k: list(v) for k, v in grid.items()},
+        grid = {k: _unique_values(k, v) for k, v in grid.items()}
+        spec = cls(name=str(raw.get("name", default_name)), grid=grid,
                    settings=dict(raw.get("settings") or {}), probe=bool(raw.get("probe", False)),
                    retries=int(raw.get("retries", 1)), slurm=dict(raw.get("slurm") or {}))
         if spec.retries < 0:
@@ -98,11 +101,30 @@ class SweepSpec:
         out = []
         for point in self.points():
             try:
-                cfg = TrainConfig.from_dict({**self.settings, **point})
-            except TypeError as e:
+                cfg = TrainConfig.from_values({**self.settings, **point})
+            except (TypeError, ValueError) as e:
                 raise ValueError(f"invalid sweep point {point}: {e}") from None
             out.append((run_name(point), cfg))
         return out
+
+
+def _unique_values(key: str, values: list) -> list:
+    """A grid list checked and coerced like ``--set key=value`` (``lr = [1, 1.0]`` is one value), duplicates dropped
+    with a warning, so that every grid point runs once."""
+    types_ = typing.get_type_hints(TrainConfig)
+    if key not in types_:
+        raise ValueError(f"unknown config key {key!r} in [grid]; known keys: {sorted(types_)}")
+    out = []
+    for v in values:
+        try:
+            v = _check_type(key, v, v, types_[key])
+        except ValueError as e:
+            raise ValueError(f"[grid] {e}") from None
+        if v in out:
+            log.warning("sweep grid: %s=%r is listed twice; it runs once", key, v)
+        else:
+            out.append(v)
+    return out
 
 
 def run_name(point: dict) -> str:
@@ -177,8 +199,9 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, *, executor: str = 
 
 
 def _subprocess_launch(run_dir: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "ntpflow.sweep", str(run_dir)], capture_output=True, text=True,
-                          check=False)
+    """``python -m ntpflow.sweep RUN_DIR --parent PID``: the worker dies with this process (see :func:`main`)."""
+    proc = subprocess.run([sys.executable, "-m", "ntpflow.sweep", str(run_dir), "--parent", str(os.getpid())],
+                          capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout or "").strip().splitlines()
         why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit code {proc.returncode}"
@@ -240,12 +263,43 @@ def gather(spec: SweepSpec, out: str | Path) -> Path:
     return out / "results.parquet"
 
 
+def failures(spec: SweepSpec, out: str | Path) -> list[str]:
+    """Names of the runs of ``spec`` in ``out`` that are marked failed."""
+    return [run_name(p) for p in spec.points() if status(Path(out) / "runs" / run_name(p)) == "failed"]
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel kill this process when ``parent`` (the sweep) dies, so that a killed sweep leaves no orphan
+    writing into a run that its rerun retries (Linux ``PR_SET_PDEATHSIG``; elsewhere a no-op). Exits at once if the
+    parent is already gone. The signal follows the parent *thread* that started the worker: the sweep's pool threads
+    outlive their workers."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry point: ``python -m ntpflow.sweep RUN_DIR``."""
-    args = sys.argv[1:] if argv is None else argv
+    """Worker entry point: ``python -m ntpflow.sweep RUN_DIR [--parent PID]`` (with a parent pid, the worker dies
+    with that process)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    parent = None
+    if len(args) == 3 and args[1] == "--parent" and args[2].isdigit():
+        parent = int(args.pop(2))
+        args.pop(1)
     if len(args) != 1:
-        print("usage: python -m ntpflow.sweep RUN_DIR", file=sys.stderr)
+        print("usage: python -m ntpflow.sweep RUN_DIR [--parent PID]", file=sys.stderr)
         return 2
+    if parent is not None:
+        die_with_parent(parent)
     execute_run(args[0])
     return 0
 

@@ -9,6 +9,7 @@ needed to see a result.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
@@ -70,11 +71,39 @@ class WandbSink:
         self.run.finish()
 
 
-def make_sinks(track: Sequence[str | Sink], run_dir: Path, config: dict) -> list[Sink]:
-    """Sinks from names (see ``SINKS``) or ready objects; unknown names raise ValueError before anything runs."""
+def check_sinks(track: Sequence[str | Sink]) -> None:
+    """Raise ValueError (one line) for an unknown sink name, a missing package, or W&B without credentials, so that
+    training fails before it writes anything."""
+    import importlib.util
+
     unknown = [t for t in track if isinstance(t, str) and t not in SINKS]
     if unknown:
         raise ValueError(f"unknown tracking sink(s) {unknown}; choose from {SINKS}")
+    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        if name in track and importlib.util.find_spec(module) is None:
+            raise ValueError(f"--track {name} needs the {module} package: pip install 'ntpflow[tracking]'")
+    if "wandb" in track and not _wandb_credentials():
+        raise ValueError("--track wandb: not logged in to W&B; run 'wandb login', set WANDB_API_KEY, or set "
+                         "WANDB_MODE=offline")
+
+
+def _wandb_credentials() -> bool:
+    """Whether W&B can start without prompting: offline/disabled mode, an API key, or a netrc entry for its host."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def make_sinks(track: Sequence[str | Sink], run_dir: Path, config: dict) -> list[Sink]:
+    """Sinks from names (see ``SINKS``) or ready objects; unknown names raise ValueError before anything runs."""
+    check_sinks(track)
     sinks = []
     for t in track:
         if t == "tensorboard":

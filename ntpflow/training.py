@@ -21,10 +21,12 @@ from tqdm.auto import tqdm
 
 from .config import TrainConfig
 from .io import (
+    CorruptFileError,
     DirLock,
     atomic_write,
     ensure_writable_dir,
     environment,
+    fault_point,
     load_tensors,
     read_json,
     resolve_device,
@@ -37,6 +39,10 @@ from .tasks import Batch, Task, make_task
 from .tracking import MetricsLog, make_sinks
 
 log = logging.getLogger(__name__)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the weights became non-finite (NaN or inf): training stopped before saving them."""
 
 
 def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
@@ -164,10 +170,16 @@ class Run:
     def open(cls, run_dir: str | Path) -> "Run":
         """Read the existing run directory ``run_dir`` (its ``config.json``); FileNotFoundError if it is not one."""
         run_dir = Path(run_dir)
-        if not (run_dir / "config.json").exists():
+        path = run_dir / "config.json"
+        if not path.exists():
             raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
-        d = read_json(run_dir / "config.json")
-        return cls(run_dir, TrainConfig.from_dict(d["train"]))
+        d = read_json(path)
+        if not isinstance(d, dict) or not isinstance(d.get("train"), dict):
+            raise ValueError(f"{path} is not an ntpflow run config (no 'train' settings)")
+        try:
+            return cls(run_dir, TrainConfig.from_dict(d["train"]))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
     @cached_property
     def task(self) -> Task:
@@ -208,6 +220,17 @@ class Run:
         """Steps of the complete checkpoints (those whose JSON sidecar exists), ascending."""
         return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "ckpt").glob("step_*.json"))
 
+    def resume(self, model: GPT, opt: torch.optim.Optimizer, device) -> int:
+        """Load the latest checkpoint that verifies into ``model`` and ``opt``; returns its step (0: none). A corrupt
+        checkpoint (checksum mismatch, truncated) is skipped with a warning, falling back to the one before."""
+        for step in reversed(self.checkpoints()):
+            try:
+                load_state(self.weights_path(step), model, opt, device)
+                return step
+            except CorruptFileError as e:
+                log.warning("warning: %s; falling back to the previous checkpoint", e)
+        return 0
+
     def metrics(self) -> list[dict]:
         """The records of ``metrics.jsonl`` in order ([] if there is none)."""
         path = self.dir / "metrics.jsonl"
@@ -215,7 +238,9 @@ class Run:
 
 
 def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
-    """Create the run dir, or check that an existing one holds the same config (never overwrite another run)."""
+    """Create the run dir, or check that an existing one holds the same config (never overwrite another run).
+    Every setting is checked before anything is written."""
+    resolve_device(cfg.device)  # a bad or unavailable device fails here, not after the first files exist
     if (run_dir / "config.json").exists():
         old = Run.open(run_dir).cfg
         if old.hash() != cfg.hash():
@@ -234,17 +259,23 @@ def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
         task.save_artifacts(run_dir)
 
 
-def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track: Sequence = ()) -> Run:
-    """Train ``cfg`` into ``run_dir``, resuming from its last checkpoint if one exists. Returns the Run.
+def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track: Sequence = (),
+          force_unlock: bool = False) -> Run:
+    """Train ``cfg`` into ``run_dir``, resuming from its last good checkpoint if one exists. Returns the Run.
 
     Metrics go to ``run_dir/metrics.jsonl`` and to the optional ``track`` sinks (``ntpflow.tracking``).
+    ``force_unlock`` takes over a lock left by a process on another host (see :class:`~ntpflow.io.DirLock`).
+    A loss or weights becoming non-finite raise :class:`TrainingDiverged` (the checkpoints before stay; no DONE).
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
     no weight decay, no schedule.
     """
+    from .tracking import check_sinks
+
     run_dir = Path(run_dir)
+    check_sinks(track)  # missing packages or credentials fail before anything is written
     _prepare_run_dir(cfg, run_dir)
-    with DirLock(run_dir):  # one writer per run directory
+    with DirLock(run_dir, force=force_unlock):  # one writer per run directory
         _prepare_run_dir(cfg, run_dir)  # again under the lock: another process may have created it meanwhile
         return _train(cfg, Run(run_dir, cfg), progress, track)
 
@@ -264,10 +295,8 @@ def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence) -> Run:
                      {"step": 0, "config_hash": cfg.hash()})
     model.to(device).train()
     opt = make_optimizer(model, cfg)
-    start = 0
-    if run.checkpoints():
-        start = run.checkpoints()[-1]
-        load_state(run_dir / "ckpt" / f"step_{start:06d}.safetensors", model, opt, device)
+    start = run.resume(model, opt, device)
+    if start:
         log.info("resuming %s from step %d", run_dir, start)
     _truncate_metrics(run_dir / "metrics.jsonl", start)
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
@@ -275,25 +304,52 @@ def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence) -> Run:
     try:
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
                    desc=run_dir.name, leave=False)
+        finite = torch.ones((), dtype=torch.bool, device=device)  # all losses so far finite (checked without a sync)
+        checked = start  # the last step known good
         for step in bar:
             if step % cfg.eval_every == 0:
-                metrics_file.log({"step": step, "kind": "eval", **evaluate(model, eval_data, task)})
+                metrics_file.log({"step": step, "kind": "eval", **_finite_eval(model, eval_data, task, cfg, step)})
             idx = order(step).to(device)
             loss = train_step(model, opt, train_data["tokens"][idx], train_data["loss_mask"][idx])
+            finite &= torch.isfinite(loss)
             if (step + 1) % cfg.log_every == 0:
+                checked = _check_finite(finite, model, cfg, checked, step + 1, run)
                 metrics_file.log({"step": step + 1, "kind": "train", "loss": loss.item()})
                 bar.set_postfix(loss=f"{loss.item():.4f}")
             if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+                checked = _check_finite(finite, model, cfg, checked, step + 1, run)
                 metrics_file.flush()
                 save_state(run_dir / "ckpt" / f"step_{step + 1:06d}.safetensors", model, opt,
                            {"step": step + 1, "config_hash": cfg.hash()})
-        final = evaluate(model, eval_data, task)
+                fault_point("train:after_checkpoint")
+        _check_finite(finite, model, cfg, checked, cfg.steps, run)
+        final = _finite_eval(model, eval_data, task, cfg, cfg.steps)
         metrics_file.log({"step": cfg.steps, "kind": "eval", **final})
     finally:
         metrics_file.close()
     save_state(run_dir / "model.safetensors", model, opt, {"step": cfg.steps, "config_hash": cfg.hash()})
     write_json(run_dir / "DONE", {"step": cfg.steps, **final})
     return run
+
+
+def _check_finite(finite: torch.Tensor, model: GPT, cfg: TrainConfig, good: int, step: int, run: Run) -> int:
+    """Raise :class:`TrainingDiverged` if a loss since step ``good`` or a weight is non-finite; else return ``step``."""
+    if bool(finite) and all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        return step
+    last = run.checkpoints()
+    raise TrainingDiverged(f"training of {run.dir} diverged: the loss or the weights became non-finite between steps "
+                           f"{good} and {step} (lr={cfg.lr:g}, beta1={cfg.beta1:g}, beta2={cfg.beta2:g}); "
+                           + (f"its last good checkpoint is step {last[-1]}" if last else "no checkpoint was saved")
+                           + "; no DONE written")
+
+
+def _finite_eval(model: GPT, data: dict[str, torch.Tensor], task: Task, cfg: TrainConfig, step: int) -> dict:
+    """``evaluate``, refusing a non-finite eval loss (:class:`TrainingDiverged`)."""
+    out = evaluate(model, data, task)
+    if not np.isfinite(out["eval_loss"]):
+        raise TrainingDiverged(f"training diverged: the eval loss at step {step} is {out['eval_loss']} "
+                               f"(lr={cfg.lr:g}); no DONE written")
+    return out
 
 
 def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

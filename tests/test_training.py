@@ -1,5 +1,6 @@
 """Training loop, run directories, resuming, data order, evaluation and config overrides."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -91,23 +92,12 @@ def _cli_cmd(out: Path) -> list[str]:
 
 def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     ref_dir, killed_dir = tmp_path / "ref", tmp_path / "killed"
-    with open(tmp_path / "ref.err", "w") as ref_err, open(tmp_path / "killed.err", "w") as killed_err:
-        quiet = {"cwd": tmp_path, "env": _ENV, "stdout": subprocess.DEVNULL}
-        ref = subprocess.Popen(_cli_cmd(ref_dir), stderr=ref_err, **quiet)
-        proc = subprocess.Popen(_cli_cmd(killed_dir), stderr=killed_err, **quiet)
-        try:
-            deadline = time.monotonic() + 120
-            while not list((killed_dir / "ckpt").glob("step_*.json")):
-                assert proc.poll() is None, (tmp_path / "killed.err").read_text()
-                assert time.monotonic() < deadline, "no checkpoint appeared"
-                time.sleep(0.002)
-            os.kill(proc.pid, signal.SIGKILL)
-            assert proc.wait(30) == -signal.SIGKILL
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        assert ref.wait(120) == 0, (tmp_path / "ref.err").read_text()
+    quiet = {"cwd": tmp_path, "capture_output": True, "text": True, "timeout": 120, "check": False}
+    # SIGKILL right after the first checkpoint is saved, at a named point (deterministic, no timing)
+    proc = subprocess.run(_cli_cmd(killed_dir), env={**_ENV, "NTPFLOW_FAULT": "train:after_checkpoint:kill"}, **quiet)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    ref = subprocess.run(_cli_cmd(ref_dir), env=_ENV, **quiet)
+    assert ref.returncode == 0, ref.stderr
 
     # The kill came mid-run.
     assert not (killed_dir / "DONE").exists()
@@ -265,7 +255,9 @@ def test_run_dir_contents(tiny_run):
                         {k.removeprefix("model."): v for k, v in final.items() if k.startswith("model.")})
 
     assert json.loads((d / "init.json").read_text())["step"] == 0
-    assert json.loads((d / "model.json").read_text()) == {"step": 12, "adam_step": 12, "config_hash": cfg.hash()}
+    sha = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()  # verified on every load
+    assert json.loads((d / "model.json").read_text()) == {"step": 12, "adam_step": 12, "config_hash": cfg.hash(),
+                                                          "sha256": sha}
     assert json.loads((d / "ckpt/step_000008.json").read_text())["adam_step"] == 8
     assert tiny_run.checkpoints() == [4, 8]  # none at the last step: the final weights are model.safetensors
 
