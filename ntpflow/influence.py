@@ -4,7 +4,13 @@ A feature is a probe direction w at a site ⟨k, i⟩. Its mismatch on a batch i
 
     R = mean_b (⟨w, r^k_i(θ)⟩ − ⟨w, r^k_i(θ*)⟩)²
 
-with θ* the final model and r(θ) from the ordinary (non-myopic) forward, even in a myopic run. The influence of a
+with θ* the final model and r(θ) from the ordinary (non-myopic) forward, even in a myopic run. Next to this
+``paper`` mismatch the tracker integrates the **centred** mismatch
+
+    R_c = var_b (⟨w, r^k_i(θ)⟩ − ⟨w, r^k_i(θ*)⟩) = R − (mean_b (⟨w, r(θ)⟩ − ⟨w, r(θ*)⟩))²
+
+which drops the offset of the mean projection and measures only how well the feature *varies* like the final
+one (its gradient has the per-example cotangent 2(d_b − d̄)/n, so it comes from the same passes). The influence of a
 component c at a step is ``∇θR · Δ_c``, where Δ_c is that component's share of the parameter update *as it is
 subtracted* (θ ← θ − Σ_c Δ_c). **Positive influence means the component moved the feature toward its final value.**
 
@@ -23,6 +29,12 @@ from .model import GPT
 from .sites import Site
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
+MISMATCHES = ("paper", "centred")  # R = mean_b d_b², and R_c = mean_b (d_b − d̄)²
+
+
+def mismatch_value(d: torch.Tensor, mismatch: str) -> torch.Tensor:
+    """R (``"paper"``: mean_b d_b²) or R_c (``"centred"``: mean_b (d_b − d̄)²) of projection differences d [batch]."""
+    return d.pow(2).mean() if mismatch == "paper" else (d - d.mean()).pow(2).mean()
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,8 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
     g = opt.param_groups[0]
     if g.get("weight_decay", 0) != 0:
         raise ValueError("influence tracking needs weight_decay=0 (the component steps would not add up)")
+    if g.get("maximize", False):
+        raise ValueError("influence tracking needs maximize=False (a maximizing optimizer flips every sign)")
     if isinstance(opt, torch.optim.Adam) and not g.get("amsgrad", False):
         return "adam", g
     if type(opt) is torch.optim.SGD and g.get("momentum", 0) == 0 and not g.get("nesterov", False):
@@ -52,9 +66,10 @@ class InfluenceTracker:
 
     Call ``rows = tracker.track(model, opt, tokens, loss_mask, feature_types)`` *before* ``opt.step()``. It does
     not change gradients, optimizer state or any RNG. Rows are tidy dicts:
-    ``{step, layer, pos, feature, feature_type, component, optimizer, value}``; ``feature_type`` is -1 for the
-    whole batch, else the type whose rows the risk was restricted to (empty subsets are skipped);
-    ``component="risk"`` rows hold R itself (``optimizer="none"``).
+    ``{step, layer, pos, feature, feature_type, mismatch, component, optimizer, value}``; ``feature_type`` is -1
+    for the whole batch, else the type whose rows the risk was restricted to (empty subsets are skipped);
+    ``mismatch`` is ``"paper"`` (R) or ``"centred"`` (R_c, the batch variance of the projection difference);
+    ``component="risk"`` rows hold R or R_c itself (``optimizer="none"``).
     """
 
     def __init__(self, final_model: GPT, probes: Sequence[Probe]):
@@ -86,7 +101,8 @@ class InfluenceTracker:
     # ---- one step ----
     def risk_cotangents(self, resid: list[torch.Tensor], frozen: list[torch.Tensor],
                         feature_types: dict[str, torch.Tensor] | None):
-        """For every probe (and type subset): (probe, type, R, cotangent [batch, d_model] of R at the site).
+        """For every probe, type subset and mismatch: (probe, type, mismatch, R, cotangent [batch, d_model] of R at
+        the site). The centred cotangent 2(d_b − d̄)/n is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0.
 
         resid, frozen: lists of [batch, pos, d_model] for θ and θ*; feature_types: {probe name: int [batch, pos]}.
         """
@@ -104,7 +120,9 @@ class InfluenceTracker:
                 if n == 0:
                     continue
                 d = torch.where(rows, diff, 0.0)
-                out.append((p, t, (d.pow(2).sum() / n).item(), (2 * d / n)[:, None] * w[None, :]))
+                dc = torch.where(rows, diff - d.sum() / n, 0.0)
+                for mismatch, e in zip(MISMATCHES, (d, dc)):
+                    out.append((p, t, mismatch, (e.pow(2).sum() / n).item(), (2 * e / n)[:, None] * w[None, :]))
         return out
 
     def track(self, model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
@@ -134,10 +152,10 @@ class InfluenceTracker:
         D[2] = g_full
         if kind == "adam":
             scale, D[5] = self._adam_scale(opt, group, params, g_full)
-        rows = [self._row(p, t, "risk", "none", risk) for p, t, risk, _ in risks]
+        rows = [self._row(p, t, m, "risk", "none", risk) for p, t, m, risk, _ in risks]
         for site in self.sites:  # one site at a time bounds memory
             idx = [n for n, (p, *_) in enumerate(risks) if p.site == site]
-            cots = torch.stack([risks[n][3] for n in idx]) if idx else None  # [n_risks, batch, d_model]
+            cots = torch.stack([risks[n][4] for n in idx]) if idx else None  # [n_risks, batch, d_model]
             threshold = 2 * len(D) if self.jvp_min_risks is None else self.jvp_min_risks
             by_jvp = len(idx) > threshold
             _, grads_r = passes.run(site, out=D[0:2], extra=None if by_jvp else cots)
@@ -152,11 +170,12 @@ class InfluenceTracker:
                 D_site = D
             values = (grads_r @ D_site.T).tolist()  # [n_risks, 3 or 6]: ∇R · (g_dir, g_pre, g_full[, Adam deltas])
             for n, v in zip(idx, values):
-                p, t = risks[n][0], risks[n][1]
+                p, t, m = risks[n][:3]
                 dv, pv, fv = lr * v[0], lr * v[1], lr * v[2]
-                rows += [self._row(p, t, c, "sgd", x) for c, x in zip(COMPONENTS, (dv, pv, fv - dv - pv, fv))]
+                rows += [self._row(p, t, m, c, "sgd", x) for c, x in zip(COMPONENTS, (dv, pv, fv - dv - pv, fv))]
                 if kind == "adam":
-                    rows += [self._row(p, t, c, "adam", x) for c, x in zip(COMPONENTS, (v[3], v[4], v[5] - v[3] - v[4], v[5]))]
+                    rows += [self._row(p, t, m, c, "adam", x)
+                             for c, x in zip(COMPONENTS, (v[3], v[4], v[5] - v[3] - v[4], v[5]))]
         self.step += 1
         return rows
 
@@ -183,6 +202,7 @@ class InfluenceTracker:
         scale = group["lr"] / (1 - beta1**t) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
         return scale, scale * self._moment("full", g_full, group)
 
-    def _row(self, p: Probe, t: int, component: str, optimizer: str, value: float) -> dict:
+    def _row(self, p: Probe, t: int, mismatch: str, component: str, optimizer: str, value: float) -> dict:
         return {"step": self.step, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,
-                "feature_type": t, "component": component, "optimizer": optimizer, "value": value}
+                "feature_type": t, "mismatch": mismatch, "component": component, "optimizer": optimizer,
+                "value": value}

@@ -1,9 +1,10 @@
 """Gradient decomposition and influence against a naive float64 oracle of the definitions."""
 
+import json
+import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from ntpflow import (
     train,
 )
 from ntpflow.attribution import SitePasses, decompose, flat_grads
-from ntpflow.influence import InfluenceTracker, Probe
+from ntpflow.influence import MISMATCHES, InfluenceTracker, Probe
 
 T, V, D = 8, 7, 16
 REGIMES = [{}, {"myopic": "kv"}, {"myopic": "resid"}, {"position_groups": "untied"},
@@ -111,13 +112,15 @@ def test_decompose_leaves_state_untouched():
         assert torch.equal(p, b) and torch.all(p.grad == 0.5)
 
 
-def _risk_grad(model, final, probe, tokens):
-    """∇θ R by plain autograd on R = mean_b (⟨w, r⟩ − ⟨w, r*⟩)², non-myopic forward."""
+def _risk_grad(model, final, probe, tokens, mismatch="paper"):
+    """∇θ R by plain autograd on R = mean_b d_b² (paper) or R_c = mean_b d_b² − (mean_b d_b)² (centred), with
+    d_b = ⟨w, r_b⟩ − ⟨w, r*_b⟩ from the non-myopic forward."""
     k, i = probe.site.layer, probe.site.pos
     _, r = model(tokens, return_resid=True, myopic="none")
     with torch.no_grad():
         _, r_star = final(tokens, return_resid=True, myopic="none")
-    risk = ((r[k][:, i] - r_star[k][:, i]) @ probe.w).pow(2).mean()
+    d = (r[k][:, i] - r_star[k][:, i]) @ probe.w
+    risk = d.pow(2).mean() if mismatch == "paper" else d.pow(2).mean() - d.mean().pow(2)
     params = list(model.parameters())
     return flat_grads(torch.autograd.grad(risk, params, allow_unused=True), params)
 
@@ -141,7 +144,7 @@ def test_influence_of_full_step_is_real_step(opt_name, kw, risk_path):
            else torch.optim.SGD(model.parameters(), lr=1e-1))
     for step in range(3):
         tokens, mask = batch(seed=step)
-        grads_r = {p.name: _risk_grad(model, final, p, tokens) for p in probes}
+        grads_r = {(p.name, m): _risk_grad(model, final, p, tokens, m) for p in probes for m in MISMATCHES}
         before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
         opt_state = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()} if step else {}
         rows = tracker.track(model, opt, tokens, mask)
@@ -153,17 +156,18 @@ def test_influence_of_full_step_is_real_step(opt_name, kw, risk_path):
         loss.backward()
         opt.step()
         real = before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # subtracted step
-        for p in probes:
-            vals = {r["component"]: r["value"] for r in rows
-                    if r["feature"] == p.name and r["optimizer"] == opt_name and r["feature_type"] == -1}
-            expected = torch.dot(grads_r[p.name], real).item()
+        for p, m in ((p, m) for p in probes for m in MISMATCHES):
+            vals = {r["component"]: r["value"] for r in rows if r["feature"] == p.name and r["mismatch"] == m
+                    and r["optimizer"] == opt_name and r["feature_type"] == -1}
+            expected = torch.dot(grads_r[p.name, m], real).item()
             assert vals["full"] == pytest.approx(expected, rel=1e-8, abs=1e-14)
             assert vals["direct"] + vals["pre_cached"] + vals["shared"] == pytest.approx(vals["full"], rel=1e-9,
                                                                                          abs=1e-15)
 
 
+@pytest.mark.parametrize("mismatch", MISMATCHES)
 @pytest.mark.parametrize("risk_path", RISK_PATHS)
-def test_sgd_influence_matches_oracle_components(risk_path):
+def test_sgd_influence_matches_oracle_components(risk_path, mismatch):
     model, final = tiny(seed=0), tiny(seed=1)
     w = torch.randn(D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     probe = Probe(Site(1, 4), "f", w)
@@ -173,9 +177,9 @@ def test_sgd_influence_matches_oracle_components(risk_path):
     tracker.jvp_min_risks = RISK_PATHS[risk_path]
     rows = tracker.track(model, opt, tokens, mask)
     ref = oracle(model, tokens, probe.site, mask)
-    g_r = _risk_grad(model, final, probe, tokens)
+    g_r = _risk_grad(model, final, probe, tokens, mismatch)
     for r in rows:
-        if r["optimizer"] == "sgd":
+        if r["optimizer"] == "sgd" and r["mismatch"] == mismatch:
             assert r["value"] == pytest.approx(0.1 * torch.dot(g_r, ref[r["component"]]).item(), rel=1e-8, abs=1e-15)
 
 
@@ -187,13 +191,16 @@ def test_risks_by_type_skip_empty_subsets():
     probe = Probe(Site(1, 4), "sq", torch.ones(D, dtype=torch.float64))
     rows = InfluenceTracker(final, [probe]).track(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, mask,
                                                   {"sq": types})
-    risk = {r["feature_type"]: r["value"] for r in rows if r["component"] == "risk"}
-    assert set(risk) == {-1, 0, 2}
+    risk = {r["feature_type"]: r["value"] for r in rows if r["component"] == "risk" and r["mismatch"] == "paper"}
+    centred = {r["feature_type"]: r["value"] for r in rows if r["component"] == "risk" and r["mismatch"] == "centred"}
+    assert set(risk) == set(centred) == {-1, 0, 2}
     _, r = model(tokens, return_resid=True)
     _, rs = final(tokens, return_resid=True)
     diff = ((r[1][:, 4] - rs[1][:, 4]) @ probe.w).detach()
     assert risk[2] == pytest.approx(diff[:2].pow(2).mean().item())
     assert risk[-1] == pytest.approx(diff.pow(2).mean().item())
+    assert centred[2] == pytest.approx(diff[:2].var(correction=0).item(), abs=1e-12)
+    assert centred[-1] == pytest.approx(diff.var(correction=0).item())
 
 
 @pytest.mark.parametrize("make_opt, match", [
@@ -231,13 +238,19 @@ def test_replay_reproduces_and_writes_tidy_rows(finished_run, tmp_path):
                     progress=False)
     table = pq.read_table(out / "influence.parquet").to_pylist()
     assert {r["step"] for r in table} == set(range(TINY["steps"]))
-    full = [r for r in table if r["component"] == "full" and r["optimizer"] == "adam" and r["layer"] == 1]
+    full = [r for r in table if r["component"] == "full" and r["optimizer"] == "adam" and r["layer"] == 1
+            and r["mismatch"] == "paper"]
     cum = 0.0
     for r in sorted(full, key=lambda r: r["step"]):
         cum += r["value"]
         assert r["cumulative"] == pytest.approx(cum)
     summary = __import__("json").loads((out / "summary.json").read_text())
     assert {(p["layer"], p["pos"]) for p in summary["probes"]} == {(1, 3), (0, 5)}
+    by = {(p["layer"], p["pos"], p["mismatch"]): p for p in summary["probes"]}
+    for k, i in ((1, 3), (0, 5)):  # R = R_c + mean², so R_c's offset share is R's and R_c <= R
+        paper, centred = by[k, i, "paper"], by[k, i, "centred"]
+        assert 0 <= paper["offset_share_R0"] <= 1
+        assert centred["R0_eval"] == pytest.approx((1 - paper["offset_share_R0"]) * paper["R0_eval"], rel=1e-4)
 
 
 def test_replay_detects_divergence(finished_run, tmp_path):
@@ -250,7 +263,7 @@ def test_replay_detects_divergence(finished_run, tmp_path):
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution"))
     tensors = load_tensors(run / "model.safetensors")
     tensors["model.wte"] = tensors["model.wte"] + 1e-6
-    save_tensors(run / "model.safetensors", tensors)
+    save_tensors(run / "model.safetensors", tensors, json.loads((run / "model.json").read_text()))  # new checksum
     with pytest.raises(RuntimeError, match="diverged"):
         attribute(run, [Site(1, 3)], ["is_majority_<0>"], out_dir=tmp_path / "y", progress=False)
 
@@ -290,12 +303,10 @@ def test_replay_resumes_after_kill(finished_run, tmp_path):
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "ntpflow", "-q", "attribute", str(finished_run), "--sites", "1:3",
            "--features", "is_majority_<1>", "--out", str(out)]
-    proc = subprocess.Popen(cmd)
-    deadline = time.time() + 60
-    while not (out / "state.json").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    # SIGKILL just after the first resume point is in place (a named fault point: deterministic, no timing)
+    env = {**os.environ, "NTPFLOW_FAULT": "attribute:after_state_rename:kill"}
+    assert subprocess.run(cmd, check=False, env=env).returncode == -signal.SIGKILL
+    assert list((out / "state").glob("step_*"))
     assert subprocess.run(cmd, check=False).returncode == 0
     a = pq.read_table(ref / "influence.parquet").sort_by([("step", "ascending")]).to_pylist()
     b = pq.read_table(out / "influence.parquet").sort_by([("step", "ascending")]).to_pylist()

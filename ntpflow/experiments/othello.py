@@ -222,7 +222,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
     # ---- influence: integrated (= summed) Adam influence per (layer, pos, square, type, component)
     table = pq.read_table(run.dir / "attribution" / "influence.parquet",
                           columns=["step", "layer", "pos", "feature", "feature_type", "component", "value"],
-                          filters=[("optimizer", "==", "adam")])  # the risk rows have optimizer "none"
+                          filters=[("optimizer", "==", "adam"), ("mismatch", "==", "paper")])  # risk rows: "none"
     totals = table.group_by(["layer", "pos", "feature", "feature_type", "component"]).aggregate(
         [("value", "sum"), ("value", "count")]).to_pylist()
     influence = [{"layer": r["layer"], "pos": r["pos"], "square": r["feature"],

@@ -83,14 +83,16 @@ def q_from_d(d: torch.Tensor) -> tuple[float, float]:
     return float((d[:, 1:].sum(1) / (d[:, 0] + EPS)).mean()), float(d.sum(1).mean())
 
 
-def influence_ratios(parquet: str | Path, optimizer: str = "adam") -> dict[tuple[int, int, str], dict]:
+def influence_ratios(parquet: str | Path, optimizer: str = "adam", mismatch: str = "paper"
+                     ) -> dict[tuple[int, int, str], dict]:
     """``{(layer, pos, feature): {"pre_cached", "direct", "shared", "full"}}``: cumulative integrated influence at
-    the last step, ``feature_type == -1``, for ``optimizer``."""
+    the last step, ``feature_type == -1``, for ``optimizer`` and ``mismatch`` ("paper" R or "centred" R_c)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     t = pq.read_table(parquet)
-    t = t.filter(pc.and_(pc.equal(t["optimizer"], optimizer), pc.equal(t["feature_type"], -1)))
+    t = t.filter(pc.and_(pc.and_(pc.equal(t["optimizer"], optimizer), pc.equal(t["feature_type"], -1)),
+                         pc.equal(t["mismatch"], mismatch)))
     rows = t.select(["step", "layer", "pos", "feature", "component", "cumulative"]).to_pylist()
     if not rows:
         raise ValueError(f"{parquet} has no {optimizer} rows with feature_type -1")
