@@ -9,6 +9,7 @@ constrained layout, so titles, labels and the figure legend never overlap or lea
 from __future__ import annotations
 
 import io
+import textwrap
 from pathlib import Path
 
 from cycler import cycler
@@ -54,9 +55,10 @@ def figure(width: float, height: float, nrows: int = 1, ncols: int = 1, **kw):
 
 
 def finish(fig, title: str, handles=(), labels=(), ncol: int = 1) -> None:
-    """Title at the top and one legend for the whole figure below the axes (both inside the canvas); a label given
-    twice gets one entry."""
-    fig.suptitle(title)
+    """Title at the top (wrapped to the figure's width) and one legend for the whole figure below the axes (both
+    inside the canvas); a label given twice gets one entry."""
+    width = max(20, int(fig.get_figwidth() * 11))  # characters of an 11-pt title line that fit the figure's width
+    fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")))
     unique = {}
     for lab, h in zip(labels, handles):  # one entry per label: its first handle, in order
         unique.setdefault(lab, h)
