@@ -56,8 +56,8 @@ def test_a_failed_precondition_makes_the_claim_not_testable_whatever_the_numbers
     assert ok.verdict == REPRODUCED
     assert low.verdict == NOT_TESTABLE and missing.verdict == NOT_TESTABLE
     d = low.to_dict()
-    assert d["preconditions"] == [{"name": "seeds ≥ 2", "value": 1, "ok": False},
-                                  {"name": "units ≥ 2", "value": 9, "ok": True}]
+    assert d["preconditions"] == [{"name": "at least 2 seeds", "value": 1, "ok": False},
+                                  {"name": "at least 2 units", "value": 9, "ok": True}]
     assert d["claim"] == "Δ > 0" and d["paper"] == "0.76" and d["rule"] == rule.text and d["verdict"] == NOT_TESTABLE
     json.dumps(d, allow_nan=False)  # the form written to summary.json
 
@@ -77,7 +77,7 @@ def test_renderer_writes_claims_captions_and_figures(tmp_path):
     assert '<table id="claims">' in html and "[2.85, 12.38]" in html and 'class="v-reproduced"' in html
     assert "<b>Figure 1.</b> The gap by layer, n = 16." in html
     assert '<a href="toy/report.html">toy/report.html</a>' in html
-    assert "squares ≥ 2: 16" in html and "[majority]" in html
+    assert "at least 2 squares: 16" in html and "[majority]" in html
     md = (tmp_path / "report.md").read_text()
     assert md == to_markdown(blocks)
     assert "![gap](figures/gap.png)" in md and "*Figure 1. The gap by layer, n = 16.*" in md

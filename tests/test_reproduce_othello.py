@@ -241,7 +241,7 @@ def test_report_statistics_on_hand_made_data(tmp_path):
 def test_report_missing_data_is_not_testable(tmp_path):
     s = summarize({"scale": "empty"})
     assert [c["verdict"] for c in s["claims"]] == ["not testable at this scale"] * 4
-    assert s["claims"][0]["preconditions"][0] == {"name": "squares ≥ 2", "value": 0, "ok": False}
+    assert s["claims"][0]["preconditions"][0] == {"name": "at least 2 squares", "value": 0, "ok": False}
     with pytest.raises(FileNotFoundError, match="missing file"):
         write_report(tmp_path)
     (tmp_path / "data.json").write_text("{not json")

@@ -3,7 +3,7 @@
 A :class:`Rule` pairs a decision function with its text; both come from one factory call with the same parameters
 (``interval_above("Δ loss", "delta", 0.0)``), so the rule a report prints is the rule the code applies. A
 :class:`Claim` binds a statement and the paper's value to a rule, the numbers the rule reads, and its
-preconditions (:class:`Check`: a named requirement with its measured value, e.g. "seeds ≥ 2: 1"). Verdicts:
+preconditions (:class:`Check`: a named requirement with its measured value, e.g. "at least 2 seeds: 1"). Verdicts:
 
 - ``"not testable at this scale"`` when a precondition fails (the rule is not applied);
 - otherwise what the rule returns: ``"reproduced"``, ``"not reproduced"`` or ``"inconclusive"`` (also when a
@@ -39,8 +39,8 @@ class Check:
 
 
 def at_least(what: str, value, minimum) -> Check:
-    """The precondition "``what`` ≥ ``minimum``" with its measured ``value`` (None fails)."""
-    return Check(f"{what} ≥ {minimum}", value, value is not None and value >= minimum)
+    """The precondition "at least ``minimum`` ``what``" with its measured ``value`` (None fails)."""
+    return Check(f"at least {minimum} {what}", value, value is not None and value >= minimum)
 
 
 @dataclass(frozen=True)

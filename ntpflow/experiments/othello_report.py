@@ -319,7 +319,7 @@ def claims(summary) -> list[Claim]:
         Claim("i", "NTP-useful squares are represented better than NTP-useless ones: the gap r(useful) − r(useless) "
               "is positive at every layer ≥ 1 and grows with layer and with move index (Fig. 3)",
               "positive at every layer, growing with layer and move index (no number given)", _gap_rule(),
-              gap_numbers, gap_text, (at_least("squares", n_sq, 2), at_least("layers ≥ 1", len(gl), 2))),
+              gap_numbers, gap_text, (at_least("squares", n_sq, 2), at_least("layers k ≥ 1 with a gap", len(gl), 2))),
         Claim("ii", "direct influence is positive for useful squares and not different from 0 for useless squares",
               f"useful {list(pc[('direct', 'useful')])}, useless {list(pc[('direct', 'useless')])}",
               every(interval_above("useful-square direct influence", "direct/useful"),

@@ -3,7 +3,8 @@
 ``run_all(scale, out)`` runs each experiment of ``ntpflow.experiments.EXPERIMENTS`` into ``out/<experiment>`` (each
 resumable) and writes its report; ``write_report(out)`` then writes ``out/report.html`` (no network needed to view
 it: inline CSS, figures as data URIs), ``out/report.md`` and ``out/summary.json``. The page has the claims table of
-all experiments (claim, our number, verdict), one section per experiment linked from the top, and every figure.
+all experiments (claim, the paper's value, ours, verdict, rule), one section per experiment linked from the top
+with a link to the experiment's own report, and every figure with the caption its own report gives it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import inspect
 import json
 from pathlib import Path
 
-from ..io import atomic_write, ensure_writable_dir
+from ..io import ensure_writable_dir
 from . import EXPERIMENTS
-from .report_kit import to_html, to_markdown
+from .figure_style import SIGN
+from .render import write_documents
 
 
 def run_experiment(name: str, scale: str, out: str | Path, **options) -> Path:
@@ -38,7 +40,9 @@ def run_all(scale: str, out: str | Path, **options) -> Path:
 
 
 def write_report(out: str | Path) -> Path:
-    """Combine ``out/<experiment>/summary.json`` and figures into ``out/report.html`` (+ .md, summary.json)."""
+    """Combine ``out/<experiment>/summary.json`` and figures into ``out/report.html`` (+ .md, summary.json): every
+    claim with the paper's value, ours and the verdict; per experiment a link to its own report and its figures with
+    their captions."""
     out = Path(out)
     found = [n for n in EXPERIMENTS if (out / n / "summary.json").exists()]
     if not found:
@@ -46,27 +50,29 @@ def write_report(out: str | Path) -> Path:
     claims, sections, pngs = [], [], {}
     for name in found:
         summary = json.loads((out / name / "summary.json").read_text())
-        for c in summary.get("claims", []):
-            claims.append({"experiment": name, "claim": str(c.get("claim", "")), "paper": str(c.get("paper", "")),
-                           "measured": str(c.get("measured", "")), "verdict": str(c.get("verdict", "inconclusive"))})
-        figs = sorted((out / name / "figures").glob("*.png")) if (out / name / "figures").exists() else []
-        for f in figs:
-            pngs[f"{name}/{f.stem}"] = f.read_bytes()
-        sections.append((name, summary.get("scale", "?"), [f"{name}/{f.stem}" for f in figs]))
+        claims += [{**c, "experiment": name} for c in summary.get("claims", [])]
+        figdir = out / name / "figures"
+        captions = {f["name"]: f["caption"] for f in summary.get("figures", [])}
+        stems = [f for f in captions if (figdir / f"{f}.png").exists()]
+        stems += sorted(f.stem for f in figdir.glob("*.png") if f.stem not in captions) if figdir.exists() else []
+        for stem in stems:
+            pngs[f"{name}/{stem}"] = (figdir / f"{stem}.png").read_bytes()
+        sections.append((name, summary.get("scale", "?"),
+                         [(f"{name}/{stem}", captions.get(stem, stem.replace("_", " "))) for stem in stems]))
     blocks: list[tuple] = [
         ("h1", "ntpflow: reproduction of “Understanding the Emergence of Seemingly Useless Features”"),
-        ("p", "Sign convention: positive influence = the component moved the feature toward its final value. "
-              "Verdicts follow the explicit rules in each experiment's own report."),
+        ("p", f"{SIGN} Each verdict follows the decision rule printed beside it, applied by the code to the numbers "
+              "in the experiment's summary.json; 'not testable at this scale' means a precondition of the test "
+              "failed at the scale that ran. The paper and its reported numbers are explained in docs/paper.md of "
+              "the ntpflow repository."),
         ("nav", [(n, f"#{n}") for n, _, _ in sections]),
         ("h2", "Claims"),
-        ("table", ["experiment", "claim", "paper", "ours", "verdict"],
-         [[c["experiment"], c["claim"], c["paper"], c["measured"], c["verdict"]] for c in claims], "claims"),
+        ("claims", claims, True),
     ]
     for name, scale, figs in sections:
         blocks.append(("h2", f"{name} (scale: {scale})", name))
-        blocks.append(("p", f"Full report: {name}/report.html ({name}/report.md)."))
-        blocks += [("fig", f, f"{name}: {f.split('/', 1)[1].replace('_', ' ')}") for f in figs]
-    atomic_write(out / "report.html", to_html(blocks, pngs))
-    atomic_write(out / "report.md", to_markdown(blocks))
-    atomic_write(out / "summary.json", json.dumps({"experiments": found, "claims": claims}, indent=2) + "\n")
+        blocks.append(("links", "Full report:", [(f"{name}/report.html", f"{name}/report.html"),
+                                                 (f"{name}/report.md", f"{name}/report.md")]))
+        blocks += [("fig", key, f"{name}: {caption}") for key, caption in figs]
+    write_documents(out, blocks, pngs, {"experiments": found})
     return out / "report.html"

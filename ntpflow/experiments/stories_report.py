@@ -20,7 +20,8 @@ overrides), ``n_layer``, ``seq_len``, ``tokenizer`` ({source: "bpe" | "hub", voc
   windows,
 - ``curves``: {regime, seed, step, group, component, cumulative (mean over tracked sites × group features)}.
 
-Layer/position convention: layer 0 = embeddings, layer k = after block k; position p of a 64-token window (no BOS).
+Layer/position convention (docs/conventions.md): layer 0 = embeddings, layer k = output of block k−1 (after k
+blocks); position p of a 64-token window (no BOS).
 Sign convention: positive influence = the component moved the feature toward its final value.
 
 Statistics: the unit of replication is the seed. Intervals are two-sided 95% Student-t intervals over seeds; with one
@@ -88,6 +89,13 @@ SETTING_KEYS = ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_
 # ---------------------------------------------------------------------------------------------------- summary
 
 
+def _corpus_text(corpus) -> str:
+    """The corpus source as the report shows it: a local folder by its name only (the path is the user's machine's)."""
+    c = str(corpus or "?")
+    keep = c in ("hf", "?") or c.startswith(("hf:", "generated", "local folder"))
+    return c if keep else f"local folder '{Path(c).name}'"
+
+
 def _settings(data: dict, seeds) -> list[dict]:
     from dataclasses import fields
 
@@ -99,7 +107,7 @@ def _settings(data: dict, seeds) -> list[dict]:
     tok_text = (f"{tok.get('name') or 'hub'} (hub)" if tok.get("source") == "hub"
                 else f"byte-level BPE trained offline on the training split, {tok.get('vocab_size')} tokens")
     rows = [{"setting": "scale", "this_run": str(data.get("scale", "?")), "paper": "paper"},
-            {"setting": "corpus", "this_run": str(data.get("corpus", "?")), "paper": PAPER_SETTINGS["corpus"]},
+            {"setting": "corpus", "this_run": _corpus_text(data.get("corpus")), "paper": PAPER_SETTINGS["corpus"]},
             {"setting": "tokenizer", "this_run": tok_text, "paper": PAPER_SETTINGS["tokenizer"]},
             {"setting": "seeds", "this_run": f"{len(seeds)} ({', '.join(str(s) for s in seeds)})",
              "paper": PAPER_SETTINGS["seeds"]}]
@@ -238,7 +246,7 @@ def summarize(data: dict) -> dict:
 
     samples = data.get("samples") or None
     summary = {
-        "scale": data.get("scale"), "corpus": data.get("corpus"), "tokenizer": data.get("tokenizer") or {},
+        "scale": data.get("scale"), "corpus": _corpus_text(data.get("corpus")), "tokenizer": data.get("tokenizer") or {},
         "seeds": seeds, "n_seeds": len(seeds), "regimes": regimes, "sites": data.get("sites") or [],
         "train": data.get("train") or {}, "layers": layers, "feature_groups": groups,
         "settings": _settings(data, seeds), "sign_convention": SIGN, "influence_unit": INFLUENCE_UNIT,
@@ -556,7 +564,7 @@ def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
 
 def _data_note(summary) -> str:
     tok = summary["tokenizer"]
-    corpus = str(summary["corpus"])
+    corpus = _corpus_text(summary["corpus"])
     train = summary["train"]
     if corpus.startswith("generated"):
         what = ("the project's generated story grammar (a stand-in for tests; its text is far simpler than "
@@ -566,9 +574,9 @@ def _data_note(summary) -> str:
     else:
         n_tr = train.get("n_train")
         tokens = f"about {n_tr * 64 / 1000:.0f}k" if isinstance(n_tr, int) else "far fewer"
-        what = (f"local stories from {corpus} (the project's shared sample holds 2,316 train and 1,727 eval stories; "
-                f"one 64-token window per story gives {tokens} training tokens against the paper's 300,000 windows "
-                "= 19.2M tokens, so the model is much less trained and sees its windows more than once)")
+        what = (f"a local TinyStories sample ({corpus}; one 64-token window per story "
+                f"gives {tokens} training tokens against the paper's 300,000 windows = 19.2M tokens, so the model is "
+                "much less trained and sees its windows more than once)")
     tok_text = (f"the hub tokenizer {tok.get('name') or ''}" if tok.get("source") == "hub" else
                 f"a byte-level BPE with {tok.get('vocab_size')} tokens trained offline on the training split (the "
                 "hub's TinyStories-1M tokenizer, 50,257 ids, was unreachable), so per-token losses are on another "
@@ -586,20 +594,21 @@ def _document(summary: dict, figures) -> list[tuple]:
     if n >= 2:
         ci_note = "Intervals: two-sided 95% Student-t intervals over seeds (the seed is the unit of replication)."
     elif n == 1:
-        ci_note = "Only 1 seed: means only, no intervals; every verdict that needs a CI is inconclusive."
+        ci_note = "Only 1 seed: means only, no intervals; every claim is 'not testable at this scale'."
     else:
-        ci_note = "No runs in data.json: nothing to report; every verdict is inconclusive."
+        ci_note = "No runs in data.json: nothing to report; every claim is 'not testable at this scale'."
     b = [("h1", "TinyStories: pre-caching, syntax and story position (docs/paper.md#tinystories, claim 4)"),
          ("p", (f"Scale {summary['scale']!s}, {n} seed(s), regimes: {', '.join(summary['regimes']) or 'none'}. "
-                f"{ci_note} {SIGN} Layer k = residual stream after block k (0 = embeddings); positions are window "
-                "positions (no BOS; the logits at p predict token p+1). Every number below is also in "
-                "summary.json.")),
+                f"{ci_note} {SIGN} Layer k = resid[k], the output of block k−1 (after k blocks; 0 = embeddings); "
+                "positions are window positions (no BOS; the logits at p predict token p+1). Every number below is "
+                "also in summary.json.")),
          ("p", _data_note(summary))]
 
     b.append(("h2", "Scale and settings"))
     b.append(("p", "This run against the paper's setting; rows marked 'yes' differ from the paper."))
     b.append(("table", ["setting", "this run", "paper", "differs"],
-              [[s["setting"], s["this_run"], s["paper"], "yes" if s["differs"] else ""] for s in summary["settings"]],
+              [[s["setting"], _corpus_text(s["this_run"]) if s["setting"] == "corpus" else s["this_run"], s["paper"],
+                "yes" if s["differs"] else ""] for s in summary["settings"]],
               None))
 
     b.append(("h2", "Claims"))
