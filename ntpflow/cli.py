@@ -15,12 +15,35 @@ examples:
   ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_<0>'
   ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
   ntpflow reproduce othello --scale small
-  ntpflow reproduce stories --scale small
-  ntpflow demo --out runs/demo          # the four regimes of majority at a small size
+  ntpflow reproduce stories --scale small --corpus PATH   # your TinyStories folder (or hf, generated:N)
+  ntpflow reproduce llm --scale small
+  ntpflow reproduce all --scale small --corpus PATH   # every experiment + one report: ~2.5-3 h on 2 cores
+  ntpflow qscan --model tiny --train-sae --latents 8 --docs 8 --steps 50 --out runs/qscan-tiny
+  ntpflow demo --out runs/demo          # majority in the four regimes, ~5 min (scripts/demo.sh: every experiment)
 
 Python equivalents:
   ntpflow.train(ntpflow.TrainConfig(task="majority", regime="myopic", seed=0), "runs/maj-myopic-s0")
   ntpflow.probe_runs.probe_run(ntpflow.Run.open("runs/maj-myopic-s0"))
+  ntpflow.replay.attribute("runs/maj-myopic-s0", ntpflow.sites.parse_sites("1-2:2-19"), ["is_majority_<0>"])
+  ntpflow.experiments.report_all.run_experiment("toy", "small", "results/toy-small")
+"""
+
+REPRODUCE_EXAMPLES = """
+examples (times measured on a 2-core CPU):
+  ntpflow reproduce toy --scale smoke                          # ~1 min: the pipeline, not the science
+  ntpflow reproduce toy --scale small --out results/toy-small  # ~30 min
+  ntpflow reproduce othello --scale small
+  ntpflow reproduce stories --scale small --corpus PATH        # ~40 min; PATH: your TinyStories folder
+  ntpflow reproduce llm --scale small                          # under an hour
+  ntpflow reproduce all --scale small --corpus PATH            # all four + one report.html: ~2.5-3 h
+  ntpflow reproduce all --scale paper --device cuda            # the paper's sizes: a GPU and the hub
+
+Each experiment writes OUT/report.md, OUT/report.html, OUT/summary.json and OUT/figures/ (docs/outputs.md);
+rerun the same command to resume an interrupted run.
+
+Python equivalent:
+  from ntpflow.experiments.report_all import run_experiment, run_all
+  run_experiment("toy", "small", "results/toy-small"); run_all("small", "results/all-small", corpus="PATH")
 """
 
 log = logging.getLogger("ntpflow")
@@ -200,39 +223,49 @@ def build_parser() -> argparse.ArgumentParser:
     common(t)
     t.set_defaults(fn=cmd_train)
 
-    pr = sub.add_parser("probe", help="fit ridge probes of a finished run and print r tables")
-    pr.add_argument("run_dir")
+    pr = sub.add_parser("probe", help="fit ridge probes of a finished run and print r tables",
+                        epilog="example: ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'\n"
+                               "Python: ntpflow.probe_runs.probe_run(ntpflow.Run.open('runs/maj-myopic-s0'))",
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    pr.add_argument("run_dir", help="a finished run directory (ntpflow train)")
     pr.add_argument("--weights", default="final", help="final (default), init, or a checkpoint step")
     pr.add_argument("--feature", help="print only this feature")
-    pr.add_argument("--device")
+    pr.add_argument("--device", help="auto (default), cpu, cuda, ...")
     pr.set_defaults(fn=cmd_probe)
 
     a = sub.add_parser("attribute", help="replay a finished run and track each gradient component's influence",
                        epilog="example: ntpflow attribute runs/maj-vanilla-s0 --sites 1-2:2-19 "
-                              "--features 'is_majority_<0>'\npositive influence = moved the feature toward its "
-                              "final value", formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("run_dir")
+                              "--features 'is_majority_<0>'\n"
+                              "Python: ntpflow.replay.attribute('runs/maj-vanilla-s0', "
+                              "ntpflow.sites.parse_sites('1-2:2-19'), ['is_majority_<0>'])\n"
+                              "writes OUT/influence.parquet and OUT/summary.json (schemas: docs/outputs.md); "
+                              "positive influence = moved the feature toward its final value",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("run_dir", help="a finished run directory (ntpflow train)")
     a.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:5,2:7 or 1-2:2-19")
     a.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
     a.add_argument("--force-unlock", action="store_true",
                    help="take over the output folder's lock left by a process on another host that is gone")
-    a.add_argument("--device")
+    a.add_argument("--device", help="auto (default), cpu, cuda, ...")
     a.set_defaults(fn=cmd_attribute)
 
     rp = sub.add_parser("reproduce", help="reproduce an experiment of the paper and write its report",
-                        epilog="example: ntpflow reproduce toy --scale small --out results/toy-small",
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    rp.add_argument("experiment", help="toy | othello | stories | all (every experiment and one report.html)")
-    rp.add_argument("--scale", default="smoke", help="smoke (CI, minutes) | small (~1 h on 2 cores) | paper")
+                        epilog=REPRODUCE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    rp.add_argument("experiment", help="toy | othello | stories | llm | all (every experiment and one report.html)")
+    rp.add_argument("--scale", default="smoke", help="smoke (default; CI, minutes) | small (this 2-core CPU: "
+                    "30-60 min per experiment, all: ~2.5-3 h) | paper (the paper's sizes: GPU)")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
-    rp.add_argument("--corpus", help="stories: the corpus (a folder or file of stories, 'generated[:N]' or 'hf')")
-    rp.add_argument("--device")
+    rp.add_argument("--corpus", help="stories (needed at small scale): a folder or file of stories, "
+                    "'generated[:N]' or 'hf' (default: generated at smoke, hf at paper)")
+    rp.add_argument("--device", help="auto (default), cpu, cuda, ...")
     rp.set_defaults(fn=cmd_reproduce)
 
     sw = sub.add_parser("sweep", help="a grid of runs (seeds x regimes x tasks x settings) from a JSON/TOML spec",
-                        epilog="finished runs are skipped: rerun the same command to resume or retry failed runs",
+                        epilog="example: ntpflow sweep sweep.toml --workers 2\n"
+                               "Python: ntpflow.sweep.run_sweep('sweep.toml', 'sweeps/NAME', workers=2)\n"
+                               "finished runs are skipped: rerun the same command to resume or retry failed runs",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     sw.add_argument("spec", help="sweep spec (.json or .toml); see ntpflow.sweep")
     sw.add_argument("--out", help="sweep folder (default sweeps/<name>)")
@@ -245,8 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("options", nargs=argparse.REMAINDER, help="options of the scan (ntpflow qscan -h lists them)")
     q.set_defaults(fn=cmd_qscan)
 
-    d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table")
-    d.add_argument("--out", default="runs/demo")
+    d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table",
+                       epilog="example: ntpflow demo --out runs/demo   # ~5 min on 2 cores\n"
+                              "The quick look at the paper's first claim. scripts/demo.sh instead sets up the "
+                              "environment and runs every experiment at smoke size (ntpflow reproduce all "
+                              "--scale smoke).", formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("--out", default="runs/demo", help="folder of the four runs (default runs/demo)")
     common(d)
     d.set_defaults(fn=cmd_demo)
     return p
@@ -272,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         expected = isinstance(e, ValueError | OSError | RuntimeError | ImportError)
-        msg = str(e).strip("'\"").splitlines()[0] if str(e).strip() else type(e).__name__
+        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # KeyError's str() adds quotes
+        msg = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         if expected:
             print(f"ntpflow: error: {msg}", file=sys.stderr)
             return 2

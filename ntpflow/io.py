@@ -29,12 +29,15 @@ class SimulatedKill(BaseException):
 
 def fault_point(name: str) -> None:
     """A named point where tests inject a crash: the environment variable ``NTPFLOW_FAULT`` (read at each call)
-    equal to ``name`` raises :class:`SimulatedKill`; ``name:kill`` sends this process SIGKILL. A no-op otherwise."""
+    equal to ``name`` raises :class:`SimulatedKill`; ``name:kill`` sends this process SIGKILL; ``name:hang`` stops it
+    there until it is killed. A no-op otherwise."""
     want = os.environ.get("NTPFLOW_FAULT")
     if want == name:
         raise SimulatedKill(f"simulated kill at {name}")
     if want == f"{name}:kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    while want == f"{name}:hang":
+        signal.pause()
 
 
 def _open_temp(path: Path) -> tuple[int, str]:

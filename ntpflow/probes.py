@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .io import atomic_write, save_tensors
+from .io import atomic_write, load_tensors, read_json, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -352,14 +352,12 @@ class ProbeSet:
     @classmethod
     def load(cls, directory: str | os.PathLike[str], device: str | torch.device = "cpu") -> ProbeSet:
         """Read a ProbeSet written by :meth:`save`."""
-        from safetensors.torch import load_file
-
         directory = Path(directory)
-        meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
+        meta = read_json(directory / META_FILE)
         version = meta.get("format_version")
         if version != _FORMAT_VERSION:
             raise ValueError(f"{directory / META_FILE}: unsupported format_version {version!r}")
-        tensors = load_file(str(directory / TENSORS_FILE), device=str(device))
+        tensors = load_tensors(directory / TENSORS_FILE, device)  # a truncated file: a one-line error naming it
         r_by_type = {int(t): tensors[f"r_by_type.{t}"] for t in meta["types"]}
         return cls(
             weights=tensors["weights"],

@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pyarrow.parquet as pq
 import pytest
@@ -46,12 +45,10 @@ def test_sweep_survives_killed_worker_and_failing_run_then_reenters(tmp_path):
 
     def launcher(run_dir):
         if run_dir.name == "regime=vanilla,seed=1" and not killed:  # SIGKILL this worker once, mid-training
-            proc = subprocess.Popen([sys.executable, "-m", "ntpflow.sweep", str(run_dir)], env=ENV,
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            while not list((run_dir / "ckpt").glob("step_*.json")) and proc.poll() is None:
-                time.sleep(0.05)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+            proc = subprocess.run([sys.executable, "-m", "ntpflow.sweep", str(run_dir)],  # at a named point
+                                  env={**ENV, "NTPFLOW_FAULT": "train:after_checkpoint:kill"}, capture_output=True,
+                                  check=False)
+            assert list((run_dir / "ckpt").glob("step_*.json")) and not (run_dir / "DONE").exists()
             killed.append(proc.returncode)
             raise RuntimeError("worker killed")
         if run_dir.name == "regime=myopic,seed=1":
