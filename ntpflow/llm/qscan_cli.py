@@ -16,7 +16,7 @@ from pathlib import Path
 
 EPILOG = """examples:
   ntpflow qscan --model tiny --train-sae --latents 8 --docs 8 --steps 50 --out runs/qscan-tiny   # seconds, no download
-  ntpflow qscan --model smollm2 --train-sae --latents 96 --out runs/qscan                       # ~10 min on 2 cores
+  ntpflow qscan --model smollm2 --train-sae --latents 96 --out runs/qscan
   ntpflow qscan --model smollm2 --sae runs/qscan/sae --latents 256 --mode reconstruction --out runs/qscan2
 
 Python equivalent:
@@ -24,8 +24,8 @@ Python equivalent:
   (the library calls: ntpflow.llm.qscan.q_scan(adapter, sae, contexts, hook, latents, QScanConfig(...)))
 
 A latent is included in the statistics when it has at least one usable example (active in some context with
---horizon future tokens after it) and its mean total KL over the horizon exceeds --kl-cutoff; the summary line says
-how many latents fail each condition."""
+the scan's 10 future predictions after it) and its mean total KL over them exceeds --kl-cutoff; the summary line
+says how many latents fail each condition."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,8 +59,15 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown after each help text; the epilog's examples keep their line breaks."""
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's default after its help text (unless it names its default itself); the epilog's examples keep
+    their line breaks."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if not any(action.default is x for x in (None, False, argparse.SUPPRESS)) and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
 
 
 def _say(msg: str) -> None:
