@@ -230,9 +230,10 @@ def ensure_writable_dir(path: str | Path) -> Path:
 class DirLock:
     """An exclusive lock on a folder, so that two processes never write the same run directory.
 
-    The lock is ``FOLDER/.lock``, held with ``flock`` while it names its owner (host, pid). The kernel releases a
-    ``flock`` when its process dies, so a lock left by a dead process on this host (or an empty one, from a kill
-    between creating and filling the file) is taken over atomically by the next run. A lock naming another host
+    The lock is ``FOLDER/.lock``, naming its owner (host, pid), and held with ``flock``. A new lock file is written
+    aside and linked into place, so it names its owner from the start (one atomic step). The kernel releases a
+    ``flock`` when its process dies, so a lock left by a dead process on this host (or an empty one, as older versions
+    could leave) is taken over by the next run, atomically: ``flock`` admits one process. A lock naming another host
     cannot be checked from here: it is refused, with the message to rerun with ``force=True`` (``--force-unlock``)
     once that process is known to be gone.
 
@@ -246,7 +247,10 @@ class DirLock:
 
     def __enter__(self) -> "DirLock":
         for _ in range(10):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fd = self._open()
+            except FileNotFoundError:  # removed by its owner between our link and open: try again
+                continue
             try:
                 if self._acquire(fd):
                     self._fd = fd
@@ -257,8 +261,27 @@ class DirLock:
             os.close(fd)  # released and removed by its owner meanwhile: lock the new file instead
         raise RuntimeError(f"could not lock {self.path.parent}")
 
+    def _open(self) -> int:
+        """Open the lock file; a new one is created already naming its owner (written aside, then linked into
+        place), so no process ever sees an empty lock."""
+        try:
+            return os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            pass
+        fd, tmp = _open_temp(self.path)
+        try:
+            os.write(fd, _owner_bytes())
+            os.fsync(fd)
+            try:
+                os.link(tmp, self.path)
+            except FileExistsError:
+                pass  # another process created it first: compete for its flock
+        finally:
+            os.close(fd)
+            os.unlink(tmp)
+        return os.open(self.path, os.O_RDWR)
+
     def _acquire(self, fd: int) -> bool:
-        me = {"host": platform.node(), "pid": os.getpid()}
         if not _flock(fd):
             raise RuntimeError(f"{self.path.parent} is in use by another process ({_describe(_read_owner(fd))}); "
                                "concurrent runs must use different directories")
@@ -268,13 +291,15 @@ class DirLock:
         except FileNotFoundError:
             return False
         owner = _read_owner(fd)
-        if owner and owner.get("host") != me["host"] and not self.force:
+        if owner and owner.get("host") != platform.node() and not self.force:
             raise RuntimeError(f"{self.path.parent} is locked by {_describe(owner)} on another host; if that process "
                                f"is gone, rerun with --force-unlock (or delete {self.path})")
         fault_point("lock:before_owner")
-        # free: nobody holds the flock, and the recorded owner (if any) is a dead process on this host
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
+        # free: nobody holds the flock, and the recorded owner (if any) is a dead process on this host. Overwrite,
+        # then cut to length: the file never reads empty
+        data = _owner_bytes()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
         os.fsync(fd)
         return True
 
@@ -301,6 +326,10 @@ def _flock(fd: int) -> bool:
         owner = _read_owner(fd)
         return not (owner and owner.get("host") == platform.node() and owner.get("pid") != os.getpid()
                     and _alive(owner.get("pid")))
+
+
+def _owner_bytes() -> bytes:
+    return json.dumps({"host": platform.node(), "pid": os.getpid()}).encode()
 
 
 def _read_owner(fd: int) -> dict | None:

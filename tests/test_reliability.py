@@ -154,15 +154,19 @@ def test_maximizing_optimizer_is_refused():
 # ------------------------------------------------------------------------------------------ locks
 
 
-def test_lock_left_empty_by_a_kill_is_taken_over(tmp_path, monkeypatch):
+def test_lock_is_created_with_its_owner_and_a_dead_or_empty_one_is_taken_over(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    monkeypatch.setenv("NTPFLOW_FAULT", "lock:before_owner")  # killed between creating the lock and naming its owner
+    monkeypatch.setenv("NTPFLOW_FAULT", "lock:before_owner")  # killed right after creating the lock
     with pytest.raises(SimulatedKill):
         train(TINY, run_dir, progress=False)
-    assert (run_dir / ".lock").read_text() == ""
+    assert json.loads((run_dir / ".lock").read_text()) == {"host": platform.node(), "pid": os.getpid()}
     monkeypatch.delenv("NTPFLOW_FAULT")
     assert train(TINY, run_dir, progress=False).done and not (run_dir / ".lock").exists()
+    (run_dir / ".lock").write_text("")  # as older versions left it, killed between creating and filling it
+    with DirLock(run_dir):
+        assert json.loads((run_dir / ".lock").read_text())["pid"] == os.getpid()
+    assert not (run_dir / ".lock").exists()
 
 
 def test_lock_of_another_host_says_how_to_release_it(tmp_path, capsys):
