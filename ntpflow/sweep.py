@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import TrainConfig, _check_type
-from .io import ensure_writable_dir, read_json, write_json
+from .io import ensure_writable_dir, read_json, resolve_device, write_json
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +172,12 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, *, executor: str = 
         raise ValueError(f"unknown executor {executor!r}; choose one of {EXECUTORS}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if executor != "submitit":  # runs on this machine: their devices must exist here (a cluster node may differ)
+        for name, cfg in spec.configs():
+            try:
+                resolve_device(cfg.device)
+            except ValueError as e:
+                raise ValueError(f"sweep point {name}: {e}") from None
     out = ensure_writable_dir(out)
     runs_dir = ensure_writable_dir(out / "runs")
     pending = []

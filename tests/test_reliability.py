@@ -206,7 +206,7 @@ SWEEP_SETTINGS = {k: v if k == "device" else int(v) for k, v in SWEEP_SETTINGS.i
 
 
 def test_sweep_grid_is_coerced_and_deduplicated(tmp_path):
-    from ntpflow.sweep import SweepSpec
+    from ntpflow.sweep import SweepSpec, run_sweep
 
     with pytest.raises(ValueError, match="bad value for steps: 30.0"):
         SweepSpec.from_dict({"grid": {"steps": [30.0]}})
@@ -214,6 +214,10 @@ def test_sweep_grid_is_coerced_and_deduplicated(tmp_path):
         SweepSpec.from_dict({"grid": {"seed": [0]}, "settings": {"beta1": 2}})
     spec = SweepSpec.from_dict({"grid": {"lr": [1, 1.0, 0.5], "seed": [0, 0]}})
     assert spec.points() == [{"lr": 1.0, "seed": 0}, {"lr": 0.5, "seed": 0}]
+    bogus = SweepSpec.from_dict({"grid": {"seed": [0]}, "settings": {"device": "bogus"}})
+    with pytest.raises(ValueError, match="sweep point seed=0: unknown device 'bogus'"):
+        run_sweep(bogus, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_failed_run_makes_the_sweep_exit_nonzero(tmp_path, monkeypatch, capsys):
