@@ -7,7 +7,8 @@ Output folder (default ``RUN_DIR/attribution``)::
     state/step_000500/state.safetensors(+.json)  model, Adam and tracker state at a block boundary (resume point;
                         the folder is renamed into place whole, and the last two are kept)
     influence.parquet   all rows {step, layer, pos, feature, feature_type, mismatch, component, optimizer, value,
-                        cumulative}; mismatch "paper" (R) or "centred" (R_c, see ntpflow.influence)
+                        cumulative, task, regime, seed}; mismatch "paper" (R) or "centred" (R_c, see
+                        ntpflow.influence); the schema of every column: docs/outputs.md
     summary.json        per probe and mismatch: integrated influence per component vs the mismatch removed,
                         R(θ_0) − R(θ_T) on held-out data, and the offset share of R(θ_0), mean² / R
 
@@ -38,6 +39,7 @@ from .io import (
     write_json,
 )
 from .probe_runs import load_or_probe
+from .run_group import replay_stepper
 from .sites import Site
 from .training import (
     DataOrder,
@@ -47,7 +49,6 @@ from .training import (
     make_optimizer,
     save_state,
     to_torch,
-    train_step,
 )
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
     opt = make_optimizer(model, cfg)
     tracker = InfluenceTracker(run.load_model("final", dev), [Probe(p.site, p.name, p.w.to(dev)) for p in probes])
     start, cums = _resume(out, model, opt, tracker, dev)
+    advance = replay_stepper(run, model, opt, dev)  # a run group's member steps with its group
     block = block or cfg.ckpt_every
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
     rows: list[dict] = []
@@ -132,7 +134,7 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
             cums[key] += r["value"] if r["component"] != "risk" else 0.0
             r["cumulative"] = cums[key] if r["component"] != "risk" else r["value"]
             rows.append(r)
-        train_step(model, opt, tokens, mask)
+        advance(step, tokens, mask)
         if (step + 1) % block == 0 or step + 1 == cfg.steps:
             _write_part(out / "parts" / f"part_{block_start:06d}.parquet", rows)
             rows, block_start = [], step + 1
@@ -229,6 +231,9 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
 
     parts = sorted((out / "parts").glob("part_*.parquet"))
     table = pa.concat_tables([pq.read_table(p) for p in parts])
+    for name, value, kind in (("task", run.cfg.task, pa.string()), ("regime", run.cfg.regime, pa.string()),
+                              ("seed", run.cfg.seed, pa.int64())):  # self-describing rows: tables of runs combine
+        table = table.append_column(name, pa.array([value] * table.num_rows, kind))
     tmp = out / "influence.parquet.tmp"
     pq.write_table(table, tmp)
     # mismatch actually removed, on a fixed held-out batch: R(θ_0) − R(θ_T)
@@ -256,3 +261,16 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
     write_json(out / "summary.json", {"probes": summary, "steps": run.cfg.steps,
                                       "sign": "positive = the component moved the feature toward its final value"})
     tmp.replace(out / "influence.parquet")
+    log.info(_summary_line(probes, summary, run.cfg.steps))
+
+
+def _summary_line(probes, summary: list[dict], steps: int) -> str:
+    """One line on what an attribution did: sites, features, steps, and the balance check (integrated full Adam
+    influence against the mismatch removed on held-out data, R(θ_0) − R(θ_T); equal to first order)."""
+    ratios = sorted(e["adam_full"] / e["R0_minus_RT_eval"] for e in summary
+                    if e["mismatch"] == "paper" and "adam_full" in e and e["R0_minus_RT_eval"] != 0)
+    balance = (f"integrated full influence / (R(θ_0) − R(θ_T)) on held-out data: median "
+               f"{ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes (1 = balanced to first order)"
+               if ratios else "balance check: no probe with a nonzero mismatch removed")
+    return (f"attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
+            f"{steps} steps; {balance}")

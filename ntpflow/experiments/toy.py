@@ -1,7 +1,9 @@
 """The toy-task reproduction (docs/paper.md#majority): majority and conditioned majority in four regimes.
 
 ``run_toy(scale, out)`` trains every (task, regime, seed), fits probes on the final and the untrained model,
-replays each run with influence tracking at the tracked sites, and gathers everything into ``out/data.json``.
+replays the runs of the tracked regimes with influence tracking at the tracked sites, and gathers everything into
+``out/data.json``. At the scales marked ``grouped`` the seeds of a (task, regime) train as one run group
+(``ntpflow.run_group``): one batched model, written as ordinary run directories.
 Every stage is resumable and skipped when finished, so an interrupted call continues where it stopped.
 """
 
@@ -26,13 +28,17 @@ TRACKED = {"majority": ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>")
 
 @dataclass(frozen=True)
 class ToyScale:
-    """Settings of one scale. ``train`` holds TrainConfig overrides shared by all runs."""
+    """Settings of one scale. ``train`` holds TrainConfig overrides shared by all runs; ``grouped`` trains the seeds
+    of each (task, regime) as one run group (``ntpflow.run_group``); ``tracked`` names the regimes whose runs are
+    replayed with influence tracking."""
 
     name: str
     seeds: tuple[int, ...]
     sites: tuple[Site, ...]
     train: dict = field(default_factory=dict)
     curve_every: int = 10
+    grouped: bool = False
+    tracked: tuple[str, ...] = REGIMES
 
 
 def _sites(layers, positions) -> tuple[Site, ...]:
@@ -41,10 +47,11 @@ def _sites(layers, positions) -> tuple[Site, ...]:
 
 SCALES = {
     # the paper: 2 layers, d 128, 4 heads, batch 256, 3000 steps, lr 1e-3, 102,400 sequences, 10 seeds,
-    # tracked sites layers 1-2 x positions 2-19
+    # tracked sites layers 1-2 x positions 2-19 in the 20 vanilla runs; the 10 seeds of a (task, regime) train as
+    # one run group (scripts/paper_gpu.sh)
     "paper": ToyScale("paper", tuple(range(10)), _sites((1, 2), range(2, 20)),
                       {"steps": 3000, "n_train": 102_400, "n_eval": 10_240, "eval_every": 500, "ckpt_every": 500},
-                      curve_every=50),
+                      curve_every=50, grouped=True, tracked=("vanilla",)),
     # this 2-core machine in under an hour for both tasks: a narrower model (d_model 64), 3 seeds, 300 steps
     # (the toy tasks are learned within a few hundred steps), 25,600 sequences, and 3 tracked sites at layer 1:
     # input positions 4 and 8, where the features are NTP-useless, and output position 14, where they are useful
@@ -57,6 +64,11 @@ SCALES = {
                       {"steps": 40, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 2_560, "n_eval": 512,
                        "eval_every": 20, "ckpt_every": 20},
                       curve_every=2),
+    # the paper scale's code path (run groups, tracked vanilla replays) at the smoke size: scripts/paper_gpu.sh --smoke
+    "paper-smoke": ToyScale("paper-smoke", (0, 1), _sites((1,), (5, 12)),
+                            {"steps": 40, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 2_560,
+                             "n_eval": 512, "eval_every": 20, "ckpt_every": 20},
+                            curve_every=2, grouped=True, tracked=("vanilla",)),
 }
 
 
@@ -72,19 +84,43 @@ def run_dir_name(cfg: TrainConfig) -> str:
 
 def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
              threads: int) -> dict:
-    """Train, probe (final and step 0) and attribute one run; each stage skips itself when done."""
+    """Train, probe (final and step 0) and attribute one run (if ``sites``); each stage skips itself when done."""
     import torch
 
     from ..probe_runs import load_or_probe
-    from ..replay import attribute
-    from ..training import Run, train
+    from ..training import train
 
     torch.set_num_threads(threads)
-    cfg = TrainConfig.from_dict(cfg_dict)
-    run = train(cfg, run_dir, progress=False)
+    run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=False)
     load_or_probe(run, "final", device)
     load_or_probe(run, "init", device)
-    attribute(Run.open(run_dir).dir, [Site(*s) for s in sites], features, device=device, progress=False)
+    if sites:
+        _one_replay(run_dir, sites, features, device, threads)
+    return {"run_dir": run_dir}
+
+
+def _one_group(cfg_dicts: list[dict], run_dirs: list[str], device: str, threads: int) -> dict:
+    """Train the runs of one (task, regime) as one run group, then probe each (final and step 0)."""
+    import torch
+
+    from ..probe_runs import load_or_probe
+    from ..run_group import train_group
+
+    torch.set_num_threads(threads)
+    for run in train_group([TrainConfig.from_dict(d) for d in cfg_dicts], run_dirs, progress=False):
+        load_or_probe(run, "final", device)
+        load_or_probe(run, "init", device)
+    return {"run_dirs": run_dirs}
+
+
+def _one_replay(run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str, threads: int) -> dict:
+    """Replay one finished run with influence tracking at ``sites`` (skipped when done)."""
+    import torch
+
+    from ..replay import attribute
+
+    torch.set_num_threads(threads)
+    attribute(run_dir, [Site(*s) for s in sites], features, device=device, progress=False)
     return {"run_dir": run_dir}
 
 
@@ -100,9 +136,20 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
     configs = run_configs(scale)
     workers = workers or min(len(configs), os.cpu_count() or 1)
     threads = max(1, (os.cpu_count() or 1) // workers)
-    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), [(s.layer, s.pos) for s in scale.sites],
-             list(TRACKED[c.task]), device, threads) for c in configs]
-    run_jobs(_one_run, jobs, workers, f"toy {scale.name}", progress)
+    sites = [(s.layer, s.pos) for s in scale.sites]
+    run_dir = {c: str(out / "runs" / run_dir_name(c)) for c in configs}
+    if scale.grouped:  # every seed of a (task, regime) at once, then the tracked replays
+        groups = {(c.task, c.regime): [g for g in configs if (g.task, g.regime) == (c.task, c.regime)]
+                  for c in configs}
+        run_jobs(_one_group, [([c.to_dict() for c in g], [run_dir[c] for c in g], device, threads)
+                              for g in groups.values()], workers, f"toy {scale.name} groups", progress)
+        run_jobs(_one_replay, [(run_dir[c], sites, list(TRACKED[c.task]), device, threads)
+                               for c in configs if c.regime in scale.tracked], workers,
+                 f"toy {scale.name} replays", progress)
+    else:
+        jobs = [(c.to_dict(), run_dir[c], sites if c.regime in scale.tracked else [], list(TRACKED[c.task]),
+                 device, threads) for c in configs]
+        run_jobs(_one_run, jobs, workers, f"toy {scale.name}", progress)
     data = gather(scale, out, configs)
     write_json(out / "data.json", data)
     return out
@@ -130,6 +177,8 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig]) -> dict:
                         probes.append({**key, "weights": weights, "layer": layer, "pos": pos, "feature": name,
                                        "r": _finite(ps.r[layer, pos, f].item()),
                                        "useful": bool(task.useful[pos, f])})
+        if cfg.regime not in scale.tracked:
+            continue
         table = pq.read_table(rd / "attribution" / "influence.parquet")
         table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
         rows = table.select(["step", "layer", "pos", "feature", "component", "cumulative"]).to_pylist()

@@ -1,0 +1,325 @@
+"""Run groups: R runs of one regime (seeds) trained as one batched model, each written as an ordinary run directory.
+
+Every parameter gets a leading run axis ``[R, ...]``. ``torch.func.vmap`` over ``functional_call`` runs the R models
+on their own batches ``[R, batch, pos]`` in one pass, and one Adam over the stacked parameters is R separate Adams
+(Adam is elementwise). Member r uses exactly its own config: its seed's initial weights, its training set and its
+data order (``DataOrder``), so it is the run ``train`` would make, up to the last bits of the arithmetic: batched
+kernels may round differently from the single-run ones (measured in docs/run-groups.md).
+
+Each member is an ordinary run directory (``config.json``, ``init``, ``metrics.jsonl``, ``ckpt/``,
+``model.safetensors``, ``DONE``; see ``ntpflow.training``) plus
+
+    group.json   {"index": r, "members": [config dicts, in group order], "dirs": [member dirs relative to this one]}
+
+which says that it was trained in a group. Its replay (``ntpflow attribute``) goes through the same batched step
+(:func:`replay_stepper`), so the replay reproduces the run bit for bit. A killed group resumes from the last
+checkpoint that every member has, to the same bits.
+"""
+
+import logging
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+from tqdm.auto import tqdm
+
+from .config import TrainConfig
+from .io import DirLock, ensure_writable_dir, read_json, resolve_device, save_tensors, write_json
+from .loss import lm_loss
+from .model import GPT
+from .tracking import MetricsLog
+from .training import (
+    DataOrder,
+    Run,
+    _prepare_run_dir,
+    _truncate_metrics,
+    evaluate,
+    load_state,
+    make_datasets,
+    make_optimizer,
+    model_config,
+    save_state,
+    task_for,
+    to_torch,
+    train_step,
+)
+
+log = logging.getLogger(__name__)
+PER_RUN = ("seed", "data_seed")  # the config fields in which the members of a group may differ
+
+
+class RunStack(nn.Module):
+    """R GPTs of one architecture as one module: parameter ``name`` of run r is ``self.stacked[i][r]``.
+
+    ``forward(tokens [R, batch, pos]) -> logits [R, batch, pos, vocab]``, run r on its own weights and batch.
+    """
+
+    def __init__(self, models: Sequence[GPT]):
+        super().__init__()
+        cfg = models[0].cfg
+        if any(m.cfg != cfg for m in models):
+            raise ValueError("the runs of a group must share one architecture")
+        self.names = [n for n, _ in models[0].named_parameters()]
+        self.stacked = nn.ParameterList(
+            nn.Parameter(torch.stack([m.get_parameter(n).detach() for m in models])) for n in self.names)
+        self.register_buffer("groups", models[0].groups.clone(), persistent=False)
+        self._template = [GPT(cfg).to("meta")]  # a list: not a submodule, holds no memory; supplies the forward
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [R, batch, pos] -> logits [R, batch, pos, vocab]."""
+        return self._vmap(lambda params, tok: self._one(params, tok), tokens)
+
+    def losses(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+        """Each run's ``lm_loss`` on its own batch: tokens, loss_mask [R, batch, pos] -> [R]."""
+        return self._vmap(lambda params, tok, mask: lm_loss(self._one(params, tok), tok, mask), tokens, loss_mask)
+
+    def _one(self, params: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+        """One run's logits [batch, pos, vocab] from its parameters (no run axis) and tokens [batch, pos]."""
+        return functional_call(self._template[0], (params, {"groups": self.groups}), (tokens,))
+
+    def _vmap(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
+        """``fn(params, *tensors)`` mapped over the run axis of the parameters and of ``tensors``."""
+        with warnings.catch_warnings():  # the CPU attention kernel has no batching rule: vmap loops over the runs
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            return vmap(fn)(dict(zip(self.names, self.stacked)), *tensors)
+
+    @torch.no_grad()
+    def export(self, r: int, group_opt: torch.optim.Adam, model: GPT, opt: torch.optim.Adam) -> None:
+        """Copy run r's weights and Adam state into an ordinary ``model`` and its optimizer ``opt``."""
+        model.load_state_dict({n: s[r] for n, s in zip(self.names, self.stacked)})
+        for s, p in zip(self.stacked, model.parameters()):
+            st = group_opt.state.get(s)
+            if st:
+                opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"][r].clone(),
+                                "exp_avg_sq": st["exp_avg_sq"][r].clone()}
+            else:
+                opt.state.pop(p, None)
+
+
+def stack_runs(models: Sequence[GPT], opts: Sequence[torch.optim.Adam], cfg: TrainConfig
+               ) -> tuple[RunStack, torch.optim.Adam]:
+    """One RunStack of ``models`` (on their device) and one Adam holding their optimizers' states stacked."""
+    stack = RunStack(models).to(next(models[0].parameters()).device)
+    group_opt = make_optimizer(stack, cfg)
+    for i, s in enumerate(stack.stacked):
+        states = [o.state.get(list(m.parameters())[i]) for m, o in zip(models, opts)]
+        if all(states):
+            group_opt.state[s] = {"step": states[0]["step"].clone(),
+                                  "exp_avg": torch.stack([st["exp_avg"] for st in states]),
+                                  "exp_avg_sq": torch.stack([st["exp_avg_sq"] for st in states])}
+        elif any(states):
+            raise ValueError("the runs of a group must resume from the same step")
+    return stack, group_opt
+
+
+def group_step(stack: RunStack, opt: torch.optim.Adam, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """One Adam step of every run on its own batch (tokens, loss_mask [R, batch, pos]); returns the losses [R].
+
+    The losses are summed before the backward pass: run r's parameters only reach its own loss, so each gets
+    exactly its own gradient."""
+    losses = stack.losses(tokens, loss_mask)
+    opt.zero_grad(set_to_none=True)
+    losses.sum().backward()
+    opt.step()
+    return losses.detach()
+
+
+class GroupData:
+    """The members' training sets stacked on ``device`` and their data orders: ``batch(step)`` -> tokens,
+    loss_mask [R, batch, pos], run r's rows being ``DataOrder(seed_r)(step)`` of its own training set."""
+
+    def __init__(self, cfgs: Sequence[TrainConfig], device):
+        task = task_for(cfgs[0])
+        sets = [make_datasets(c, task) for c in cfgs]
+        train = [to_torch(tr, device) for tr, _ in sets]
+        self.evals = [to_torch(ev, device) for _, ev in sets]
+        self.tokens = torch.stack([t["tokens"] for t in train])  # [R, n_train, pos]
+        self.loss_mask = torch.stack([t["loss_mask"] for t in train])
+        self.orders = [DataOrder(c.seed, c.n_train, c.batch_size) for c in cfgs]
+        self.rows = torch.arange(len(cfgs), device=device)[:, None]
+
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, loss_mask) [R, batch, pos] of ``step``."""
+        idx = torch.stack([o(step) for o in self.orders]).to(self.rows.device)  # [R, batch]
+        return self.tokens[self.rows, idx], self.loss_mask[self.rows, idx]
+
+
+def check_group(cfgs: Sequence[TrainConfig]) -> None:
+    """ValueError unless the configs differ only in ``seed`` and ``data_seed`` (one regime, one schedule)."""
+    if not cfgs:
+        raise ValueError("a run group needs at least one run")
+    base = {k: v for k, v in cfgs[0].to_dict().items() if k not in PER_RUN}
+    for c in cfgs[1:]:
+        diff = sorted(k for k, v in c.to_dict().items() if k not in PER_RUN and base[k] != v)
+        if diff:
+            raise ValueError(f"the runs of a group may differ only in {' and '.join(PER_RUN)}; "
+                             f"these differ: {', '.join(diff)}")
+
+
+def group_record(cfgs: Sequence[TrainConfig], run_dirs: Sequence[Path], r: int) -> dict:
+    """The ``group.json`` of member r."""
+    return {"index": r, "members": [c.to_dict() for c in cfgs],
+            "dirs": [os.path.relpath(d, run_dirs[r]) for d in run_dirs]}
+
+
+def _prepare(cfgs: Sequence[TrainConfig], run_dirs: Sequence[Path]) -> None:
+    """Create the member dirs (``group.json`` first), or check that existing ones belong to this group."""
+    for r, (cfg, d) in enumerate(zip(cfgs, run_dirs)):
+        record = group_record(cfgs, run_dirs, r)
+        if (d / "group.json").exists():
+            if read_json(d / "group.json")["members"] != record["members"]:
+                raise ValueError(f"{d} holds a run of another run group; choose another output directory")
+        elif (d / "config.json").exists():
+            raise ValueError(f"{d} holds a run trained alone; a run group cannot take it over")
+        else:
+            ensure_writable_dir(d)
+            write_json(d / "group.json", record)
+        _prepare_run_dir(cfg, d)
+
+
+def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, progress: bool = True) -> list[Run]:
+    """Train the runs ``cfgs`` (one regime, different seeds) as one batched model into ``run_dirs``, resuming from
+    the last checkpoint that every member has. Returns the member Runs (each readable like one from ``train``)."""
+    cfgs, run_dirs = list(cfgs), [Path(d) for d in run_dirs]
+    check_group(cfgs)
+    if len(cfgs) != len(run_dirs) or len({d.resolve() for d in run_dirs}) != len(run_dirs):
+        raise ValueError("a run group needs one distinct run directory per config")
+    for c in cfgs:
+        task_for(c)  # a bad task setting fails before anything is written
+    _prepare(cfgs, run_dirs)
+    with ExitStack() as locks:
+        for d in run_dirs:  # one writer per run directory
+            locks.enter_context(DirLock(d))
+        _prepare(cfgs, run_dirs)
+        runs = [Run(d, c) for c, d in zip(cfgs, run_dirs)]
+        if not all(run.done for run in runs):
+            _train_group(cfgs, runs, progress)
+    return runs
+
+
+def _members(cfgs: Sequence[TrainConfig], device) -> tuple[list[GPT], list[torch.optim.Adam]]:
+    """Each member's model at its initial weights on ``device``, and its (fresh) Adam."""
+    mcfg = model_config(cfgs[0], task_for(cfgs[0]))
+    models = [GPT(mcfg, seed=c.seed).to(device).train() for c in cfgs]
+    return models, [make_optimizer(m, c) for m, c in zip(models, cfgs)]
+
+
+def _resume(runs: Sequence[Run], models, opts, device, upto: int) -> int:
+    """Load the members' latest common checkpoint at step <= ``upto`` into ``models`` and ``opts``; returns its
+    step (0: none, the models keep their initial weights)."""
+    common = set.intersection(*(set(run.checkpoints()) for run in runs))
+    for step in sorted((s for s in common if s <= upto), reverse=True):
+        try:
+            for run, m, o in zip(runs, models, opts):
+                load_state(run.weights_path(step), m, o, device)
+            return step
+        except ValueError as e:  # a corrupt checkpoint: fall back to the one before
+            log.warning("warning: %s; falling back to the previous common checkpoint", e)
+    for m, o, c in zip(models, opts, [run.cfg for run in runs]):
+        m.load_state_dict(GPT(m.cfg, seed=c.seed).state_dict())
+        o.state.clear()
+    return 0
+
+
+def _train_group(cfgs: list[TrainConfig], runs: list[Run], progress: bool) -> None:
+    cfg = cfgs[0]
+    device = resolve_device(cfg.device)
+    task = runs[0].task
+    data = GroupData(cfgs, device)
+    models, opts = _members(cfgs, device)
+    for run, m in zip(runs, models):
+        if not (run.dir / "init.json").exists():
+            save_tensors(run.dir / "init.safetensors", {f"model.{k}": v for k, v in m.state_dict().items()},
+                         {"step": 0, "config_hash": run.cfg.hash()})
+    start = _resume(runs, models, opts, device, cfg.steps)
+    if start:
+        log.info("resuming the group of %s from step %d", runs[0].dir, start)
+    stack, group_opt = stack_runs(models, opts, cfg)
+    for run in runs:
+        _truncate_metrics(run.dir / "metrics.jsonl", start)
+    logs = [MetricsLog(run.dir / "metrics.jsonl") for run in runs]
+
+    def each_member(fn: Callable[[int], None]) -> None:
+        for r in range(len(runs)):
+            stack.export(r, group_opt, models[r], opts[r])
+            fn(r)
+
+    try:
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
+                   desc=f"group of {len(runs)}: {runs[0].dir.name}", leave=False)
+        for step in bar:
+            if step % cfg.eval_every == 0:
+                each_member(lambda r: logs[r].log({"step": step, "kind": "eval",
+                                                   **evaluate(models[r], data.evals[r], task)}))
+            losses = group_step(stack, group_opt, *data.batch(step))
+            if (step + 1) % cfg.log_every == 0:
+                for lg, loss in zip(logs, losses.tolist()):
+                    lg.log({"step": step + 1, "kind": "train", "loss": loss})
+            if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
+                for lg in logs:
+                    lg.flush()
+                each_member(lambda r: save_state(runs[r].weights_path(step + 1), models[r], opts[r],
+                                                 {"step": step + 1, "config_hash": runs[r].cfg.hash()}))
+        finals: list[dict] = [{} for _ in runs]
+        each_member(lambda r: finals[r].update(evaluate(models[r], data.evals[r], task)))
+        for lg, final in zip(logs, finals):
+            lg.log({"step": cfg.steps, "kind": "eval", **final})
+    finally:
+        for lg in logs:
+            lg.close()
+    each_member(lambda r: save_state(runs[r].weights_path("final"), models[r], opts[r],
+                                     {"step": cfg.steps, "config_hash": runs[r].cfg.hash()}))
+    for run, final in zip(runs, finals):  # DONE last: a member is finished only once every member is saved
+        write_json(run.dir / "DONE", {"step": cfg.steps, **final})
+
+
+class GroupReplay:
+    """Advances a group member's replay as its group trained it: the whole group takes each step (rebuilt from the
+    members' common training checkpoint on the first call), then run r's weights and Adam state are copied into the
+    replay's ``model`` and ``opt``. Call as ``stepper(step, tokens, loss_mask)`` (the batch is recomputed here)."""
+
+    def __init__(self, run: Run, model: GPT, opt: torch.optim.Adam, device):
+        record = read_json(run.dir / "group.json")
+        self.r, self.model, self.opt, self.device = record["index"], model, opt, device
+        self.cfgs = [TrainConfig.from_dict(d) for d in record["members"]]
+        if self.cfgs[self.r].hash() != run.cfg.hash():
+            raise ValueError(f"{run.dir / 'group.json'} does not describe the run in {run.dir}")
+        self.runs = [Run((run.dir / d).resolve(), c) for d, c in zip(record["dirs"], self.cfgs)]
+        self.data = GroupData(self.cfgs, device)
+        self.next_step = None
+        self.stack = self.group_opt = None
+
+    def _seek(self, step: int) -> None:
+        """Bring the group to ``step``: load the common checkpoint before it (if every member dir has one), step on."""
+        models, opts = _members(self.cfgs, self.device)
+        have = all((run.dir / "config.json").exists() and Run.open(run.dir).cfg.hash() == run.cfg.hash()
+                   for run in self.runs)
+        at = _resume(self.runs, models, opts, self.device, step) if have else 0
+        self.stack, self.group_opt = stack_runs(models, opts, self.cfgs[0])
+        for s in range(at, step):
+            group_step(self.stack, self.group_opt, *self.data.batch(s))
+        self.next_step = step
+        ours = {n: s[self.r] for n, s in zip(self.stack.names, self.stack.stacked)}
+        if any(not torch.equal(v, ours[n]) for n, v in self.model.named_parameters()):
+            raise RuntimeError(f"the replay state of {self.runs[self.r].dir} disagrees with its group's checkpoints")
+
+    def __call__(self, step: int, tokens: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        if step != self.next_step:
+            self._seek(step)
+        group_step(self.stack, self.group_opt, *self.data.batch(step))
+        self.stack.export(self.r, self.group_opt, self.model, self.opt)
+        self.next_step = step + 1
+
+
+def replay_stepper(run: Run, model: GPT, opt: torch.optim.Adam, device) -> Callable[[int, torch.Tensor, torch.Tensor],
+                                                                                       None]:
+    """How a replay advances ``model`` and ``opt`` by step ``step`` of ``run`` (``stepper(step, tokens, loss_mask)``):
+    ``train_step`` for a run trained alone, the group's batched step (:class:`GroupReplay`) for a group member."""
+    if (run.dir / "group.json").exists():
+        return GroupReplay(run, model, opt, device)
+    return lambda step, tokens, loss_mask: train_step(model, opt, tokens, loss_mask)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The paper-scale toy study in one command: 2 tasks x 4 regimes x 10 seeds (3000 steps, d_model 128, 2 layers,
+# 4 heads, batch 256, lr 1e-3), each (task, regime) trained as one run group of 10 seeds; the 20 vanilla runs
+# replayed with influence tracking at layers 1-2 x positions 2-19; probes of the final and the step-0 weights; the
+# report. Work files go to results/toy-paper (resumable: rerun to continue); the report is copied to
+# docs/results/toy-paper/. Meant for a GPU; see docs/run-groups.md for the time it needs.
+#
+#   scripts/paper_gpu.sh [WORK_DIR]            the paper scale on the default device (CUDA when available)
+#   scripts/paper_gpu.sh --smoke [WORK_DIR]    the same code path at smoke size on the CPU (minutes); no copy to docs/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+scale=paper device=auto
+if [[ "${1:-}" == "--smoke" ]]; then
+  scale=paper-smoke device=cpu
+  export CUDA_VISIBLE_DEVICES=""  # train on the CPU too
+  shift
+fi
+work=${1:-results/toy-$scale}
+start=$(date +%s)
+HF_HUB_OFFLINE=1 "$PYTHON" -m ntpflow -q reproduce toy --scale "$scale" --out "$work" --device "$device"
+if [[ "$scale" == paper ]]; then
+  mkdir -p docs/results/toy-paper/figures
+  cp "$work"/report.md "$work"/summary.json docs/results/toy-paper/
+  cp "$work"/figures/*.png "$work"/figures/*.svg docs/results/toy-paper/figures/
+fi
+echo "toy study ($scale) finished in $(( $(date +%s) - start )) s; report: $work/report.md"

@@ -1,0 +1,206 @@
+"""Run groups (ntpflow.run_group): the run axis against separate runs, resume, replay, bad input, the paper script."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ntpflow.run_group as run_group
+from ntpflow.config import REGIMES, TrainConfig
+from ntpflow.io import load_tensors
+from ntpflow.loss import lm_loss
+from ntpflow.model import GPT
+from ntpflow.replay import attribute
+from ntpflow.run_group import GroupData, RunStack, group_step, stack_runs, train_group
+from ntpflow.sites import Site
+from ntpflow.training import DataOrder, Run, make_datasets, make_optimizer, model_config, task_for, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = dict(task="majority", steps=12, d_model=16, n_head=2, batch_size=16, n_train=320, n_eval=64, eval_every=6,
+            ckpt_every=4, log_every=2)
+# Tolerance of a group member's weights against the same run trained alone (docs/run-groups.md): the batched
+# kernels may round differently, and Adam turns a last-bit difference of a near-zero gradient into up to ~lr per
+# step; after TINY's 12 steps the measured gap is ~1e-6, the bound lr * steps / 10 = 1.2e-3 is far from any real
+# divergence (the weights move by ~lr * steps = 1.2e-2 in that time).
+TOL = 1e-3 * 12 / 10
+
+
+def configs(regime="vanilla", seeds=(0, 1), **kw):
+    return [TrainConfig(regime=regime, seed=s, **{**TINY, **kw}) for s in seeds]
+
+
+def weights(run: Run, which="final") -> dict[str, torch.Tensor]:
+    return {k: v for k, v in load_tensors(run.weights_path(which)).items() if k.startswith("model.")}
+
+
+def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("regime", REGIMES)
+def test_run_axis_gradients_equal_separate_runs_float64(regime):
+    """Exact maths: each run's gradient through the stacked model is its own model's gradient (float64)."""
+    cfgs = configs(regime, seeds=(0, 1, 2))
+    mcfg = model_config(cfgs[0], task_for(cfgs[0]))
+    models = [GPT(mcfg, seed=c.seed).double() for c in cfgs]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, mcfg.vocab_size, (3, 8, mcfg.n_ctx), generator=gen)
+    mask = torch.rand(3, 8, mcfg.n_ctx, generator=gen) > 0.3
+    stack = RunStack(models)
+    stack.losses(tokens, mask).sum().backward()
+    for r, m in enumerate(models):
+        lm_loss(m(tokens[r]), tokens[r], mask[r]).backward()
+        for s, (name, p) in zip(stack.stacked, m.named_parameters()):
+            torch.testing.assert_close(s.grad[r], p.grad, rtol=1e-10, atol=1e-13, msg=name)
+
+
+def test_one_adam_over_stacked_params_is_separate_adams():
+    """Adam is elementwise: a step of the stacked optimizer equals each run's own optimizer step (float64)."""
+    cfgs = configs(seeds=(0, 1))
+    mcfg = model_config(cfgs[0], task_for(cfgs[0]))
+    models = [GPT(mcfg, seed=c.seed).double() for c in cfgs]
+    opts = [make_optimizer(m, c) for m, c in zip(models, cfgs)]
+    stack, group_opt = stack_runs(models, opts, cfgs[0])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for s in stack.stacked:
+            s.grad = torch.randn(s.shape, generator=gen, dtype=s.dtype)
+        for r, m in enumerate(models):
+            for s, p in zip(stack.stacked, m.parameters()):
+                p.grad = s.grad[r].clone()
+            opts[r].step()
+        group_opt.step()
+    for r, m in enumerate(models):
+        for s, (name, p) in zip(stack.stacked, m.named_parameters()):
+            torch.testing.assert_close(s.detach()[r], p.detach(), rtol=1e-12, atol=1e-15, msg=name)
+            torch.testing.assert_close(group_opt.state[s]["exp_avg_sq"][r], opts[r].state[p]["exp_avg_sq"])
+
+
+def test_group_data_is_each_runs_own_order():
+    cfgs = configs(seeds=(3, 5))
+    data = GroupData(cfgs, "cpu")
+    for step in (0, 7, 25):  # 25: a later epoch (20 batches per epoch)
+        tokens, mask = data.batch(step)
+        for r, c in enumerate(cfgs):
+            train_set, _ = make_datasets(c, task_for(c))
+            idx = DataOrder(c.seed, c.n_train, c.batch_size)(step).numpy()
+            assert torch.equal(tokens[r], torch.as_tensor(train_set.tokens[idx]))
+            assert torch.equal(mask[r], torch.as_tensor(train_set.loss_mask[idx]))
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    root = tmp_path_factory.mktemp("group")
+    cfgs = configs()
+    runs = train_group(cfgs, [root / f"g{c.seed}" for c in cfgs], progress=False)
+    return root, cfgs, runs
+
+
+def test_group_members_are_ordinary_runs_close_to_separate_runs(group, tmp_path):
+    root, cfgs, runs = group
+    for r, (c, run) in enumerate(zip(cfgs, runs)):
+        opened = Run.open(run.dir)
+        assert opened.done and opened.cfg == c and opened.checkpoints() == [4, 8]
+        assert json.loads((run.dir / "group.json").read_text())["index"] == r
+        alone = train(c, tmp_path / f"alone{c.seed}", progress=False)
+        assert same_bits(weights(run, "init"), weights(alone, "init"))
+        for k, v in weights(alone).items():
+            assert (weights(run)[k] - v).abs().max() <= TOL, k
+        got, want = run.metrics(), alone.metrics()
+        assert [(m["step"], m["kind"]) for m in got] == [(m["step"], m["kind"]) for m in want]
+        first = next(i for i, m in enumerate(want) if m["kind"] == "train")
+        assert got[first]["loss"] == pytest.approx(want[first]["loss"], rel=1e-5)  # same data order from step 0
+
+
+def test_killed_group_resumes_to_the_same_bits(group, tmp_path, monkeypatch):
+    root, cfgs, runs = group
+    real, calls = run_group.save_state, []
+
+    def dying_save_state(path, *args, **kw):  # dies after the first member's checkpoint at step 8 is written
+        real(path, *args, **kw)
+        calls.append(path)
+        if Path(path).name == "step_000008.safetensors":
+            raise KeyboardInterrupt("injected kill")
+
+    monkeypatch.setattr(run_group, "save_state", dying_save_state)
+    dirs = [tmp_path / f"g{c.seed}" for c in cfgs]
+    with pytest.raises(KeyboardInterrupt):
+        train_group(cfgs, dirs, progress=False)
+    monkeypatch.setattr(run_group, "save_state", real)
+    assert [Run.open(d).checkpoints() for d in dirs] == [[4, 8], [4]]
+    resumed = train_group(cfgs, dirs, progress=False)
+    for a, b in zip(resumed, runs):
+        assert same_bits(weights(a), weights(b))
+        assert a.metrics() == b.metrics()
+
+
+def test_replay_of_a_member_is_bit_identical_and_resumes(group, monkeypatch):
+    root, cfgs, runs = group
+    run = runs[1]
+    from ntpflow import replay
+
+    real_track = replay.InfluenceTracker.track
+
+    def dying_track(self, *a, **kw):  # killed at step 6: the replay state at step 4 stays
+        if self.step == 6:
+            raise KeyboardInterrupt("injected kill")
+        return real_track(self, *a, **kw)
+
+    monkeypatch.setattr(replay.InfluenceTracker, "track", dying_track)
+    sites, features = [Site(1, 5)], ["is_majority_<0>"]
+    with pytest.raises(KeyboardInterrupt):
+        attribute(run.dir, sites, features, device="cpu", progress=False)
+    monkeypatch.setattr(replay.InfluenceTracker, "track", real_track)
+    out = attribute(run.dir, sites, features, device="cpu", progress=False)  # raises if not bit-identical
+    assert (out / "influence.parquet").exists()
+    # a block size off the checkpoint grid: the group is rebuilt from its step-4 checkpoint and stepped to 6
+    attribute(run.dir, sites, features, out_dir=root / "attr3", block=3, device="cpu", progress=False)
+
+
+def test_group_step_is_the_training_step(group):
+    """The stepper a replay gets: the group's step for a member, ``train_step`` for a run trained alone."""
+    _, cfgs, runs = group
+    model = runs[0].load_model("init")
+    opt = make_optimizer(model, cfgs[0])
+    stepper = run_group.replay_stepper(runs[0], model, opt, torch.device("cpu"))
+    assert isinstance(stepper, run_group.GroupReplay)
+    data = GroupData(cfgs, "cpu")
+    stepper(0, *[x[0] for x in data.batch(0)])
+    models = [run.load_model("init") for run in runs]
+    stack, gopt = stack_runs(models, [make_optimizer(m, c) for m, c in zip(models, cfgs)], cfgs[0])
+    group_step(stack, gopt, *data.batch(0))
+    assert all(torch.equal(p, s[0]) for p, s in zip(model.parameters(), stack.stacked))
+    assert int(opt.state[next(model.parameters())]["step"]) == 1
+
+
+def test_bad_groups_are_clean_errors_and_write_nothing(tmp_path):
+    mixed = [TrainConfig(regime="vanilla", seed=0, **TINY), TrainConfig(regime="myopic", seed=1, **TINY)]
+    with pytest.raises(ValueError, match="regime"):
+        train_group(mixed, [tmp_path / "a", tmp_path / "b"], progress=False)
+    with pytest.raises(ValueError, match="distinct"):
+        train_group(configs(), [tmp_path / "a", tmp_path / "a"], progress=False)
+    assert not any(tmp_path.iterdir())
+    alone = configs(seeds=(0,))[0]
+    train(alone, tmp_path / "alone", progress=False)
+    with pytest.raises(ValueError, match="trained alone"):
+        train_group(configs(), [tmp_path / "alone", tmp_path / "other"], progress=False)
+
+
+def test_paper_script_smoke(tmp_path):
+    """``scripts/paper_gpu.sh --smoke``: the paper scale's code path (run groups, tracked vanilla replays, report)."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "paper_gpu.sh"), "--smoke", str(tmp_path / "w")], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-2000:]
+    data = json.loads((tmp_path / "w" / "data.json").read_text())
+    assert len(data["runs"]) == 16  # 2 tasks x 4 regimes x 2 seeds
+    assert {r["regime"] for r in data["influence"]} == {"vanilla"}
+    assert {(r["task"], r["seed"]) for r in data["influence"]} == {(t, s) for t in ("majority", "cond_majority")
+                                                                     for s in (0, 1)}
+    for d in (tmp_path / "w" / "runs").iterdir():
+        assert (d / "group.json").exists() and (d / "DONE").exists() and (d / "probes_init").exists()
+    assert (tmp_path / "w" / "report.md").exists()
