@@ -39,6 +39,7 @@ from .io import (
     write_json,
 )
 from .probe_runs import load_or_probe
+from .run_group import replay_stepper
 from .sites import Site
 from .training import (
     DataOrder,
@@ -48,7 +49,6 @@ from .training import (
     make_optimizer,
     save_state,
     to_torch,
-    train_step,
 )
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,7 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
     opt = make_optimizer(model, cfg)
     tracker = InfluenceTracker(run.load_model("final", dev), [Probe(p.site, p.name, p.w.to(dev)) for p in probes])
     start, cums = _resume(out, model, opt, tracker, dev)
+    advance = replay_stepper(run, model, opt, dev)  # a run group's member steps with its group
     block = block or cfg.ckpt_every
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
     rows: list[dict] = []
@@ -133,7 +134,7 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
             cums[key] += r["value"] if r["component"] != "risk" else 0.0
             r["cumulative"] = cums[key] if r["component"] != "risk" else r["value"]
             rows.append(r)
-        train_step(model, opt, tokens, mask)
+        advance(step, tokens, mask)
         if (step + 1) % block == 0 or step + 1 == cfg.steps:
             _write_part(out / "parts" / f"part_{block_start:06d}.parquet", rows)
             rows, block_start = [], step + 1
