@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         expected = isinstance(e, ValueError | OSError | RuntimeError | ImportError)
-        msg = str(e).strip("'\"").splitlines()[0] if str(e).strip() else type(e).__name__
+        text = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)  # KeyError's str() adds quotes
+        msg = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         if expected:
             print(f"ntpflow: error: {msg}", file=sys.stderr)
             return 2
