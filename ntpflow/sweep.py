@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import TrainConfig, _check_type
-from .io import ensure_writable_dir, read_json, resolve_device, write_json
+from .io import atomic_write, ensure_writable_dir, read_json, resolve_device, write_json
 
 log = logging.getLogger(__name__)
 
@@ -263,9 +263,9 @@ def gather(spec: SweepSpec, out: str | Path) -> Path:
         elif row["status"] == "failed":
             row["error"] = read_json(run_dir / "FAILED")["error"]
         rows.append(row)
-    tmp = out / ".results.parquet.tmp"
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    tmp.replace(out / "results.parquet")
+    buf = pa.BufferOutputStream()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    atomic_write(out / "results.parquet", buf.getvalue().to_pybytes())
     return out / "results.parquet"
 
 
