@@ -379,3 +379,25 @@ def test_zero_and_large_batches(name):
     n = len(big)
     for p in range(20):
         assert big.legal[np.arange(n), p, big.tokens[:, p + 1]].all()
+
+
+@pytest.mark.parametrize("name", ["majority", "cond_majority"])
+def test_optimal_loss_matches_sampled_legal_sets(name):
+    """Outputs are uniform over the legal set, so the Bayes-optimal loss is the mean over counted positions of
+    ln |legal set|; its sample mean over many sequences must agree with the exact enumeration within 5 standard
+    errors."""
+    task = make_task(name, n_inputs=5, n_outputs=4)
+    batch = task.sample(40_000, np.random.default_rng(0))
+    counted = batch.loss_mask[:, :-1]  # positions 0..T-2 predict tokens 1..T-1
+    per_seq = (np.log(batch.legal[:, :-1, 2:].sum(-1)) * counted).sum(1) / counted.sum(1)
+    stderr = per_seq.std() / np.sqrt(len(per_seq))
+    assert abs(per_seq.mean() - task.optimal_loss()) < 5 * stderr + 1e-12
+
+
+def test_optimal_loss_hand_worked():
+    # one input: the first majority output is that input (no entropy), so only the input costs ln 3 of T - 1 = 3
+    assert make_task("majority", n_inputs=1, n_outputs=2).optimal_loss() == pytest.approx(np.log(3) / 3, rel=1e-12)
+    # cond_majority with 2 inputs over 2 symbols: the second input is counted iff the first is <0>; the set is
+    # {second} (size 1) then, else both symbols tie (ln 2): E = ln 2 / 2 per output
+    task = make_task("cond_majority", n_inputs=2, n_outputs=3, n_symbols=2)
+    assert task.optimal_loss() == pytest.approx((2 * np.log(2) + 3 * np.log(2) / 2) / 5, rel=1e-12)

@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+import itertools
+import math
+
 import numpy as np
 
 from .base import BOS_ID, N_SPECIAL, Batch
@@ -86,6 +89,23 @@ class _SymbolTask:
         u = np.zeros((self.seq_len, self.n_features), dtype=bool)
         u[self.n_inputs :] = True
         return u
+
+    def optimal_loss(self) -> float:
+        """The exact optimal expected training loss: the mean over the ``T - 1`` counted positions of the
+        entropy of the next token given the prefix (what a Bayes-optimal predictor pays).
+
+        Inputs are i.i.d. uniform (ln S each), and every output is uniform over a set that the prefix fixes, so it
+        costs E[ln |set|]; :meth:`_output_entropies` gives those expectations, computed by enumerating all
+        ``n_symbols ** n_inputs`` input strings.
+        """
+        inputs = np.array(list(itertools.product(range(self.n_symbols), repeat=self.n_inputs)), dtype=np.int64)
+        outputs = self._output_entropies(inputs).sum()
+        return (self.n_inputs * math.log(self.n_symbols) + float(outputs)) / (self.seq_len - 1)
+
+    def _output_entropies(self, inputs: np.ndarray) -> np.ndarray:
+        """float ``[n_outputs]``: the mean over input strings ``[n, n_inputs]`` (all equally likely) of the entropy
+        of each output given its prefix."""
+        raise NotImplementedError
 
     def _check_tokens(self, tokens: np.ndarray) -> np.ndarray:
         tokens = np.asarray(tokens)
@@ -164,6 +184,14 @@ class Majority(_SymbolTask):
         is_max = counts == counts.max(axis=2, keepdims=True)  # [n, T, S]
         return is_max.astype(np.float32), is_max[:, n_in : n_in + self.n_outputs]
 
+    def _output_entropies(self, inputs: np.ndarray) -> np.ndarray:
+        # the first output is uniform over the argmax set of the input counts; it then holds the strict maximum,
+        # so every later output is determined (entropy 0)
+        counts = (inputs[:, :, None] == np.arange(self.n_symbols)).sum(axis=1)
+        h = np.zeros(self.n_outputs)
+        h[0] = np.log((counts == counts.max(axis=1, keepdims=True)).sum(axis=1)).mean()
+        return h
+
     def sample(self, n: int, rng: np.random.Generator) -> Batch:
         """Draw ``n`` sequences (see class docstring); randomness only from ``rng``."""
         S, n_in = self.n_symbols, self.n_inputs
@@ -214,6 +242,10 @@ class CondMajority(_SymbolTask):
         follow = inputs[:, 1:]
         counts = ((follow[:, :, None] == np.arange(S)) & after_key[:, :, None]).sum(axis=1)
         return counts == counts.max(axis=1, keepdims=True)  # all True if nothing counted
+
+    def _output_entropies(self, inputs: np.ndarray) -> np.ndarray:
+        # every output is i.i.d. uniform over the conditioned set, which the inputs fix
+        return np.full(self.n_outputs, np.log(self._cond_set(inputs).sum(axis=1)).mean())
 
     def _features_and_sets(self, symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n, S = symbols.shape[0], self.n_symbols
