@@ -114,7 +114,7 @@ def cmd_reproduce(args) -> int:
         resolve_device(args.device)
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
     options = {"workers": args.workers, "device": args.device or "auto", "progress": not args.quiet,
-               "corpus": args.corpus}
+               "corpus": args.corpus, "tasks": tuple(args.tasks.split(",")) if args.tasks else None}
     if args.experiment == "all":
         print(run_all(args.scale, out, **options))
     else:
@@ -254,11 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
                         epilog=REPRODUCE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     rp.add_argument("experiment", help="toy | othello | stories | llm | all (every experiment and one report.html)")
     rp.add_argument("--scale", default="smoke", help="smoke (default; CI, minutes) | small (this 2-core CPU: "
-                    "30-60 min per experiment, all: ~2.5-3 h) | paper (the paper's sizes: GPU)")
+                    "30-60 min per experiment, all: ~2.5-3 h) | medium (toy only: the paper's model, 5 seeds; "
+                    "hours on a CPU) | paper (the paper's sizes: GPU)")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
     rp.add_argument("--corpus", help="stories (needed at small scale): a folder or file of stories, "
                     "'generated[:N]' or 'hf' (default: generated at smoke, hf at paper)")
+    rp.add_argument("--tasks", help="toy only: comma-separated subset of majority,cond_majority (default: both)")
     rp.add_argument("--device", help="auto (default), cpu, cuda, ...")
     rp.set_defaults(fn=cmd_reproduce)
 
