@@ -23,7 +23,7 @@ from pathlib import Path
 from ..io import read_json
 from .claims import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Claim, Rule, at_least, interval_above
 from .figure_style import BASELINE, SIGN, error_bars, figure, finish, save, style
-from .report_kit import fmt, fmt_ci, report_main, stats, stored_summary
+from .report_kit import draw_figures, fmt, fmt_ci, report_main, stats, stored_summary
 from .render import write_documents
 
 MODES = ("reconstruction", "error-preserving")
@@ -454,7 +454,7 @@ def _fig_qvi(s, figdir):
 # --------------------------------------------------------------------------------------------------------- document
 
 
-def _blocks(s: dict, have: set[str]) -> list:
+def _blocks(s: dict) -> list:
     su = s["setup"]
     sae = su.get("sae") or {}
     b: list = [("h1", f"Pretrained LLM: Q(w), domains, steering, look-ahead ({s.get('scale')} scale)")]
@@ -494,17 +494,15 @@ def _blocks(s: dict, have: set[str]) -> list:
     rows.append(["paper (gemma-2-2b)", "16384", "~14565", "n/a", "1.63 ± 0.03", "1.23 ± 0.02", "1.33"])
     b.append(("table", ["mode", "scored", "included (KL > cutoff)", "median ln Q", "σ(ln Q) formal (95% CI)",
                         "σ(ln Q) other (95% CI)", "σ ratio formal/other [95% CI]"], rows, "sigma"))
-    if "lnq_hist" in have:
-        b.append(("fig", "lnq_hist", ("Histogram of ln Q of the included latents, formal (code + math > half of "
-                                     "the top examples) vs other, per ablation mode.")))
+    b.append(("fig", "lnq_hist", ("Histogram of ln Q of the included latents, formal (code + math > half of "
+                                 "the top examples) vs other, per ablation mode.")))
     b.append(("h2", "Domain make-up of the Q tails"))
     rows = []
     for mode, q in s["q"].items():
         for g in ("low", "all", "high"):
             rows.append([mode, g] + [fmt(q["tails"][g][d], 2) for d in DOMAINS])
     b.append(("table", ["mode", "group", *DOMAINS], rows, "tails"))
-    if "q_tails" in have:
-        b.append(("fig", "q_tails", "Domain of the latents in the lowest and highest 10% of ln Q and overall."))
+    b.append(("fig", "q_tails", "Domain of the latents in the lowest and highest 10% of ln Q and overall."))
     st = s.get("steering")
     b.append(("h2", "Steering"))
     if st:
@@ -521,8 +519,7 @@ def _blocks(s: dict, have: set[str]) -> list:
         rows = [[g, str(f), repr(t)[:120]] for g in ("high", "low") for f, t in ex[g]]
         rows += [["none", "-", repr(t)[:120]] for t in ex["baseline"]]
         b.append(("table", ["group", "latent", "continuation of the empty prompt (first alpha)"], rows, "steer-ex"))
-        if "steering" in have:
-            b.append(("fig", "steering", "Code score of steered continuations, mean over latents with 95% t-CI."))
+        b.append(("fig", "steering", "Code score of steered continuations, mean over latents with 95% t-CI."))
     else:
         b.append(("p", "Not run."))
     ln = s.get("lens")
@@ -538,9 +535,8 @@ def _blocks(s: dict, have: set[str]) -> list:
         rows = [[mode, str(r["k"]), str(r["r"]), f"{fmt(r['rho'], 2)} [{fmt(r['lo'], 2)}, {fmt(r['hi'], 2)}]",
                  fmt(r["p"], 3), str(r["n"])] for mode, rr in ln["correlation"].items() for r in rr]
         b.append(("table", ["mode", "k", "r", "Spearman ρ(Q, overlap) [95% CI]", "p", "n"], rows, "lens-corr"))
-        if "lens" in have:
-            b.append(("fig", "lens", ("Left: held-out accuracy of the lenses. Right: Spearman correlation of Q with "
-                                     "the overlap, per k and rank r.")))
+        b.append(("fig", "lens", ("Left: held-out accuracy of the lenses. Right: Spearman correlation of Q with "
+                                 "the overlap, per k and rank r.")))
     else:
         b.append(("p", "Not run."))
     qv = s.get("q_vs_influence")
@@ -566,8 +562,7 @@ def _blocks(s: dict, have: set[str]) -> list:
                 rows.append([label, f"{fmt(sp['rho'], 2)} [{fmt(sp['lo'], 2)}, {fmt(sp['hi'], 2)}]",
                              fmt(sp["p"], 3), str(sp["n"])])
         b.append(("table", ["statistic", "Spearman ρ [95% CI]", "p", "n"], rows, "qvi"))
-        if "q_vs_influence" in have:
-            b.append(("fig", "q_vs_influence", "Each point a probe site × feature of the toy run."))
+        b.append(("fig", "q_vs_influence", "Each point a probe site × feature of the toy run."))
     else:
         b.append(("p", "Not run."))
     if s.get("timing"):
@@ -589,15 +584,9 @@ def write_report(out: str | Path) -> Path:
         s = stored_summary(out)
     else:
         raise FileNotFoundError(f"no llm results in {out} (missing quality.json); run run_llm first")
-    figdir = out / "figures"
-    figdir.mkdir(exist_ok=True)
-    pngs = {}
-    for name, fn in (("lnq_hist", _fig_hist), ("q_tails", _fig_tails), ("steering", _fig_steering),
-                     ("lens", _fig_lens), ("q_vs_influence", _fig_qvi)):
-        png = fn(s, figdir)
-        if png is not None:
-            pngs[name] = png
-    write_documents(out, _blocks(s, set(pngs)), pngs, s)
+    pngs = draw_figures(s, out / "figures", {"lnq_hist": _fig_hist, "q_tails": _fig_tails, "steering": _fig_steering,
+                                             "lens": _fig_lens, "q_vs_influence": _fig_qvi})
+    write_documents(out, _blocks(s), pngs, s)
     return out / "report.html"
 
 

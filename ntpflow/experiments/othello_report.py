@@ -1,33 +1,10 @@
 """Report of the OthelloGPT reproduction (docs/paper.md#othello, claim 3) from ``OUT/data.json``.
 
-``write_report(out_dir)`` reads ``out_dir/data.json`` (written by ``ntpflow.experiments.othello.run_othello``) and
-writes ``figures/{training,probe_by_layer,probe_by_move,gap,influence_bars,influence_curves}.{png,svg}``,
-``summary.json`` (every number shown, and the claims table), ``report.md`` and ``report.html`` (self-contained,
-claims table ``id="claims"``).
-
-data.json schema:
-
-- ``scale``, ``scale_note``, ``seed``, ``train`` (TrainConfig overrides), ``config`` (the full TrainConfig),
-  ``n_params``, ``sites`` ([[layer, pos], ...], tracked), ``squares`` (tracked features), ``feature_names`` (64),
-  ``timings`` ({stage: seconds}, stages that ran);
-- ``run``: final eval metrics {eval_loss, legal_acc, first_acc}; ``eval_curve``: [{step, eval_loss, legal_acc,
-  first_acc}]; ``train_curve``: [{step, loss}];
-- ``probes``: [{weights ("final" | "init"), metric ("r": ridge test Pearson r | "acc": 3-way classifier test
-  accuracy), type ("all" | "empty" | "useless" | "useful": test rows whose square has that type), layer, pos,
-  values: [one number or null per square, in feature_names order]}];
-- ``influence``: [{layer, pos, square, type ("all" | "empty" | "useless" | "useful"), component ("direct" |
-  "pre_cached" | "shared" | "full" | "risk"), total, n_steps}]: integrated Adam influence of the per-type risk
-  (the sum over training steps);
-- ``curves``: [{step, type, component, mean_cumulative}]: mean over units of the cumulative influence;
-- ``sanity``: [{layer, pos, square, R0_minus_RT_eval, adam_full}].
-
-Layer convention (docs/conventions.md): ``resid[0]`` = embeddings, ``resid[k]`` = output of block ``k − 1`` (after
-k blocks); position ``p`` = after reading
-token ``p`` (move ``p``); logits at ``p`` predict token ``p + 1``.
-
-Statistics: one training run (seed 0), so the units are squares (probe quality: a 95% Student-t interval over the 64
-squares of each square's mean over the cells shown) and square × position × layer (influence: over the tracked units
-whose per-type risk was defined, i.e. the type occurred at that square and position in some training batch).
+``write_report(out_dir)`` reads ``out_dir/data.json`` (``ntpflow.experiments.othello.run_othello``; schema in
+docs/outputs.md) and writes ``figures/``, ``summary.json``, ``report.md`` and ``report.html``. Layers: ``resid[k]``
+= output of block k − 1 (docs/conventions.md); position ``p`` = after reading move ``p``. Statistics: one training
+run (seed 0), so the units are squares (probe quality: a 95% t-interval over the 64 squares of each square's mean
+over the cells shown) and square × position × layer (influence: the tracked units whose per-type risk was defined).
 Sign convention: positive influence = the component moved the feature toward its final value.
 """
 
@@ -49,6 +26,7 @@ from .claims import (
 )
 from .report_kit import (
     RC,
+    draw_figures,
     ci_band,
     figure_grid,
     finish_figure,
@@ -556,15 +534,10 @@ def _fig_influence_curves(summary, figdir):
 
 def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
     """Draw every figure that has data; returns {name: PNG bytes}."""
-    figdir.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for name, fn in (("training", _fig_training), ("probe_by_layer", _fig_probe_by_layer),
-                     ("probe_by_move", _fig_probe_by_move), ("gap", _fig_gap),
-                     ("influence_bars", _fig_influence_bars), ("influence_curves", _fig_influence_curves)):
-        png = fn(summary, figdir)
-        if png is not None:
-            out[name] = png
-    return out
+    return draw_figures(summary, figdir, {"training": _fig_training, "probe_by_layer": _fig_probe_by_layer,
+                                          "probe_by_move": _fig_probe_by_move, "gap": _fig_gap,
+                                          "influence_bars": _fig_influence_bars,
+                                          "influence_curves": _fig_influence_curves})
 
 
 # ---------------------------------------------------------------------------------------------------- document
@@ -608,19 +581,14 @@ def _document(summary: dict, figures) -> list[tuple]:
     b.append(("p", "Each rule's text and the code that applies it come from the same Claim (othello_report.claims); "
                    "a claim whose preconditions fail at this scale is 'not testable at this scale'."))
 
-    def fig(name, caption):
-        if name in figures:
-            b.append(("fig", name, caption))
-        else:
-            b.append(("p", f"Figure {name}: not drawn (no data for it in data.json)."))
-
     b.append(("h2", "Legal-move accuracy"))
     r = summary["run"]
     b.append(("p", (f"Final legal-move accuracy of the argmax prediction on the eval games: "
                     f"{fmt(r.get('legal_acc'))} (share of the 60 predictions per game whose argmax is a legal next "
                     f"token, averaged over games); first move {fmt(r.get('first_acc'))}; eval loss "
                     f"{fmt(r.get('eval_loss'))} nats/token.")))
-    fig("training", "Legal-move accuracy and first-move accuracy over training (eval games) and the loss.")
+    b.append(("fig", "training",
+                  "Legal-move accuracy and first-move accuracy over training (eval games) and the loss."))
 
     b.append(("h2", "Probe quality"))
     b.append(("p", ("Ridge probes (alpha 1, Pearson r of the ternary square value) and a 3-way least-squares "
@@ -628,11 +596,13 @@ def _document(summary: dict, figures) -> list[tuple]:
                     "fitted on the first 70% of the eval games and scored on the last 30%. 'useless' / 'useful': the "
                     "test rows where the square is an NTP-useless / NTP-useful stone (per example). The step-0 "
                     "(untrained) model is the baseline in every probe figure.")))
-    fig("probe_by_layer", "Probe quality by layer for all, useless and useful squares; solid: trained, dashed: step 0. "
-                          "Bands: 95% t-CI over the 64 squares of each square's mean over positions, clipped to the "
-                          "metric's range ([−1, 1] for r, [0, 1] for accuracy).")
-    fig("probe_by_move", "Probe quality by move index for each layer (all squares, mean over the 64 squares); solid: "
-                         "trained, dotted: step 0.")
+    b.append(("fig", "probe_by_layer",
+                  "Probe quality by layer for all, useless and useful squares; solid: trained, dashed: step 0. "
+                  "Bands: 95% t-CI over the 64 squares of each square's mean over positions, clipped to the "
+                  "metric's range ([−1, 1] for r, [0, 1] for accuracy)."))
+    b.append(("fig", "probe_by_move",
+                  "Probe quality by move index for each layer (all squares, mean over the 64 squares); solid: "
+                  "trained, dotted: step 0."))
     rows = []
     for k in summary["layers"]:
         cells = [str(k)]
@@ -648,9 +618,10 @@ def _document(summary: dict, figures) -> list[tuple]:
     b.append(("table", header, rows, None))
 
     b.append(("h2", "Fig. 3: the useful − useless gap"))
-    fig("gap", "Gap r(useful) − r(useless) (top) and accuracy(useful) − accuracy(useless) (bottom), by layer (left; "
-               "mean over positions, 95% t-CI over squares; dashed: step 0) and by move index (right; one line per layer "
-               "≥ 1; dashed: step 0 averaged over layers ≥ 1).")
+    b.append(("fig", "gap",
+                  "Gap r(useful) − r(useless) (top) and accuracy(useful) − accuracy(useless) (bottom), by layer (left; "
+                  "mean over positions, 95% t-CI over squares; dashed: step 0) and by move index (right; one line per layer "
+                  "≥ 1; dashed: step 0 averaged over layers ≥ 1)."))
     rows = []
     for g in summary["gap_by_layer"]:
         rows.append([METRICS[g["metric"]], "trained" if g["weights"] == "final" else "step 0", str(g["layer"]),
@@ -677,9 +648,10 @@ def _document(summary: dict, figures) -> list[tuple]:
                      f"[{ps[0]}, {ps[1]}]", f"{u['n']} / {s['n']}"])
     b.append(("table", ["component (+ = toward final value)", "useful (ours)", "useful (paper)", "useless (ours)",
                         "useless (paper)", "n units useful / useless"], rows, "influence"))
-    fig("influence_bars", f"Integrated influence by component and square type: ours (left) and the paper's (right). "
-                          f"{SIGN}")
-    fig("influence_curves", f"Cumulative influence over training, mean over units, by component. {SIGN}")
+    b.append(("fig", "influence_bars",
+                  f"Integrated influence by component and square type: ours (left) and the paper's (right). "
+                  f"{SIGN}"))
+    b.append(("fig", "influence_curves", f"Cumulative influence over training, mean over units, by component. {SIGN}"))
     rows = [[str(r["layer"]), str(r["pos"]), COMPONENT_LABELS[r["component"]], r["type"], fmt_ci(r, fmt_g), str(r["n"])]
             for r in summary["influence_by_site"]]
     if rows:

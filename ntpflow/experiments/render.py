@@ -150,8 +150,11 @@ def figure_list(blocks) -> list[dict]:
 
 def write_documents(out: str | Path, blocks, pngs: dict[str, bytes], summary: dict) -> Path:
     """Write ``out``/report.md, report.html and summary.json (``summary`` + the blocks' ``figures`` and the
-    claims of its claims tables) atomically; returns report.md's path."""
+    claims of its claims tables) atomically; a figure without PNG bytes in ``pngs`` becomes the line "not drawn".
+    Returns report.md's path."""
     out = Path(out)
+    blocks = [("p", f"Figure {blk[1]}: not drawn (no data for it).") if blk[0] == "fig" and blk[1] not in pngs
+              else blk for blk in blocks]
     summary = dict(summary)
     summary["figures"] = figure_list(blocks)
     tables = [blk[1] for blk in blocks if blk[0] == "claims"]

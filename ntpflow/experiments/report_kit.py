@@ -10,6 +10,7 @@ import math
 from functools import cache
 from pathlib import Path
 
+from ..io import read_json
 from . import figure_style
 from .figure_style import RC, ci_band  # noqa: F401  (re-exported)
 from .figure_style import save as save_figure  # noqa: F401  (re-exported)
@@ -122,27 +123,22 @@ def write_from_data(out_dir: str | Path, summarize, make_figures, document) -> P
     (``make_figures(summary, figdir) -> {name: png bytes}``), blocks (``document(summary, pngs)``); write
     summary.json, report.md and report.html atomically (``render.write_documents``). Returns report.md's path."""
     out = Path(out_dir)
-    summary = summarize(read_json_file(out / "data.json")) if (out / "data.json").exists() or not (
+    summary = summarize(read_json(out / "data.json")) if (out / "data.json").exists() or not (
         out / "summary.json").exists() else stored_summary(out)
     pngs = make_figures(summary, out / "figures")
     return write_documents(out, document(summary, pngs), pngs, summary)
 
 
-def read_json_file(path: Path):
-    """The parsed JSON of ``path``; one-line FileNotFoundError / ValueError when missing or corrupted."""
-    import json
-
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"missing file {path}") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"corrupted JSON in {path}: {err}") from None
+def draw_figures(summary: dict, figdir: Path, figures: dict) -> dict[str, bytes]:
+    """Draw each figure of ``figures`` ({name: fn(summary, figdir) -> PNG bytes, or None without data}) into
+    ``figdir``; returns {name: PNG bytes} of those drawn."""
+    figdir.mkdir(parents=True, exist_ok=True)
+    return {name: png for name, fn in figures.items() if (png := fn(summary, figdir)) is not None}
 
 
 def stored_summary(out: Path) -> dict:
     """``out/summary.json`` without what the renderer derives (figures; claims are judged again from the numbers)."""
-    summary = read_json_file(out / "summary.json")
+    summary = read_json(out / "summary.json")
     summary.pop("figures", None)
     return summary
 

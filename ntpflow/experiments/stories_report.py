@@ -1,34 +1,13 @@
 """Report of the TinyStories reproduction (docs/paper.md#tinystories, claim 4) from ``OUT/data.json``.
 
-``write_report(out_dir)`` reads ``out_dir/data.json`` (written by ``ntpflow.experiments.stories.run_stories``) and
-writes
-
-- ``figures/{loss,probe_groups,probe_profiles,influence_shares,influence_curves}.{png,svg}``,
-- ``summary.json``: every number the report shows (means, sd, 95% t-interval bounds, n) and the claims table,
-- ``report.md`` and ``report.html`` (self-contained; claims table ``id="claims"``, samples ``id="samples"``).
-
-data.json schema: ``scale``, ``corpus``, ``seeds``, ``sites`` ([[layer, pos], ...]), ``train`` (TrainConfig
-overrides), ``n_layer``, ``seq_len``, ``tokenizer`` ({source: "bpe" | "hub", vocab_size, name}),
-``feature_groups`` ({group: [feature, ...]}), ``samples`` (samples.json of the run, or null) and tidy records
-
-- ``runs``: {regime, seed, eval_loss, train_loss, steps},
-- ``probes``: {regime, seed, weights ("final" | "init"), layer, feature, group, r_mean (test Pearson r averaged
-  over the probed positions 1..T-1), r_tracked (averaged over the tracked positions)},
-- ``profiles``: {regime, seed, weights, layer, pos, group, r (mean over the group's features)},
-- ``influence``: {regime, seed, layer, pos, feature, group, component, total}: integrated Adam influence per
-  component (direct, pre_cached, shared, full), and ``component="mismatch_removed"`` = R(θ_0) − R(θ_T) on held-out
-  windows,
-- ``curves``: {regime, seed, step, group, component, cumulative (mean over tracked sites × group features)}.
-
-Layer/position convention (docs/conventions.md): layer 0 = embeddings, layer k = output of block k−1 (after k
-blocks); position p of a 64-token window (no BOS).
-Sign convention: positive influence = the component moved the feature toward its final value.
-
-Statistics: the unit of replication is the seed. Intervals are two-sided 95% Student-t intervals over seeds; with one
-seed only the mean is given and verdicts that need a CI are inconclusive. Influence *shares*: per (site, feature)
-each component's integrated influence divided by |direct| + |pre-cached| + |shared|, so features on very different
-scales (``pos_int`` is in tokens, the tags are 0/1) weigh alike; then averaged over the group's (site, feature) pairs
-per seed. The same data.json gives byte-identical md/html/json.
+``write_report(out_dir)`` reads ``out_dir/data.json`` (``ntpflow.experiments.stories.run_stories``; schema in
+docs/outputs.md) and writes ``figures/``, ``summary.json``, ``report.md`` and ``report.html`` (claims table
+``id="claims"``, samples ``id="samples"``). Layer k = output of block k − 1 (docs/conventions.md); positions are
+window positions (no BOS). Statistics: the seed is the unit of replication (95% t-intervals over seeds). Influence
+*shares*: per (site, feature) each component's integrated influence divided by |direct| + |pre-cached| + |shared|, so
+features on very different scales (``pos_int`` is in tokens, the tags are 0/1) weigh alike; then averaged over the
+group's (site, feature) pairs per seed. Sign convention: positive influence = the component moved the feature toward
+its final value. The same data.json gives byte-identical md/html/json.
 """
 
 from __future__ import annotations
@@ -40,6 +19,7 @@ from pathlib import Path
 from .claims import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Claim, Rule, at_least, every, interval_above
 from .report_kit import (
     RC,
+    draw_figures,
     fmt,
     fmt_ci,
     fmt_g,
@@ -549,14 +529,10 @@ def _fig_influence_curves(summary, figdir):
 
 def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
     """Draw every figure that has data; returns {name: PNG bytes}."""
-    figdir.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for name, fn in (("loss", _fig_loss), ("probe_groups", _fig_probe_groups), ("probe_profiles", _fig_probe_profiles),
-                     ("influence_shares", _fig_influence_shares), ("influence_curves", _fig_influence_curves)):
-        png = fn(summary, figdir)
-        if png is not None:
-            out[name] = png
-    return out
+    return draw_figures(summary, figdir, {"loss": _fig_loss, "probe_groups": _fig_probe_groups,
+                                          "probe_profiles": _fig_probe_profiles,
+                                          "influence_shares": _fig_influence_shares,
+                                          "influence_curves": _fig_influence_curves})
 
 
 # ---------------------------------------------------------------------------------------------------- document
@@ -617,15 +593,10 @@ def _document(summary: dict, figures) -> list[tuple]:
                    "Influence shares put features of different scales on one footing: per tracked site × feature, "
                    "component / (|direct| + |pre-cached| + |shared|).")))
 
-    def fig(name, caption):
-        if name in figures:
-            b.append(("fig", name, caption))
-        else:
-            b.append(("p", f"Figure {name}: not drawn (no data for it in data.json)."))
-
     b.append(("h2", "Held-out loss"))
-    fig("loss", "Held-out (eval-window) loss per regime: bars = mean, whiskers = sd over seeds, dots = seeds; hatched: "
-                "the paper's 2.53 ± 0.10 (vanilla) and 3.29 ± 0.02 (myopic), reported without saying train or eval.")
+    b.append(("fig", "loss",
+                  "Held-out (eval-window) loss per regime: bars = mean, whiskers = sd over seeds, dots = seeds; hatched: "
+                  "the paper's 2.53 ± 0.10 (vanilla) and 3.29 ± 0.02 (myopic), reported without saying train or eval."))
     lo = summary["loss"]
     rows = []
     for rg, v in lo["per_regime"].items():
@@ -641,10 +612,11 @@ def _document(summary: dict, figures) -> list[tuple]:
     _samples_blocks(b, summary)
 
     b.append(("h2", "Probe quality"))
-    fig("probe_groups", "Test Pearson r of ridge probes (fit on the first 70% of the eval windows, tested on the rest), "
-                        "averaged over the group's features, layers 1–L and positions 1–63; grey: the untrained model "
-                        "(step-0 weights) as the baseline. " + _ci_text(n, capital=True) + ".")
-    fig("probe_profiles", "The same along the window, one panel per group and layer.")
+    b.append(("fig", "probe_groups",
+                  "Test Pearson r of ridge probes (fit on the first 70% of the eval windows, tested on the rest), "
+                  "averaged over the group's features, layers 1–L and positions 1–63; grey: the untrained model "
+                  "(step-0 weights) as the baseline. " + _ci_text(n, capital=True) + "."))
+    b.append(("fig", "probe_profiles", "The same along the window, one panel per group and layer."))
     rows = []
     for g in GROUPS:
         e = summary["probe_quality"].get(g)
@@ -662,11 +634,13 @@ def _document(summary: dict, figures) -> list[tuple]:
         b.append(("table", ["feature", "group", "untrained", "vanilla", "myopic"], rows, None))
 
     b.append(("h2", "Integrated influence"))
-    fig("influence_shares", "Integrated Adam influence per component as a share of |direct| + |pre-cached| + |shared| "
-                            "per tracked site × feature, averaged over the group. " + _ci_text(n, capital=True)
-                            + f". {SIGN}")
-    fig("influence_curves", "Cumulative influence over training, raw (mean over tracked sites × features of the group; "
-                            "position is dominated by pos_int, measured in tokens).")
+    b.append(("fig", "influence_shares",
+                  "Integrated Adam influence per component as a share of |direct| + |pre-cached| + |shared| "
+                  "per tracked site × feature, averaged over the group. " + _ci_text(n, capital=True)
+                  + f". {SIGN}"))
+    b.append(("fig", "influence_curves",
+                  "Cumulative influence over training, raw (mean over tracked sites × features of the group; "
+                  "position is dominated by pos_int, measured in tokens)."))
     rows = []
     for g in GROUPS:
         e = summary["influence"].get(g)
