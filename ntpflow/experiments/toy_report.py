@@ -1,750 +1,564 @@
-"""Report of the toy-task reproduction (docs/paper.md#majority, claims 1–2) from ``OUT/data.json``.
+"""Report of the toy-task reproduction (docs/paper.md#toy-tasks) from ``OUT/data.json``.
 
-``write_report(out_dir)`` reads ``out_dir/data.json`` (written by ``ntpflow.experiments.toy.run_toy``) and writes
+``write_report(out_dir)`` reads ``out_dir/data.json`` (written by ``ntpflow.experiments.toy.run_toy``; schema in
+docs/outputs.md) and writes ``figures/*.{png,svg}``, ``summary.json`` (every number shown, and the claims),
+``report.md`` and ``report.html``.
 
-- ``figures/{probe_majority,probe_cond_majority,task_success,influence_curves,influence_bars}.{png,svg}``,
-- ``summary.json``: every number the report shows (means, 95% t-interval bounds, n) and the claims table,
-- ``report.md`` and ``report.html`` (self-contained: PNGs as base64 data URIs, inline CSS, claims table
-  ``id="claims"``).
+What makes a verdict here:
 
-data.json schema: ``scale``, ``seeds``, ``sites`` ([[layer, pos], ...]), ``train`` (TrainConfig overrides),
-``tracked`` ({task: [feature, ...]}), and tidy record lists
+- **Gates.** A claim about what training does to a feature is only testable on models that learned their task. Each
+  claim lists its preconditions (e.g. vanilla reaches first-output accuracy >= 0.99 and an eval loss within 0.01
+  of the task's exact optimum on every seed); if one fails the verdict is "not testable at this scale".
+- **Two mismatches.** The influence claim is decided on the centred mismatch R_c (the batch variance of the probe
+  projection's difference from the final model), which measures whether the feature varies like the final one;
+  the paper's R = R_c + (mean difference)² is shown beside it, with the offset share of R at step 0 and the
+  balance of each (integrated influence against the mismatch actually removed on held-out data).
 
-- ``runs``: {task, regime, seed, eval_loss, legal_acc, first_acc},
-- ``probes``: {task, regime, seed, weights ("final" | "init"), layer, pos, feature, r (test Pearson r or null), useful},
-- ``influence``: {task, regime, seed, layer, pos, feature, component, total, useful} (integrated Adam influence),
-- ``curves``: {task, regime, seed, step, layer, pos, feature, component, cumulative}.
-
-Sign convention: positive influence = the component moved the feature toward its final value.
-
-Statistics: the unit of replication is the seed. Every interval is a two-sided 95% Student-t interval over seeds
-(mean ± t_{0.975, n−1} · sd / √n); with one seed only the mean is given and verdicts that need a CI are
-inconclusive.
-All writes are atomic, and the same data.json gives byte-identical md/html/json (and, with the same matplotlib,
-identical PNG/SVG).
+Statistics: the seed is the unit of replication; intervals are two-sided 95% Student-t intervals over seeds, for a
+Pearson r computed in Fisher z and transformed back (so they stay inside [−1, 1]); accuracy intervals are clipped
+to [0, 1] (said in the captions). Positions: logits at p predict token p+1; resid[k] is the output of block k−1.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from dataclasses import fields
 from pathlib import Path
 
 from ..config import REGIMES, TrainConfig
-from .report_kit import (
-    RC as _RC,
-)
-from .report_kit import (
-    ci_band as _band,
-)
-from .report_kit import (
-    figure_grid as _grid,
-)
-from .report_kit import (
-    finish_figure as _finish,
-)
-from .report_kit import (
-    finite as _finite,
-)
-from .report_kit import (
-    fmt_ci as _ci,
-)
-from .report_kit import (
-    fmt_g as _g,
-)
-from .report_kit import (
-    has_ci as _has_ci,
-)
-from .report_kit import (
-    mean_of as _mean,
-)
-from .report_kit import (
-    plain_number as _plain,
-)
-from .report_kit import (
-    report_main,
-    stats,
-    write_from_data,
-)
-from .report_kit import (
-    save_figure as _save,
-)
-from .report_kit import (
-    sites_text as _sites_text,
-)
+from . import figure_style as fs
+from .claims import Check, Claim, Rule, at_least
+from .claims import INCONCLUSIVE as INC
+from .claims import NOT_REPRODUCED as NOT
+from .claims import REPRODUCED as REP
+from .report_kit import draw_figures, fmt_ci, fmt_g, has_ci, mean_of, plain_number, report_main, sites_text, stats
+from .report_kit import write_from_data as _write_from_data
 
 TASK_ORDER = ("majority", "cond_majority")
+TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}
 COMPONENTS = ("direct", "pre_cached", "shared")
-ALL_COMPONENTS = COMPONENTS + ("full",)
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
-# Okabe–Ito colours; regimes and components use disjoint sets and keep their colour in every figure
-REGIME_COLORS = {"vanilla": "#0072B2", "myopic": "#D55E00", "untied": "#009E73", "myopic-untied": "#CC79A7"}
-COMPONENT_COLORS = {"direct": "#E69F00", "pre_cached": "#56B4E9", "shared": "#6A3D9A", "full": "#333333"}
-BASELINE_COLOR = "#7F7F7F"
-EXTRA_COLORS = ("#999933", "#882255", "#44AA99", "#117733")  # regimes/components unknown to this module
-
-# probed feature of each task (mean over the listed features) and the positions plotted
+MISMATCHES = ("centred", "paper")
+MISMATCH_LABELS = {"centred": "centred R_c = var_b(d)", "paper": "paper's R = mean_b(d²)"}
+REGIME_COLORS = dict(zip(REGIMES, (fs.OKABE_ITO[c] for c in ("blue", "vermillion", "green", "purple"))))
+COMPONENT_COLORS = {"direct": fs.OKABE_ITO["orange"], "pre_cached": fs.OKABE_ITO["sky"], "shared": "#6A3D9A",
+                    "full": "#333333"}
 PROBE_FEATURES = {"majority": ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>"),
                   "cond_majority": ("prev_is_<0>",)}
-PROBE_POSITIONS = {"majority": tuple(range(1, 20)), "cond_majority": tuple(range(2, 20))}
-FEATURE_TITLES = {"majority": "is_majority_<v> (mean over v = 0, 1, 2)", "cond_majority": "prev_is_<0>"}
-TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}
-# window of the probe-gain claims: input positions (NTP-useless) and the layers after each block
-CLAIM_LAYERS = (1, 2)
-CLAIM_POSITIONS = tuple(range(2, 10))
+
+GATE_ACC, GATE_GAP = 0.99, 0.01  # vanilla must learn the task on every seed
+CLAIM_LAYERS, CLAIM_POSITIONS = (1, 2), tuple(range(2, 10))  # input positions: the features are NTP-useless
+B_LEARNED = 0.9  # claim b: vanilla's prev_is_<0> probe r (window mean) on every seed
 B_THRESHOLD = 0.05  # claim b: a gain below this counts as "not learned"
-C_RATIO = 0.25  # claim c: |direct| < C_RATIO * (pre_cached + shared) counts as "small"
-
-SIGN = "Sign convention: positive influence = the component moved the feature toward its final value."
-INFLUENCE_UNIT = "probe units² (first-order reduction of the squared probe mismatch)"
-
-CLAIM_A = "myopic and untied each reduce the majority feature at input positions; myopic-untied reduces it most"
-CLAIM_B = "a myopic model never learns prev_is_<0>"
-CLAIM_C = ("in vanilla training the NTP-useless feature is driven by the pre-caching and shared parts, "
-           "not the direct part")
-
-RULE_A = ("Per seed, gain = final r − init r of the same seed (is_majority_<v>, mean over v), averaged over "
-          "layers 1–2 and input positions 2–9; Δ = regime gain − vanilla gain, paired by seed; 95% t-CI over "
-          "seeds. "
-          "Reproduced if Δ(myopic) and Δ(untied) both have CI upper bound < 0 and myopic-untied has the lowest mean "
-          "gain of the four regimes. Not reproduced if any Δ vs vanilla has CI lower bound > 0, or if myopic-untied "
-          "is significantly above myopic or untied (paired CI lower bound > 0). Otherwise inconclusive (also with "
-          "fewer than 2 seeds or a missing regime).")
-RULE_B = ("Per seed, gain = final r − init r of prev_is_<0>, averaged over layers 1–2 and input positions 2–9; "
-          "95% t-CI over seeds. Reproduced if vanilla's gain has CI lower bound > 0 and, for myopic and myopic-untied, "
-          f"the gain's CI includes 0 (lower bound ≤ 0) or lies below {B_THRESHOLD} (upper bound < {B_THRESHOLD}). "
-          f"Not reproduced if myopic's or myopic-untied's gain has CI lower bound > {B_THRESHOLD}. Otherwise "
-          "inconclusive (also with fewer than 2 seeds or myopic missing).")
-RULE_C = ("Vanilla runs; per seed, the integrated influence of each component averaged over the tracked sites × "
-          "features where the feature is NTP-useless (useful = false); 95% t-CI over seeds. Checked in order: "
-          "fewer than 2 seeds → inconclusive; not reproduced if direct has the largest mean of the three components "
-          "and is positive; reproduced if mean(pre_cached + shared) > 0, mean(pre_cached + shared) > mean(direct), "
-          f"and direct's CI includes 0 or |mean direct| < {C_RATIO} · mean(pre_cached + shared); otherwise "
-          "inconclusive.")
-
-# the paper's setting (docs/paper.md#settings), for the settings table
-PAPER_SETTINGS = {"seeds": "10 (0–9)", "steps": "3000", "batch_size": "256", "lr": "0.001", "n_layer": "2",
-                  "d_model": "128", "n_head": "4", "n_train": "102400", "n_eval": "10240",
-                  "sites": "layers 1–2 × positions 2–19"}
-PAPER_SITES = {(k, p) for k in (1, 2) for p in range(2, 20)}
-SETTING_KEYS = ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_train", "n_eval")
-
+C_RATIO = 0.25  # claim c: |direct| < C_RATIO · (pre_cached + shared) counts as "small"
+PAPER_SETTINGS = {"seeds": "10", "steps": "3000", "batch_size": "256", "lr": "0.001", "n_layer": "2",
+                  "d_model": "128", "n_head": "4", "n_train": "102400", "n_eval": "10240"}
+INFLUENCE_UNIT = "probe units² (first-order change of the mismatch)"
+WINDOW = "layers 1–2, input positions 2–9"
 
 
 # ---------------------------------------------------------------------------------------------------- statistics
 
 
+def r_stats(values) -> dict:
+    """Mean and 95% interval of Pearson r values over seeds, computed in Fisher z (atanh) and transformed back."""
+    vals = [max(-0.999999, min(0.999999, v)) for v in values if v is not None and math.isfinite(v)]
+    z = stats(math.atanh(v) for v in vals)  # sd stays in z units
+    return {**z, **{k: (None if z[k] is None else math.tanh(z[k])) for k in ("mean", "lo", "hi")}}
+
+
 # ---------------------------------------------------------------------------------------------------- summary
 
 
-def _ordered(present, order) -> list:
-    present = set(present)
-    return [x for x in order if x in present] + sorted(present - set(order), key=str)
+def summarize(data: dict) -> dict:
+    """Every aggregate of the report and the claims, from the parsed data.json (pure, no I/O)."""
+    runs, probes = data.get("runs") or [], data.get("probes") or []
+    influence, curves, mismatch = data.get("influence") or [], data.get("curves") or [], data.get("mismatch") or []
+    tasks = [t for t in TASK_ORDER if any(r["task"] == t for r in runs + probes)]
+    regimes = [g for g in REGIMES if any(r["regime"] == g for r in runs + probes)]
+    seeds = sorted({r["seed"] for r in runs + probes})
+    n_layer = max([p["layer"] for p in probes], default=2)
+
+    # ---- task success and gates
+    success, gates = {}, {}
+    for t in tasks:
+        success[t] = {}
+        for g in regimes:
+            sel = sorted((r for r in runs if (r["task"], r["regime"]) == (t, g)), key=lambda r: r["seed"])
+            if sel:
+                success[t][g] = {m: stats(r.get(m) for r in sel) for m in ("eval_loss", "loss_gap", "first_acc",
+                                                                          "legal_acc")}
+                success[t][g]["per_seed"] = [{k: r.get(k) for k in ("seed", "eval_loss", "loss_gap", "first_acc",
+                                                                    "steps")} for r in sel]
+        van = [r for r in runs if (r["task"], r["regime"]) == (t, "vanilla")]
+        gates[t] = {"n": len(van), "min_first_acc": min((r["first_acc"] for r in van), default=None),
+                    "max_loss_gap": max((r["loss_gap"] for r in van if r.get("loss_gap") is not None), default=None),
+                    "optimal_loss": next((r.get("optimal_loss") for r in van), None),
+                    "steps": next((r.get("steps") for r in van), None)}
+
+    # ---- probes: profiles for the figures, window means and gains per seed
+    r_at = {(p["task"], p["regime"], p["seed"], p["weights"], p["layer"], p["pos"], p["feature"]): p["r"]
+            for p in probes}
+    layers = sorted({p["layer"] for p in probes})
+
+    def r_of(t, g, s, w, k, i):
+        return mean_of(r_at.get((t, g, s, w, k, i, f)) for f in PROBE_FEATURES[t])
+
+    profiles = []
+    for t in tasks:
+        positions = sorted({p["pos"] for p in probes if p["task"] == t and p["pos"] >= 1})
+        for w in ("final", "init"):
+            for g in regimes if w == "final" else ["vanilla"]:
+                for k in layers:
+                    for i in positions:
+                        s = r_stats(r_of(t, g, sd, w, k, i) for sd in seeds)
+                        if s["n"]:
+                            profiles.append({"task": t, "regime": g, "weights": w, "layer": k, "pos": i, **s})
+
+    def window(t, g, s, w):
+        return mean_of(r_of(t, g, s, w, k, i) for k in CLAIM_LAYERS for i in CLAIM_POSITIONS)
+
+    probe_gain = {}
+    for t in tasks:
+        per = {g: {s: (window(t, g, s, "final"), window(t, g, s, "init")) for s in seeds} for g in regimes}
+        gain = {g: {s: (f - i if f is not None and i is not None else None) for s, (f, i) in per[g].items()}
+                for g in regimes}
+
+        def paired(a, b, gain=gain):
+            return stats(gain[a][s] - gain[b][s] for s in seeds if gain[a][s] is not None and gain[b][s] is not None)
+
+        probe_gain[t] = {
+            "per_regime": {g: {"final": r_stats(f for f, _ in per[g].values()),
+                               "init": r_stats(i for _, i in per[g].values()),
+                               "gain": stats(gain[g].values()),
+                               "min_final": min((f for f, _ in per[g].values() if f is not None), default=None)}
+                           for g in regimes},
+            "vs_vanilla": {g: paired(g, "vanilla") for g in regimes if g != "vanilla" and "vanilla" in gain},
+            "myopic-untied_vs": {g: paired("myopic-untied", g) for g in ("myopic", "untied")
+                                 if g in gain and "myopic-untied" in gain}}
+
+    # ---- influence at NTP-useless sites below the last layer (pre-caching is zero by construction at the last)
+    def useless(r):
+        return not r["useful"] and r["layer"] < n_layer
+
+    acc = defaultdict(list)
+    for r in influence:
+        if useless(r):
+            acc[(r["task"], r["mismatch"], r["seed"], r["component"])].append(r["total"])
+    infl = {}
+    for t in tasks:
+        for m in MISMATCHES:
+            tracked_seeds = sorted({s for (tt, mm, s, _) in acc if (tt, mm) == (t, m)})
+            if not tracked_seeds:
+                continue
+            per = {c: {s: mean_of(acc.get((t, m, s, c), ())) for s in tracked_seeds} for c in (*COMPONENTS, "full")}
+            row = {c: stats(per[c].values()) for c in per}
+            row["pre_cached+shared"] = stats(per["pre_cached"][s] + per["shared"][s] for s in tracked_seeds)
+            infl.setdefault(t, {})[m] = row
+
+    # ---- offset share of R(θ_0) and the balance check, per task × mismatch, useless vs useful sites
+    offset, balance = defaultdict(list), defaultdict(list)
+    full_total = {(r["task"], r["seed"], r["layer"], r["pos"], r["feature"], r["mismatch"]): r["total"]
+                  for r in influence if r["component"] == "full"}
+    for r in mismatch:
+        where = "useful" if r["useful"] else "useless"
+        if r["mismatch"] == "paper":
+            offset[(r["task"], where, r["pos"])].append(r["offset_share_R0"])
+        f = full_total.get((r["task"], r["seed"], r["layer"], r["pos"], r["feature"], r["mismatch"]))
+        if f is not None:
+            balance[(r["task"], r["mismatch"], where)].append((f, r["R0_minus_RT_eval"], r["R0_eval"]))
+    offset_rows = [{"task": t, "where": w, "pos": i, **stats(v)} for (t, w, i), v in sorted(offset.items())]
+    balance_rows = [{"task": t, "mismatch": m, "where": w,
+                     "influence": mean_of(f for f, _, _ in v), "removed": mean_of(d for _, d, _ in v),
+                     "R0": mean_of(r0 for _, _, r0 in v)} for (t, m, w), v in sorted(balance.items())]
+
+    # ---- cumulative influence curves (vanilla, useless sites below the last layer)
+    cacc = defaultdict(list)
+    for r in curves:
+        if useless({**r, "useful": r.get("useful", r["pos"] >= 10)}):
+            cacc[(r["task"], r["mismatch"], r["component"], r["step"], r["seed"])].append(r["cumulative"])
+    per_seed = defaultdict(lambda: defaultdict(list))
+    for (t, m, c, step, s), v in cacc.items():
+        per_seed[(t, m, c)][step].append(mean_of(v))
+    curve_rows = [{"task": t, "mismatch": m, "component": c, "step": step, **stats(v)}
+                  for (t, m, c), by_step in sorted(per_seed.items()) for step, v in sorted(by_step.items())]
+
+    summary = {"scale": data.get("scale"), "seeds": seeds, "n_seeds": len(seeds), "tasks": tasks,
+               "regimes": regimes, "sites": data.get("sites") or [], "n_layer": n_layer,
+               "tracked_seeds": data.get("tracked_seeds") or seeds, "train": data.get("train") or {},
+               "task_train": data.get("task_train") or {}, "settings": _settings(data, len(seeds)),
+               "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
+               "ci": "two-sided 95% Student-t interval over seeds (Pearson r: in Fisher z); null when n < 2",
+               "task_success": success, "gates": gates, "probe_layers": layers, "probe_profiles": profiles,
+               "probe_gain": probe_gain, "influence": infl, "offset_share": offset_rows, "balance": balance_rows,
+               "influence_curves": curve_rows}
+    summary["claims"] = [c.to_dict() for c in claims(summary)]
+    return summary
 
 
 def _settings(data: dict, n_seeds: int) -> list[dict]:
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
-    train = data.get("train") or {}
-    rows = [{"setting": "scale", "this_run": str(data.get("scale", "?")), "paper": "paper"},
-            {"setting": "seeds", "this_run": f"{n_seeds} ({', '.join(str(s) for s in data.get('seeds', []))})",
-             "paper": PAPER_SETTINGS["seeds"]}]
-    for k in SETTING_KEYS:
-        v = train.get(k, defaults.get(k))
-        rows.append({"setting": k, "this_run": _plain(v), "paper": PAPER_SETTINGS[k]})
-    rows.append({"setting": "sites", "this_run": _sites_text(data.get("sites") or []),
-                 "paper": PAPER_SETTINGS["sites"]})
-    for k in sorted(set(train) - set(SETTING_KEYS)):
-        rows.append({"setting": k, "this_run": _plain(train[k]), "paper": _plain(defaults.get(k, "?"))})
+    defaults = TrainConfig().to_dict()
+    train, per_task = data.get("train") or {}, data.get("task_train") or {}
+    rows = [{"setting": "seeds", "this_run": str(n_seeds), "paper": PAPER_SETTINGS["seeds"]}]
+    for k in ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_train", "n_eval"):
+        vals = {t: v[k] for t, v in per_task.items() if k in v}
+        this = ", ".join(f"{t} {plain_number(v)}" for t, v in vals.items()) if vals else \
+            plain_number(train.get(k, defaults[k]))
+        rows.append({"setting": k, "this_run": this, "paper": PAPER_SETTINGS[k]})
+    rows.append({"setting": "tracked sites", "this_run": sites_text(data.get("sites") or []),
+                 "paper": "layers 1–2 × positions 2–19"})
     for r in rows:
-        r["differs"] = r["setting"] != "scale" and r["this_run"].split(" (")[0] != r["paper"].split(" (")[0]
-    rows[len(SETTING_KEYS) + 2]["differs"] = {tuple(s) for s in data.get("sites") or []} != PAPER_SITES
+        r["differs"] = r["this_run"] != r["paper"]
     return rows
-
-
-def _spans(positions) -> list[list[int]]:
-    """Contiguous runs [a, b] of sorted integer positions."""
-    out = []
-    for p in sorted(positions):
-        if out and p == out[-1][1] + 1:
-            out[-1][1] = p
-        else:
-            out.append([p, p])
-    return out
-
-
-def summarize(data: dict) -> dict:
-    """Every aggregate of the report and the claims table, from the parsed data.json (pure, no I/O)."""
-    runs, probes = data.get("runs") or [], data.get("probes") or []
-    influence, curves = data.get("influence") or [], data.get("curves") or []
-    records = runs + probes + influence + curves
-    tasks = _ordered({r["task"] for r in records}, TASK_ORDER)
-    regimes = _ordered({r["regime"] for r in records}, REGIMES)
-    seeds = sorted({r["seed"] for r in records} | set(data.get("seeds") or []))
-    tracked = data.get("tracked") or {}
-
-    # ---- probes
-    r_at = {}
-    for p in probes:
-        r_at[(p["task"], p["regime"], p["seed"], p["weights"], p["layer"], p["pos"], p["feature"])] = p["r"]
-    probe_layers = sorted({p["layer"] for p in probes})
-
-    have = defaultdict(set)
-    for p in probes:
-        have[p["task"]].add(p["feature"])
-    feats_of = {t: [f for f in (PROBE_FEATURES.get(t) or tuple(tracked.get(t, ()))) if f in have[t]] for t in tasks}
-
-    def probe_features(task):
-        return feats_of.get(task, [])
-
-    def probe_value(task, regime, seed, weights, layer, pos):
-        return _mean(r_at.get((task, regime, seed, weights, layer, pos, f)) for f in probe_features(task))
-
-    profiles, useful_positions = [], {}
-    for task in tasks:
-        feats = probe_features(task)
-        if not feats:
-            continue
-        useful_positions[task] = sorted({p["pos"] for p in probes if p["task"] == task and p["feature"] in feats
-                                         and p["useful"]})
-        positions = PROBE_POSITIONS.get(task) or tuple(sorted({p["pos"] for p in probes if p["task"] == task}))
-        for weights in ("final", "init"):
-            for regime in regimes:
-                for layer in probe_layers:
-                    for pos in positions:
-                        s = stats(probe_value(task, regime, seed, weights, layer, pos) for seed in seeds)
-                        if s["n"]:
-                            profiles.append({"task": task, "regime": regime, "weights": weights, "layer": layer,
-                                             "pos": pos, **s})
-
-    def window(task, regime, seed, weights):
-        return _mean(probe_value(task, regime, seed, weights, k, p) for k in CLAIM_LAYERS for p in CLAIM_POSITIONS)
-
-    def gain(task, regime, seed):
-        """Mean over (layer, pos) in the claim window of the mean over features of final r − init r."""
-        cells = []
-        for k in CLAIM_LAYERS:
-            for p in CLAIM_POSITIONS:
-                diffs = []
-                for f in probe_features(task):
-                    fin, ini = (r_at.get((task, regime, seed, w, k, p, f)) for w in ("final", "init"))
-                    if _finite(fin) and _finite(ini):
-                        diffs.append(fin - ini)
-                cells.append(_mean(diffs))
-        return _mean(cells)
-
-    probe_gain = {}
-    for task in tasks:
-        feats = probe_features(task)
-        if not feats:
-            continue
-        per_seed = {rg: {s: gain(task, rg, s) for s in seeds} for rg in regimes}
-        entry = {"features": feats, "layers": list(CLAIM_LAYERS), "positions": list(CLAIM_POSITIONS),
-                 "per_regime": {}, "vs_vanilla": {}, "myopic-untied_vs": {}}
-        for rg in regimes:
-            entry["per_regime"][rg] = {
-                "gain": stats(per_seed[rg].values()),
-                "final": stats(window(task, rg, s, "final") for s in seeds),
-                "init": stats(window(task, rg, s, "init") for s in seeds),
-                "per_seed": [{"seed": s, "gain": g} for s, g in per_seed[rg].items() if g is not None]}
-
-        def paired(a, b, per_seed=per_seed):
-            return stats(per_seed[a][s] - per_seed[b][s] for s in seeds
-                         if per_seed[a][s] is not None and per_seed[b][s] is not None)
-
-        if "vanilla" in per_seed:
-            for rg in regimes:
-                if rg != "vanilla":
-                    entry["vs_vanilla"][rg] = paired(rg, "vanilla")
-        if "myopic-untied" in per_seed:
-            for rg in ("myopic", "untied"):
-                if rg in per_seed:
-                    entry["myopic-untied_vs"][rg] = paired("myopic-untied", rg)
-        probe_gain[task] = entry
-
-    # ---- task success
-    task_success = {}
-    for task in tasks:
-        rows = {}
-        for rg in regimes:
-            sel = [r for r in runs if r["task"] == task and r["regime"] == rg]
-            if sel:
-                rows[rg] = {m: stats(r.get(m) for r in sel) for m in ("legal_acc", "first_acc", "eval_loss")}
-        if rows:
-            task_success[task] = rows
-
-    # ---- integrated influence at NTP-useless tracked sites
-    useful_map = {(r["task"], r["layer"], r["pos"], r["feature"]): bool(r["useful"]) for r in influence}
-    acc = defaultdict(list)
-    for r in influence:
-        if not r["useful"] and r["component"] in ALL_COMPONENTS:
-            acc[(r["task"], r["regime"], r["seed"], r["component"])].append(r["total"])
-    n_useless = {}
-    for r in influence:
-        if not r["useful"]:
-            n_useless.setdefault(r["task"], set()).add((r["layer"], r["pos"], r["feature"]))
-    infl = {}
-    for task in tasks:
-        rows = {}
-        for rg in regimes:
-            per_seed = {c: {s: _mean(acc.get((task, rg, s, c), ())) for s in seeds} for c in ALL_COMPONENTS}
-            if not any(v is not None for c in ALL_COMPONENTS for v in per_seed[c].values()):
-                continue
-            row = {c: stats(per_seed[c].values()) for c in ALL_COMPONENTS}
-            row["pre_cached+shared"] = stats(
-                per_seed["pre_cached"][s] + per_seed["shared"][s] for s in seeds
-                if per_seed["pre_cached"][s] is not None and per_seed["shared"][s] is not None)
-            rows[rg] = row
-        if rows:
-            infl[task] = {"n_site_features": len(n_useless.get(task, ())),
-                          "site_features": sorted([list(x) for x in n_useless.get(task, ())]),
-                          "per_regime": rows}
-
-    # ---- influence curves at NTP-useless tracked sites
-    cacc = defaultdict(list)
-    for r in curves:
-        key = (r["task"], r["layer"], r["pos"], r["feature"])
-        useful = useful_map.get(key, r["pos"] >= 10)
-        if not useful and r["component"] in ALL_COMPONENTS:
-            cacc[(r["task"], r["regime"], r["component"], r["step"], r["seed"])].append(r["cumulative"])
-    by_curve = defaultdict(lambda: defaultdict(list))
-    for (task, rg, c, step, seed), vals in cacc.items():
-        by_curve[(task, rg, c)][step].append(_mean(vals))
-    curve_rows = []
-    for task in tasks:
-        for rg in regimes:
-            for c in ALL_COMPONENTS:
-                for step in sorted(by_curve.get((task, rg, c), {})):
-                    s = stats(by_curve[(task, rg, c)][step])
-                    if s["n"]:
-                        curve_rows.append({"task": task, "regime": rg, "component": c, "step": step, **s})
-
-    summary = {
-        "scale": data.get("scale"), "seeds": seeds, "n_seeds": len(seeds), "sites": data.get("sites") or [],
-        "train": data.get("train") or {}, "tracked": tracked, "tasks": tasks, "regimes": regimes,
-        "settings": _settings(data, len(seeds)), "sign_convention": SIGN, "influence_unit": INFLUENCE_UNIT,
-        "ci": "two-sided 95% Student-t interval over seeds; lo/hi are null when n < 2",
-        "probe_layers": probe_layers, "probe_positions": {t: list(PROBE_POSITIONS.get(t, ())) for t in tasks},
-        "useful_positions": useful_positions, "probe_profiles": profiles, "probe_gain": probe_gain,
-        "task_success": task_success, "influence": infl, "influence_curves": curve_rows,
-    }
-    summary["claims"] = _claims(summary)
-    return summary
 
 
 # ---------------------------------------------------------------------------------------------------- claims
 
 
-def _claim_a(summary) -> dict:
-    row = {"claim": CLAIM_A, "task": "majority", "rule": RULE_A}
-    pg = summary["probe_gain"].get("majority")
-    need = ("vanilla", "myopic", "untied", "myopic-untied")
-    if pg is None or any(r not in pg["per_regime"] for r in need):
-        return {**row, "measured": "no data for every regime of the majority task", "verdict": "inconclusive"}
-    g = {r: pg["per_regime"][r]["gain"] for r in need}
-    d = pg["vs_vanilla"]
-    mu = pg["myopic-untied_vs"]
-    n = min(s["n"] for s in g.values())
-    measured = ("gain of probe r over init (layers 1–2, pos 2–9): "
-                + "; ".join(f"{r} {_ci(g[r])}" for r in need)
-                + ". Paired Δ vs vanilla: " + "; ".join(f"{r} {_ci(d.get(r))}" for r in need[1:])
-                + f". n = {n} seeds")
-    if n < 2 or any(not _has_ci(d.get(r)) for r in need[1:]):
-        return {**row, "measured": measured, "verdict": "inconclusive"}
-    means = {r: g[r]["mean"] for r in need}
-    against = any(d[r]["lo"] > 0 for r in need[1:]) or any(_has_ci(mu.get(r)) and mu[r]["lo"] > 0
-                                                              for r in ("myopic", "untied"))
-    lowest = all(means["myopic-untied"] < means[r] for r in need[:3])
-    if against:
-        verdict = "not reproduced"
-    elif d["myopic"]["hi"] < 0 and d["untied"]["hi"] < 0 and lowest:
-        verdict = "reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+def gate_checks(summary: dict, task: str) -> tuple[Check, ...]:
+    """The preconditions that vanilla learned ``task``: first-output accuracy and loss gap on every seed."""
+    g = summary["gates"].get(task) or {}
+    acc, gap = g.get("min_first_acc"), g.get("max_loss_gap")
+    return (Check(f"vanilla {task} first-output accuracy >= {GATE_ACC} on every seed (lowest)",
+                  None if acc is None else round(acc, 4), acc is not None and acc >= GATE_ACC),
+            Check(f"vanilla {task} eval loss within {GATE_GAP} of the exact optimum "
+                  f"{fmt_g(g.get('optimal_loss'))} on every seed (largest gap)",
+                  None if gap is None else round(gap, 4), gap is not None and gap <= GATE_GAP))
 
 
-def _claim_b(summary) -> dict:
-    row = {"claim": CLAIM_B, "task": "cond_majority", "rule": RULE_B}
-    pg = summary["probe_gain"].get("cond_majority")
-    if pg is None or "vanilla" not in pg["per_regime"] or "myopic" not in pg["per_regime"]:
-        return {**row, "measured": "no data for vanilla and myopic on the cond_majority task",
-                "verdict": "inconclusive"}
-    myopic = [r for r in ("myopic", "myopic-untied") if r in pg["per_regime"]]
-    g = {r: pg["per_regime"][r]["gain"] for r in ["vanilla", *myopic]}
-    n = min(s["n"] for s in g.values())
-    measured = ("gain of prev_is_<0> probe r over init (layers 1–2, pos 2–9): "
-                + "; ".join(f"{r} {_ci(s)}" for r, s in g.items()) + f". n = {n} seeds")
-    if n < 2 or not all(_has_ci(s) for s in g.values()):
-        return {**row, "measured": measured, "verdict": "inconclusive"}
-    if any(g[r]["lo"] > B_THRESHOLD for r in myopic):
-        verdict = "not reproduced"
-    elif g["vanilla"]["lo"] > 0 and all(g[r]["lo"] <= 0 or g[r]["hi"] < B_THRESHOLD for r in myopic):
-        verdict = "reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+def _rule_a() -> Rule:
+    def decide(n):
+        d, mu, means = n["vs_vanilla"], n["myopic-untied_vs"], n["mean_gain"]
+        if any(not has_ci(d.get(g)) for g in ("myopic", "untied", "myopic-untied")):
+            return INC
+        if any(d[g]["lo"] > 0 for g in d) or any(has_ci(v) and v["lo"] > 0 for v in mu.values()):
+            return NOT
+        lowest = all(means["myopic-untied"] < means[g] for g in ("vanilla", "myopic", "untied"))
+        return REP if d["myopic"]["hi"] < 0 and d["untied"]["hi"] < 0 and lowest else INC
+
+    return Rule(f"Per seed, gain = final r − init r of the same seed (mean over the features), averaged over "
+                f"{WINDOW}; Δ = regime gain − vanilla gain, paired by seed. Reproduced if Δ(myopic) and Δ(untied) "
+                "both have 95% CI upper bound < 0 and myopic-untied has the lowest mean gain. Not reproduced if any "
+                "Δ has CI lower bound > 0 or myopic-untied lies significantly above myopic or untied. Otherwise "
+                "inconclusive.", decide)
 
 
-def _claim_c(summary, task) -> dict:
-    row = {"claim": CLAIM_C, "task": task, "rule": RULE_C}
-    entry = summary["influence"].get(task)
-    v = entry["per_regime"].get("vanilla") if entry else None
-    if v is None or any(v[c]["mean"] is None for c in COMPONENTS):
-        return {**row, "measured": f"no vanilla influence at NTP-useless sites for {task}",
-                "verdict": "inconclusive"}
-    ps = v["pre_cached+shared"]
-    n = min(v[c]["n"] for c in COMPONENTS)
-    measured = ("integrated influence, vanilla, NTP-useless sites (+ = toward final value): "
-                + "; ".join(f"{c} {_ci(v[c], _g)}" for c in COMPONENTS)
-                + f"; pre_cached+shared {_ci(ps, _g)}. n = {n} seeds")
-    if n < 2 or not _has_ci(v["direct"]) or ps["mean"] is None:
-        return {**row, "measured": measured, "verdict": "inconclusive"}
-    m = {c: v[c]["mean"] for c in COMPONENTS}
-    direct, indirect = m["direct"], ps["mean"]
-    direct_small = (v["direct"]["lo"] <= 0 <= v["direct"]["hi"]) or abs(direct) < C_RATIO * indirect
-    if direct > 0 and direct > m["pre_cached"] and direct > m["shared"]:
-        verdict = "not reproduced"
-    elif indirect > 0 and indirect > direct and direct_small:
-        verdict = "reproduced"
-    else:
-        verdict = "inconclusive"
-    return {**row, "measured": measured, "verdict": verdict}
+def _rule_b() -> Rule:
+    def decide(n):
+        g = n["gain"]
+        if not all(has_ci(v) for v in g.values()):
+            return INC
+        myopic = [r for r in ("myopic", "myopic-untied") if r in g]
+        if any(g[r]["lo"] > B_THRESHOLD for r in myopic):
+            return NOT
+        ok = g["vanilla"]["lo"] > 0 and all(g[r]["lo"] <= 0 or g[r]["hi"] < B_THRESHOLD for r in myopic)
+        return REP if ok else INC
+
+    return Rule(f"Per seed, gain = final r − init r of prev_is_<0>, averaged over {WINDOW}. Reproduced if vanilla's "
+                f"gain has 95% CI lower bound > 0 and, for myopic and myopic-untied, the gain's CI includes 0 or lies "
+                f"below {B_THRESHOLD}. Not reproduced if myopic's or myopic-untied's gain has CI lower bound > "
+                f"{B_THRESHOLD}. Otherwise inconclusive.", decide)
 
 
-def _claims(summary) -> list[dict]:
-    tasks_c = [t for t in summary["tasks"] if t in summary["influence"]] or ["majority", "cond_majority"]
-    return [_claim_a(summary), _claim_b(summary), *(_claim_c(summary, t) for t in tasks_c)]
+def _rule_c() -> Rule:
+    def decide(n):
+        v = n["centred"]
+        if not has_ci(v["direct"]) or v["pre_cached+shared"]["mean"] is None:
+            return INC
+        m = {c: v[c]["mean"] for c in COMPONENTS}
+        indirect, direct = v["pre_cached+shared"]["mean"], m["direct"]
+        if direct > 0 and direct > m["pre_cached"] and direct > m["shared"]:
+            return NOT
+        small = v["direct"]["lo"] <= 0 <= v["direct"]["hi"] or abs(direct) < C_RATIO * indirect
+        return REP if indirect > 0 and indirect > direct and small else INC
+
+    return Rule("Vanilla runs, the centred mismatch R_c; per seed the integrated Adam influence of each component, "
+                "averaged over the tracked site × feature pairs where the feature is NTP-useless, below the last "
+                "layer. Not reproduced if direct is positive and the largest of the three; reproduced if "
+                "pre-cached + shared is positive, above direct, and direct's 95% CI includes 0 or "
+                f"|direct| < {C_RATIO} · (pre-cached + shared); otherwise inconclusive. The paper's R is shown "
+                "beside it and does not decide.", decide)
+
+
+def claims(summary: dict) -> list[Claim]:
+    """The toy claims with their numbers, preconditions and verdicts."""
+    out = []
+    pg, n = summary["probe_gain"], summary["n_seeds"]
+    if (a := pg.get("majority")) is not None:
+        per = a["per_regime"]
+        out.append(Claim(
+            "a", "myopic and untied training each reduce the majority feature at input positions; myopic-untied "
+            "reduces it most", "no number given (qualitative, 10 seeds × 4 regimes)", _rule_a(),
+            {"vs_vanilla": a["vs_vanilla"], "myopic-untied_vs": a["myopic-untied_vs"],
+             "mean_gain": {g: v["gain"]["mean"] for g, v in per.items()}},
+            f"gain over init ({WINDOW}): " + "; ".join(
+                f"{g} {fmt_ci(v['gain'])} (init r {fmt_ci(v['init'])}, final {fmt_ci(v['final'])})"
+                for g, v in per.items()) + ". Paired Δ vs vanilla: "
+            + "; ".join(f"{g} {fmt_ci(d)}" for g, d in a["vs_vanilla"].items()) + f". n = {n} seeds",
+            (at_least("seeds", n, 2), Check("all four regimes", len(per), len(per) == 4),
+             *gate_checks(summary, "majority")), "majority"))
+    if (b := pg.get("cond_majority")) is not None:
+        per = b["per_regime"]
+        gain = {g: per[g]["gain"] for g in ("vanilla", "myopic", "myopic-untied") if g in per}
+        low = (per.get("vanilla") or {}).get("min_final")
+        out.append(Claim(
+            "b", "a myopic model never learns prev_is_<0>", "no number given; the paper's code reaches probe r 0.998 "
+            "in vanilla", _rule_b(), {"gain": gain},
+            f"gain of prev_is_<0> r over init ({WINDOW}): " + "; ".join(
+                f"{g} {fmt_ci(v)} (init r {fmt_ci(per[g]['init'])})" for g, v in gain.items()) + f". n = {n} seeds",
+            (at_least("seeds", n, 2), Check("vanilla and myopic both run", sorted(gain),
+                                            {"vanilla", "myopic"} <= set(gain)),
+             *gate_checks(summary, "cond_majority"),
+             Check(f"vanilla learns prev_is_<0>: window probe r >= {B_LEARNED} on every seed (lowest)",
+                   None if low is None else round(low, 3), low is not None and low >= B_LEARNED)),
+            "cond_majority"))
+    for t, by in summary["influence"].items():
+        c, p = by.get("centred"), by.get("paper")
+        if c is None:
+            continue
+        n_tr = min(c[x]["n"] for x in COMPONENTS)
+        text = "; ".join(f"{m}: " + ", ".join(f"{COMPONENT_LABELS[x]} {fmt_ci(v[x], fmt_g)}" for x in COMPONENTS)
+                         for m, v in (("R_c", c), ("R (paper)", p)) if v)
+        out.append(Claim(
+            "c", "in vanilla training the NTP-useless feature is built by the pre-caching and shared parts, not the "
+            "direct part (the paper shows this for Othello; here it is tested on the toy tasks)",
+            "Othello only: direct ≈ 0 for useless squares; toy tasks reported as probe quality only", _rule_c(),
+            {"centred": c, "paper": p},
+            f"integrated influence at NTP-useless sites (+ = toward the final value), {text}. n = {n_tr} seeds",
+            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t)), t))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- figures
 
 
-def _color(kind: str, key: str, order) -> str:
-    table = REGIME_COLORS if kind == "regime" else COMPONENT_COLORS
-    if key in table:
-        return table[key]
-    extra = [k for k in order if k not in table]
-    return EXTRA_COLORS[extra.index(key) % len(EXTRA_COLORS)] if key in extra else "#000000"
+def _shade_useful(ax, lo=9.5, hi=20.5):
+    ax.axvspan(lo, hi, color="#DDDDDD", alpha=0.5, lw=0)
 
 
-def _fig_probe(summary, task, figdir) -> bytes | None:
-    import matplotlib
+def _fig_probe(task):
+    def draw(summary, figdir):
+        rows = [r for r in summary["probe_profiles"] if r["task"] == task]
+        if not rows:
+            return None
+        layers = summary["probe_layers"]
+        n = summary["n_seeds"]
+        with fs.style():
+            fig, axes = fs.figure(3.2 * len(layers), 3.2, 1, len(layers), sharey=True)
+            handles, labels = [], []
+            for ax, k in zip(axes[0], layers):
+                _shade_useful(ax)
+                for g in summary["regimes"] + ["init"]:
+                    sel = sorted((r for r in rows if r["layer"] == k and (
+                        (g == "init" and r["weights"] == "init") or (r["weights"] == "final" and r["regime"] == g))),
+                        key=lambda r: r["pos"])
+                    if not sel:
+                        continue
+                    xs = [r["pos"] for r in sel]
+                    color = fs.BASELINE if g == "init" else REGIME_COLORS.get(g, "#000000")
+                    (h,) = ax.plot(xs, [r["mean"] for r in sel], color=color, ls="--" if g == "init" else "-", lw=1.4)
+                    fs.ci_band(ax, xs, sel, color, bounds=(-1, 1))
+                    handles.append(h)
+                    labels.append("untrained (step 0)" if g == "init" else g)
+                ax.set_title(f"resid[{k}]" + (" (embeddings)" if k == 0 else f" (output of block {k - 1})"))
+                ax.set_xlabel("position (grey: feature NTP-useful)")
+            axes[0][0].set_ylabel("probe test Pearson r")
+            feats = ", ".join(PROBE_FEATURES[task])
+            fs.finish(fig, f"{TASK_TITLES[task]}: probe quality of {feats} (mean over features) by position; "
+                           f"lines: mean, bands: {fs.ci_label(n, 'seeds')} in Fisher z", handles, labels, 5)
+            return fs.save(fig, figdir, f"probe_{task}")
 
-    rows = [r for r in summary["probe_profiles"] if r["task"] == task]
-    if not rows:
+    return draw
+
+
+def _fig_task_success(summary, figdir):
+    tasks, regimes = summary["tasks"], summary["regimes"]
+    if not tasks:
         return None
-    layers = sorted({r["layer"] for r in rows})
-    regimes = [rg for rg in summary["regimes"] if any(r["regime"] == rg and r["weights"] == "final" for r in rows)]
-    base_rg = "vanilla" if "vanilla" in regimes else (regimes[0] if regimes else None)
-    n = summary["n_seeds"]
-    with matplotlib.rc_context(_RC):
-        fig, axes = _grid(4.3 * len(layers), 4.2, 1, len(layers), left=0.75, right=0.15, top=0.62, bottom=0.95,
-                          wspace=0.2, sharey=True)
-        axes = axes[0]
-        for ax, layer in zip(axes, layers):
-            for i, (a, b) in enumerate(_spans(summary["useful_positions"].get(task, []))):
-                ax.axvspan(a - 0.5, b + 0.5, color="#000000", alpha=0.07, lw=0,
-                           label="NTP-useful positions (pos ≥ 10)" if i == 0 else None)
-            ax.axhline(0, color="#000000", lw=0.6)
-            base = sorted((r for r in rows if r["regime"] == base_rg and r["weights"] == "init"
-                           and r["layer"] == layer), key=lambda r: r["pos"])
-            if base:
-                ax.plot([r["pos"] for r in base], [r["mean"] for r in base], ls="--", color=BASELINE_COLOR, lw=1.5,
-                        zorder=4,
-                        label=f"untrained baseline ({base_rg}, init weights)")
-            for rg in regimes:
-                sel = sorted((r for r in rows if r["regime"] == rg and r["weights"] == "final" and r["layer"] == layer),
-                             key=lambda r: r["pos"])
-                if not sel:
+    with fs.style():
+        fig, axes = fs.figure(7.5, 3.2 * len(tasks), len(tasks), 2)
+        for row, t in zip(axes, tasks):
+            for ax, metric, label in ((row[0], "loss_gap", "eval loss − exact optimum (nats)"),
+                                      (row[1], "first_acc", "first-output accuracy")):
+                for x, g in enumerate(regimes):
+                    v = summary["task_success"][t].get(g)
+                    if v is None:
+                        continue
+                    ax.bar(x, v[metric]["mean"], color=REGIME_COLORS.get(g), alpha=0.75)
+                    ax.scatter([x] * len(v["per_seed"]), [s[metric] for s in v["per_seed"]], s=9, color="#000000",
+                               zorder=3)
+                    fs.error_bars(ax, [x], [v[metric]], bounds=(0, 1) if metric == "first_acc" else None)
+                gate = GATE_GAP if metric == "loss_gap" else GATE_ACC
+                ax.axhline(gate, color=fs.BASELINE, ls="--", lw=1)
+                ax.set_xticks(range(len(regimes)), regimes, rotation=15)
+                ax.set_ylabel(label)
+                ax.set_title(f"{TASK_TITLES[t]} (dashed: gate {gate})")
+        fs.finish(fig, f"Did the models learn the tasks? Bars: mean, dots: seeds, whiskers: "
+                       f"{fs.ci_label(summary['n_seeds'], 'seeds')} (accuracy clipped to [0, 1])")
+        return fs.save(fig, figdir, "task_success")
+
+
+def _fig_influence_bars(summary, figdir):
+    tasks = [t for t in summary["tasks"] if t in summary["influence"]]
+    if not tasks:
+        return None
+    with fs.style():
+        fig, axes = fs.figure(7.5, 3.0 * len(tasks), len(tasks), 2)
+        for row, t in zip(axes, tasks):
+            for ax, m in zip(row, MISMATCHES):
+                v = summary["influence"][t].get(m)
+                if v is None:
+                    ax.set_visible(False)
                     continue
-                xs = [r["pos"] for r in sel]
-                color = _color("regime", rg, summary["regimes"])
-                _band(ax, xs, sel, color)
-                ax.plot(xs, [r["mean"] for r in sel], marker="o", ms=3, lw=1.6, color=color, label=rg)
-            ax.set_title(f"resid[{layer}]" + (" (embeddings)" if layer == 0 else f" (output of blocks.{layer - 1})"))
-            ax.set_xlabel("position t (token index; inputs 1–10)")
-            positions = summary["probe_positions"].get(task) or [r["pos"] for r in rows]
-            ax.set_xlim(min(positions) - 0.6, max(positions) + 0.6)
-            ax.set_xticks([p for p in positions if p % 2 == 1 or p == min(positions)])
-        axes[0].set_ylabel("probe Pearson r on held-out data (unitless)")
-        ci = f"mean and 95% t-CI over {n} seeds" if n >= 2 else "mean of 1 seed (no CI)"
-        handles, labels = axes[0].get_legend_handles_labels()
-        _finish(fig, f"{TASK_TITLES.get(task, task)}: probe quality of {FEATURE_TITLES.get(task, task)}; {ci}",
-                handles, labels, min(len(labels), 6))
-        return _save(fig, figdir, f"probe_{task}")
+                xs = range(len(COMPONENTS))
+                ax.bar(xs, [v[c]["mean"] or 0 for c in COMPONENTS], color=[COMPONENT_COLORS[c] for c in COMPONENTS])
+                fs.error_bars(ax, list(xs), [v[c] for c in COMPONENTS])
+                ax.axhline(0, color="#000000", lw=0.8)
+                ax.set_xticks(list(xs), [COMPONENT_LABELS[c] for c in COMPONENTS])
+                ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
+                ax.set_ylabel(f"integrated influence ({INFLUENCE_UNIT.split(' (')[0]})")
+        n = min(v[c]["n"] for by in summary["influence"].values() for v in by.values() for c in COMPONENTS)
+        fs.finish(fig, f"Which gradient component built the NTP-useless feature (vanilla, useless sites below the "
+                       f"last layer)? Bars: mean, whiskers: {fs.ci_label(n, 'seeds')}. {fs.SIGN}")
+        return fs.save(fig, figdir, "influence_bars")
 
 
-def _bar_group(ax, centers, items, width):
-    """items: list of (label, color, [stats per center]) drawn as adjacent bars around each center, with CI whiskers."""
-    k = len(items)
-    for j, (label, color, per_center) in enumerate(items):
-        pts = [(x + (j - (k - 1) / 2) * width, s) for x, s in zip(centers, per_center)
-               if s is not None and s["mean"] is not None]
-        if not pts:
-            continue
-        ax.bar([x for x, _ in pts], [s["mean"] for _, s in pts], width=width * 0.92, color=color, label=label,
-               edgecolor="white", lw=0.5)
-        ci = [(x, s) for x, s in pts if _has_ci(s)]
-        if ci:
-            ax.errorbar([x for x, _ in ci], [s["mean"] for _, s in ci],
-                        yerr=[[s["mean"] - s["lo"] for _, s in ci], [s["hi"] - s["mean"] for _, s in ci]],
-                        fmt="none", ecolor="#000000", capsize=2.5, elinewidth=1)
-
-
-def _dedupe_legend(ax):
-    handles, labels = ax.get_legend_handles_labels()
-    seen, hs, ls = set(), [], []
-    for h, lab in zip(handles, labels):
-        if lab not in seen:
-            seen.add(lab)
-            hs.append(h)
-            ls.append(lab)
-    return hs, ls
-
-
-def _fig_task_success(summary, figdir) -> bytes | None:
-    import matplotlib
-
-    ts = summary["task_success"]
-    if not ts:
-        return None
-    metrics = (("legal_acc", "legal-output accuracy"), ("first_acc", "first-output accuracy"))
-    n = summary["n_seeds"]
-    with matplotlib.rc_context(_RC):
-        fig, axes = _grid(5.2 * len(ts), 4.2, 1, len(ts), left=0.75, right=0.15, top=0.62, bottom=0.72, wspace=0.2,
-                          sharey=True)
-        axes = axes[0]
-        hs, ls = [], []
-        for ax, (task, rows) in zip(axes, ts.items()):
-            regimes = [rg for rg in summary["regimes"] if rg in rows]
-            items = [(rg, _color("regime", rg, summary["regimes"]), [rows[rg][m] for m, _ in metrics])
-                     for rg in regimes]
-            _bar_group(ax, range(len(metrics)), items, 0.8 / max(1, len(regimes)))
-            for j, rg in enumerate(regimes):
-                for i, (m, _) in enumerate(metrics):
-                    s = rows[rg][m]
-                    if s["mean"] is not None:  # the value, inside tall bars and above short ones
-                        x = i + (j - (len(regimes) - 1) / 2) * 0.8 / len(regimes)
-                        inside = s["mean"] >= 0.25
-                        ax.text(x, 0.02 if inside else s["mean"] + 0.02, f"{s['mean']:.2f}", rotation=90,
-                                ha="center", va="bottom", fontsize=8, color="white" if inside else "#000000")
-            ax.set_xticks(range(len(metrics)), [lab for _, lab in metrics])
-            ax.set_ylim(0, 1.05)
-            ax.set_title(TASK_TITLES.get(task, task))
-            ax.grid(axis="x", visible=False)
-            h, lab = _dedupe_legend(ax)
-            for hh, ll in zip(h, lab):
-                if ll not in ls:
-                    hs.append(hh)
-                    ls.append(ll)
-        axes[0].set_ylabel("accuracy (fraction of eval predictions)")
-        ci = f"bars: mean; whiskers: 95% t-CI over {n} seeds" if n >= 2 else "bars: 1 seed (no CI)"
-        _finish(fig, f"Task success per regime ({ci})", hs, ls, len(ls))
-        return _save(fig, figdir, "task_success")
-
-
-def _fig_influence_curves(summary, figdir) -> bytes | None:
-    import matplotlib
-    from matplotlib.ticker import MaxNLocator
-
+def _fig_influence_curves(summary, figdir):
     rows = summary["influence_curves"]
-    if not rows:
-        return None
     tasks = [t for t in summary["tasks"] if any(r["task"] == t for r in rows)]
-    regimes = [rg for rg in summary["regimes"] if any(r["regime"] == rg for r in rows)]
-    n = summary["n_seeds"]
-    with matplotlib.rc_context(_RC):
-        fig, axes = _grid(3.4 * len(regimes) + 0.8, 2.9 * len(tasks) + 1.55, len(tasks), len(regimes), left=1.0,
-                          right=0.15, top=0.95, bottom=0.85, wspace=0.2, hspace=0.45, sharex=True)
-        for i, task in enumerate(tasks):
-            for j, rg in enumerate(regimes):
-                ax = axes[i][j]
-                if j > 0:  # one y scale per task (row)
-                    ax.sharey(axes[i][0])
-                    ax.tick_params(labelleft=False)
-                ax.axhline(0, color="#000000", lw=0.6)
-                for c in ALL_COMPONENTS:
-                    sel = sorted((r for r in rows if r["task"] == task and r["regime"] == rg and r["component"] == c),
-                                 key=lambda r: r["step"])
+    if not tasks:
+        return None
+    with fs.style():
+        fig, axes = fs.figure(7.5, 3.0 * len(tasks), len(tasks), 2)
+        handles, labels = [], []
+        for row, t in zip(axes, tasks):
+            for ax, m in zip(row, MISMATCHES):
+                for c in (*COMPONENTS, "full"):
+                    sel = [r for r in rows if (r["task"], r["mismatch"], r["component"]) == (t, m, c)]
                     if not sel:
                         continue
                     xs = [r["step"] for r in sel]
-                    color = _color("component", c, ALL_COMPONENTS)
-                    if c != "full":
-                        _band(ax, xs, sel, color)
-                    ax.plot(xs, [r["mean"] for r in sel], color=color, lw=1.2 if c == "full" else 1.8,
-                            ls="--" if c == "full" else "-", label=COMPONENT_LABELS[c])
-                ax.set_title(f"{TASK_TITLES.get(task, task)} · {rg}")
-                if i == len(tasks) - 1:
-                    ax.set_xlabel("training step")
-                    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-                if j == 0:
-                    ax.set_ylabel("cumulative influence (probe units²)\n+ = toward final value")
-        ci = f"mean and 95% t-CI over {n} seeds" if n >= 2 else "1 seed (no CI)"
-        hs, ls = _dedupe_legend(axes[0][0])
-        _finish(fig, "Cumulative Adam influence at NTP-useless tracked sites (mean over sites × features; "
-                f"{ci}).\n{SIGN}", hs, ls, len(ls))
-        return _save(fig, figdir, "influence_curves")
+                    (h,) = ax.plot(xs, [r["mean"] for r in sel], color=COMPONENT_COLORS[c], lw=1.4,
+                                   ls=":" if c == "full" else "-")
+                    fs.ci_band(ax, xs, sel, COMPONENT_COLORS[c])
+                    handles.append(h)
+                    labels.append(COMPONENT_LABELS[c])
+                ax.axhline(0, color="#000000", lw=0.8)
+                ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
+                ax.set_xlabel("training step")
+                ax.set_ylabel("cumulative influence (probe units²)")
+        fs.finish(fig, f"Cumulative influence at NTP-useless sites, vanilla; bands: "
+                       f"{fs.ci_label(len(summary['tracked_seeds']), 'seeds')}. {fs.SIGN}", handles, labels, 4)
+        return fs.save(fig, figdir, "influence_curves")
 
 
-def _fig_influence_bars(summary, figdir) -> bytes | None:
-    import matplotlib
-
-    infl = summary["influence"]
-    if not infl:
+def _fig_offset(summary, figdir):
+    rows = summary["offset_share"]
+    tasks = [t for t in summary["tasks"] if any(r["task"] == t for r in rows)]
+    if not tasks:
         return None
-    n = summary["n_seeds"]
-    with matplotlib.rc_context(_RC):
-        panel = max(5.0, 1.3 * len(summary["regimes"]) + 0.6)
-        fig, axes = _grid(panel * len(infl) + 1.0 * len(infl), 4.6, 1, len(infl), left=1.0, right=0.15, top=0.95,
-                          bottom=1.0, wspace=1.0)
-        axes = axes[0]
-        for ax, (task, entry) in zip(axes, infl.items()):
-            rows = entry["per_regime"]
-            regimes = [rg for rg in summary["regimes"] if rg in rows]
-            items = [(COMPONENT_LABELS[c], _color("component", c, ALL_COMPONENTS), [rows[rg][c] for rg in regimes])
-                     for c in ALL_COMPONENTS]
-            ax.axhline(0, color="#000000", lw=0.6)
-            _bar_group(ax, range(len(regimes)), items, 0.8 / len(items))
-            ax.set_xticks(range(len(regimes)), regimes)
-            ax.set_xlabel("training regime")
-            ax.set_title(f"{TASK_TITLES.get(task, task)} "
-                         f"({entry['n_site_features']} NTP-useless site × feature pair(s))")
-            ax.grid(axis="x", visible=False)
-            ax.set_ylabel("integrated influence (probe units²)\n+ = toward final value")
-        ci = f"mean and 95% t-CI over {n} seeds" if n >= 2 else "1 seed (no CI)"
-        hs, ls = _dedupe_legend(axes[0])
-        _finish(fig, f"Integrated Adam influence at NTP-useless tracked sites ({ci}).\n{SIGN}", hs, ls, len(ls))
-        return _save(fig, figdir, "influence_bars")
+    with fs.style():
+        fig, axes = fs.figure(3.6 * len(tasks), 3.0, 1, len(tasks), sharey=True)
+        for ax, t in zip(axes[0], tasks):
+            sel = sorted((r for r in rows if r["task"] == t), key=lambda r: r["pos"])
+            xs = [r["pos"] for r in sel]
+            ax.bar(xs, [r["mean"] for r in sel], color=[fs.BASELINE if r["where"] == "useful" else
+                                                       fs.OKABE_ITO["vermillion"] for r in sel])
+            fs.error_bars(ax, xs, sel, bounds=(0, 1))
+            ax.set_ylim(0, 1.05)
+            ax.set_xlabel("tracked position (grey: feature NTP-useful)")
+            ax.set_title(TASK_TITLES[t])
+        axes[0][0].set_ylabel("offset share of R at step 0: mean(d)² / R")
+        fs.finish(fig, "How much of the paper's mismatch R is a mean offset at initialisation (held-out data, mean over "
+                       f"features; whiskers: {fs.ci_label(len(summary['tracked_seeds']), 'seeds')}, clipped to [0, 1])")
+        return fs.save(fig, figdir, "offset_share")
+
+
+FIGURES = {"probe_majority": _fig_probe("majority"), "probe_cond_majority": _fig_probe("cond_majority"),
+           "task_success": _fig_task_success, "influence_bars": _fig_influence_bars,
+           "influence_curves": _fig_influence_curves, "offset_share": _fig_offset}
 
 
 def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
-    """Draw every figure that has data; returns {name: PNG bytes}."""
-    figdir.mkdir(parents=True, exist_ok=True)
-    out = {}
-    for name, fn in (("probe_majority", lambda: _fig_probe(summary, "majority", figdir)),
-                     ("probe_cond_majority", lambda: _fig_probe(summary, "cond_majority", figdir)),
-                     ("task_success", lambda: _fig_task_success(summary, figdir)),
-                     ("influence_curves", lambda: _fig_influence_curves(summary, figdir)),
-                     ("influence_bars", lambda: _fig_influence_bars(summary, figdir))):
-        png = fn()
-        if png is not None:
-            out[name] = png
-    return out
+    """Draw every figure that has data into ``figdir``; returns {name: PNG bytes}."""
+    return draw_figures(summary, figdir, FIGURES)
 
 
 # ---------------------------------------------------------------------------------------------------- document
 
 
 def _document(summary: dict, figures) -> list[tuple]:
-    """The report as blocks: ("h1"|"h2"|"p", text), ("table", header, rows, id), ("fig", name, caption)."""
     n = summary["n_seeds"]
-    if n >= 2:
-        ci_note = "Intervals: two-sided 95% Student-t intervals over seeds (the seed is the unit of replication)."
-    elif n == 1:
-        ci_note = "Only 1 seed: means only, no intervals; every verdict that needs a CI is inconclusive."
-    else:
-        ci_note = "No runs in data.json: nothing to report; every verdict is inconclusive."
-    b = [("h1", "Toy tasks: majority and conditioned majority (docs/paper.md#majority, claims 1–2)"),
-         ("p", (f"Scale {summary['scale']!s}, {n} seed(s), tasks: {', '.join(summary['tasks']) or 'none'}, "
-                f"regimes: {', '.join(summary['regimes']) or 'none'}. {ci_note} {SIGN} Influence unit: "
-                f"{INFLUENCE_UNIT}. Every number below is also in summary.json."))]
-
-    b.append(("h2", "Scale and settings"))
-    b.append(("p", ("This run against the paper's setting (values not overridden in data.json's train are "
-                    "TrainConfig defaults). Rows marked 'yes' differ from the paper, so absolute numbers are not "
-                    "comparable with it; the claims are qualitative.")))
-    b.append(("table", ["setting", "this run", "paper", "differs"],
-              [[s["setting"], s["this_run"], s["paper"], "yes" if s["differs"] else ""] for s in summary["settings"]],
-              None))
-
-    b.append(("h2", "Claims"))
-    b.append(("table", ["claim", "task", "measured", "verdict", "rule"],
-              [[f"“{c['claim']}”", c["task"], c["measured"], c["verdict"], c["rule"]] for c in summary["claims"]],
-              "claims"))
-    b.append(("p", ("Decision rules (fixed before looking at the numbers; verdicts are whatever the numbers "
-                    f"give): (a) {RULE_A} (b) {RULE_B} (c) {RULE_C}")))
-
-    def fig(name, caption):
+    b = [("h1", f"Toy tasks: majority and conditioned majority (scale {summary['scale']})"),
+         ("p", f"{n} seed(s); regimes {', '.join(summary['regimes'])}; tracked (vanilla) seeds "
+               f"{', '.join(map(str, summary['tracked_seeds']))}. {summary['ci']}. {fs.SIGN} Influence unit: "
+               f"{INFLUENCE_UNIT}. resid[k] is the output of block k−1; logits at p predict token p+1. Every number "
+               "is also in summary.json."),
+         ("h2", "Settings"),
+         ("table", ["setting", "this run", "paper", "differs"],
+          [[s["setting"], s["this_run"], s["paper"], "yes" if s["differs"] else ""] for s in summary["settings"]],
+          None),
+         ("h2", "Claims"),
+         ("claims", summary["claims"], False),
+         ("p", "Rules were fixed before the numbers were seen. A claim whose preconditions fail is 'not testable at "
+               "this scale': its model did not learn the task, so the claim says nothing about it. Claim (c) extends "
+               "the paper's Othello influence finding to the toy tasks; the paper reports toy results as probe "
+               "quality only."),
+         ("h2", "Did the models learn their tasks?")]
+    if "task_success" in figures:
+        b.append(("fig", "task_success", "Eval loss minus the task's exact optimal loss (left; the Bayes entropy of "
+                                         "the next token, computed by enumerating every input) and first-output "
+                                         "accuracy (right), per regime. Dashed: the gates that vanilla must pass on "
+                                         "every seed."))
+    rows = []
+    for t, by in summary["task_success"].items():
+        for g, v in by.items():
+            rows.append([t, g, fmt_ci(v["eval_loss"]), fmt_ci(v["loss_gap"]), fmt_ci(v["first_acc"]),
+                         str(v["eval_loss"]["n"])])
+    b.append(("table", ["task", "regime", "eval loss", "gap to optimum", "first-output accuracy", "n"], rows, None))
+    for t in summary["tasks"]:
+        name = f"probe_{t}"
+        if name in figures:
+            b += [("h2", f"Probe quality: {TASK_TITLES[t]}"),
+                  ("fig", name, "Test Pearson r of linear probes per position, one panel per residual layer; final "
+                                "weights per regime, dashed grey: the untrained model. Bands: 95% t-CI over seeds in "
+                                "Fisher z. Grey shading: positions where the feature is NTP-useful.")]
+        pg = summary["probe_gain"].get(t)
+        if pg:
+            b.append(("table", ["regime", "untrained r", "final r", "gain", "Δ gain vs vanilla (paired)"],
+                      [[g, fmt_ci(v["init"]), fmt_ci(v["final"]), fmt_ci(v["gain"]),
+                        fmt_ci(pg["vs_vanilla"].get(g)) if g != "vanilla" else "—"]
+                       for g, v in pg["per_regime"].items()], None))
+    b.append(("h2", "Influence: the centred and the paper's mismatch"))
+    b.append(("p", "d_b = ⟨w, r_θ − r_θ*⟩ is example b's probe-projection difference from the final model at the "
+                   "site. The paper's R = mean_b d_b² mixes two things: the mean offset mean(d)² and the batch "
+                   "variance R_c = var_b d. Only R_c says whether the feature varies across examples like the final "
+                   "one; an influence on the offset moves every example alike. Both are integrated exactly from the "
+                   "same passes."))
+    for name, caption in (("offset_share", "Offset share of R at step 0, per tracked position (held-out batch)."),
+                          ("influence_bars", "Integrated Adam influence per component at NTP-useless sites below "
+                                             "the last layer, for R_c (left, decides claim c) and the paper's R."),
+                          ("influence_curves", "Cumulative influence over training (vanilla).")):
         if name in figures:
             b.append(("fig", name, caption))
-        else:
-            b.append(("p", f"Figure {name}: not drawn (no data for it in data.json)."))
-
-    shade = "Grey shading: positions where the feature is NTP-useful (pos ≥ 10)."
-    ci_fig = "Lines: mean over seeds; bands: 95% t-CI over seeds." if n >= 2 else "Lines: the single seed."
-    pg = summary["probe_gain"]
-    for task, title, feat in (("majority", "Probe quality: majority", "is_majority_<v>, mean over v"),
-                              ("cond_majority", "Probe quality: conditioned majority", "prev_is_<0>")):
-        b.append(("h2", title))
-        fig(f"probe_{task}",
-            f"Test Pearson r of linear probes for {feat} at each position, one panel per residual layer, "
-            f"final weights per regime; dashed grey: the untrained model (init weights, vanilla). {ci_fig} {shade}")
-        if task in pg:
-            e = pg[task]
-            b.append(("p", (f"Probe gain = final r − init r of the same seed, averaged over layers "
-                            f"{e['layers'][0]}–{e['layers'][-1]} and input positions {e['positions'][0]}–"
-                            f"{e['positions'][-1]} (NTP-useless); Δ vs vanilla is paired by seed.")))
-            rows = []
-            for rg, v in e["per_regime"].items():
-                rows.append([rg, _ci(v["final"]), _ci(v["init"]), _ci(v["gain"]),
-                             _ci(e["vs_vanilla"].get(rg)) if rg != "vanilla" else "—", str(v["gain"]["n"])])
-            b.append(("table", ["regime", "final r", "init r", "gain", "Δ gain vs vanilla", "n"], rows, None))
-            mu = e["myopic-untied_vs"]
-            if mu:
-                b.append(("p", "Paired Δ gain, myopic-untied minus: "
-                          + "; ".join(f"{rg} {_ci(s)}" for rg, s in mu.items()) + "."))
-        else:
-            b.append(("p", f"No probe data for {task}."))
-
-    b.append(("h2", "Task success"))
-    fig("task_success", "Legal-output accuracy: share of output-position argmax predictions inside the legal "
-                        "(majority) "
-                        "set; first-output accuracy: the same for the first output only, which needs the counts over "
-                        "the inputs. " + ("Whiskers: 95% t-CI over seeds." if n >= 2 else "Single seed."))
-    rows = []
-    for task, per in summary["task_success"].items():
-        for rg, v in per.items():
-            rows.append([task, rg, _ci(v["legal_acc"]), _ci(v["first_acc"]), _ci(v["eval_loss"]),
-                         str(v["legal_acc"]["n"])])
-    if rows:
-        b.append(("table", ["task", "regime", "legal-output acc.", "first-output acc.", "eval loss (nats/token)",
-                            "n"], rows, None))
-
-    b.append(("h2", "Influence over training"))
-    fig("influence_curves", "Cumulative Adam influence of each gradient component (direct, pre-cached, shared; "
-                            "dashed: full = their sum) on the tracked feature, averaged over the tracked sites × "
-                            f"features where the feature is NTP-useless. {ci_fig} {SIGN}")
-
-    b.append(("h2", "Integrated influence"))
-    fig("influence_bars", "Integrated (whole-training) Adam influence per component and regime: mean over seeds of "
-                          "the mean over NTP-useless tracked sites × features. "
-                          + ("Whiskers: 95% t-CI over seeds. " if n >= 2 else "Single seed. ") + SIGN)
-    rows = []
-    for task, entry in summary["influence"].items():
-        for rg, v in entry["per_regime"].items():
-            rows.append([task, rg, *(_ci(v[c], _g) for c in ALL_COMPONENTS), _ci(v["pre_cached+shared"], _g),
-                         str(v["direct"]["n"])])
-    if rows:
-        b.append(("p", f"Integrated influence in {INFLUENCE_UNIT}. {SIGN}"))
-        b.append(("table", ["task", "regime", "direct", "pre-cached", "shared", "full", "pre-cached + shared", "n"],
-                  rows, None))
-    else:
-        b.append(("p", "No influence data."))
+    if summary["balance"]:
+        b.append(("p", "Balance: the integrated first-order influence (full) against the mismatch actually removed, "
+                       "R(θ_0) − R(θ_T), on a held-out batch; a first-order sum that overshoots the change means "
+                       "that higher-order terms along the path matter."))
+        b.append(("table", ["task", "mismatch", "sites", "R at step 0", "Σ influence (full)", "removed"],
+                  [[r["task"], r["mismatch"], r["where"], fmt_g(r["R0"]), fmt_g(r["influence"]), fmt_g(r["removed"])]
+                   for r in summary["balance"]], None))
     return b
-
-
-# ---------------------------------------------------------------------------------------------------- entry point
 
 
 def write_report(out_dir: str | Path) -> Path:
     """Read ``out_dir/data.json``; write figures/, summary.json, report.md and report.html. Returns report.md's path."""
-    return write_from_data(out_dir, summarize, make_figures, _document)
+    return _write_from_data(out_dir, summarize, make_figures, _document)
 
 
 def main(argv=None) -> None:
-    """Command line: write the report of the folder OUT holding data.json and print the report.md path."""
-    report_main("toy_report", "toy-task", write_report, argv)
+    """``python -m ntpflow.experiments.toy_report OUT``."""
+    report_main("toy_report", "toy", write_report, argv)
 
 
 if __name__ == "__main__":
