@@ -180,7 +180,7 @@ def _resume(out: Path, model, opt, tracker, dev):
     for point in reversed(_resume_points(out)):
         try:
             meta, state = load_state(point / "state.safetensors", model, opt, dev)
-        except CorruptFileError as e:
+        except (CorruptFileError, FileNotFoundError) as e:
             log.warning("warning: %s; falling back to the previous resume point", e)
             continue
         start = meta["step"]

@@ -222,12 +222,13 @@ class Run:
 
     def resume(self, model: GPT, opt: torch.optim.Optimizer, device) -> int:
         """Load the latest checkpoint that verifies into ``model`` and ``opt``; returns its step (0: none). A corrupt
-        checkpoint (checksum mismatch, truncated) is skipped with a warning, falling back to the one before."""
+        checkpoint (checksum mismatch, truncated, missing tensors) is skipped with a warning, falling back to the one
+        before."""
         for step in reversed(self.checkpoints()):
             try:
                 load_state(self.weights_path(step), model, opt, device)
                 return step
-            except CorruptFileError as e:
+            except (CorruptFileError, FileNotFoundError) as e:  # rotten, or its tensors deleted
                 log.warning("warning: %s; falling back to the previous checkpoint", e)
         return 0
 

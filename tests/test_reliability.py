@@ -71,9 +71,10 @@ def test_tensor_files_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "w.json").read_text())["step"] == 1
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(ref_run, tmp_path, caplog):
-    """A kill after the step-9 checkpoint, whose values then rot (valid header): the rerun warns, resumes from step 6
-    and ends bit-identical to the uninterrupted run."""
+@pytest.mark.parametrize("damage", ["rot", "missing"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(ref_run, tmp_path, caplog, damage):
+    """A kill after the step-9 checkpoint, whose values then rot (valid header) or whose tensors vanish: the rerun
+    warns, resumes from step 6 and ends bit-identical to the uninterrupted run."""
     import shutil
 
     run_dir = tmp_path / "run"
@@ -81,11 +82,14 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(ref_run, tmp_p
     for name in ("DONE", "model.safetensors", "model.json"):
         (run_dir / name).unlink()
     ckpt = run_dir / "ckpt" / "step_000009.safetensors"
-    data = bytearray(ckpt.read_bytes())
-    data[-8:] = b"\x00\x00\xc0\x7f" * 2  # two float32 values overwritten (NaN): the header stays valid
-    ckpt.write_bytes(bytes(data))
-    with pytest.raises(CorruptFileError, match="checksum"):
-        load_tensors(ckpt)
+    if damage == "rot":
+        data = bytearray(ckpt.read_bytes())
+        data[-8:] = b"\x00\x00\xc0\x7f" * 2  # two float32 values overwritten (NaN): the header stays valid
+        ckpt.write_bytes(bytes(data))
+        with pytest.raises(CorruptFileError, match="checksum"):
+            load_tensors(ckpt)
+    else:
+        ckpt.unlink()
     with caplog.at_level("WARNING", logger="ntpflow.training"):
         train(TINY, run_dir, progress=False)
     assert "step_000009.safetensors" in caplog.text and "falling back" in caplog.text
