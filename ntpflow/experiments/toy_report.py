@@ -39,7 +39,7 @@ TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}
 COMPONENTS = ("direct", "pre_cached", "shared")
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
 MISMATCHES = ("centred", "paper")
-MISMATCH_LABELS = {"centred": "centred R_c = var_b(d)", "paper": "paper's R = mean_b(d²)"}
+MISMATCH_LABELS = {"centred": "R_c = var(d), centred", "paper": "R = mean(d²), paper"}
 REGIME_COLORS = dict(zip(REGIMES, (fs.OKABE_ITO[c] for c in ("blue", "vermillion", "green", "purple"))))
 COMPONENT_COLORS = {"direct": fs.OKABE_ITO["orange"], "pre_cached": fs.OKABE_ITO["sky"], "shared": "#6A3D9A",
                     "full": "#333333"}
@@ -168,6 +168,20 @@ def summarize(data: dict) -> dict:
         if f is not None:
             balance[(r["task"], r["mismatch"], where)].append((f, r["R0_minus_RT_eval"], r["R0_eval"]))
     offset_rows = [{"task": t, "where": w, "pos": i, **stats(v)} for (t, w, i), v in sorted(offset.items())]
+    # per site × feature (vanilla, mean over tracked seeds): offset share, both decompositions and their balance
+    cell = defaultdict(list)
+    for r in influence:
+        cell[(r["task"], r["layer"], r["pos"], r["feature"], r["mismatch"], r["component"])].append(r["total"])
+    for r in mismatch:
+        key = (r["task"], r["layer"], r["pos"], r["feature"], r["mismatch"])
+        cell[(*key, "removed")].append(r["R0_minus_RT_eval"])
+        cell[(*key, "offset")].append(r["offset_share_R0"])
+    site_rows = [{"task": t, "layer": k, "pos": i, "feature": f, "useful": u,
+                  **{f"{m}_{c}": mean_of(cell.get((t, k, i, f, m, c), ()))
+                     for m in MISMATCHES for c in (*COMPONENTS, "full", "removed")},
+                  "offset_share": mean_of(cell.get((t, k, i, f, "paper", "offset"), ()))}
+                 for (t, k, i, f, u) in sorted({(r["task"], r["layer"], r["pos"], r["feature"], r["useful"])
+                                                for r in mismatch})]
     balance_rows = [{"task": t, "mismatch": m, "where": w,
                      "influence": mean_of(f for f, _, _ in v), "removed": mean_of(d for _, d, _ in v),
                      "R0": mean_of(r0 for _, _, r0 in v)} for (t, m, w), v in sorted(balance.items())]
@@ -191,6 +205,7 @@ def summarize(data: dict) -> dict:
                "ci": "two-sided 95% Student-t interval over seeds (Pearson r: in Fisher z); null when n < 2",
                "task_success": success, "gates": gates, "probe_layers": layers, "probe_profiles": profiles,
                "probe_gain": probe_gain, "influence": infl, "offset_share": offset_rows, "balance": balance_rows,
+               "sites_detail": site_rows,
                "influence_curves": curve_rows}
     summary["claims"] = [c.to_dict() for c in claims(summary)]
     return summary
@@ -365,7 +380,8 @@ def _fig_probe(task):
             axes[0][0].set_ylabel("probe test Pearson r")
             feats = ", ".join(PROBE_FEATURES[task])
             fs.finish(fig, f"{TASK_TITLES[task]}: probe quality of {feats} (mean over features) by position; "
-                           f"lines: mean, bands: {fs.ci_label(n, 'seeds')} in Fisher z", handles, labels, 5)
+                           f"lines: mean, bands: {fs.ci_label(n, 'seeds')}{' (in Fisher z)' if n > 1 else ''}",
+                      handles, labels, 5)
             return fs.save(fig, figdir, f"probe_{task}")
 
     return draw
@@ -548,6 +564,18 @@ def _document(summary: dict, figures) -> list[tuple]:
         b.append(("table", ["task", "mismatch", "sites", "R at step 0", "Σ influence (full)", "removed"],
                   [[r["task"], r["mismatch"], r["where"], fmt_g(r["R0"]), fmt_g(r["influence"]), fmt_g(r["removed"])]
                    for r in summary["balance"]], None))
+    if summary["sites_detail"]:
+        b.append(("p", "Per tracked site × feature (vanilla, mean over the tracked seeds): the offset share of R at "
+                       "step 0, the integrated influence of direct / pre-cached / shared for each mismatch, and each "
+                       "one's balance (Σ full influence → mismatch removed on held-out data)."))
+        b.append(("table", ["task", "site", "feature", "useful", "offset share", "R_c: direct / pre / shared",
+                            "R_c balance", "R: direct / pre / shared", "R balance"],
+                  [[r["task"], f"⟨{r['layer']}, {r['pos']}⟩", r["feature"], "yes" if r["useful"] else "no",
+                    fmt_g(r["offset_share"]),
+                    *(x for m in MISMATCHES for x in (
+                        " / ".join(fmt_g(r[f"{m}_{c}"]) for c in COMPONENTS),
+                        f"{fmt_g(r[f'{m}_full'])} → {fmt_g(r[f'{m}_removed'])}"))]
+                   for r in summary["sites_detail"]], None))
     return b
 
 
