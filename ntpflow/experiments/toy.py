@@ -69,8 +69,8 @@ SCALES = {
     # the paper's model (2 layers, d 128, 4 heads, batch 256, lr 1e-3, 102,400 sequences) on this 2-core machine:
     # 5 seeds, all four regimes. Steps per task: the smallest count, from a measured learning curve, at which vanilla
     # passes the toy gates (first-output accuracy >= 0.99, eval loss within 0.01 of the optimum) with margin:
-    # majority passes by step 200 (seed 0), so 600 for margin; conditioned majority had not passed at step 900
-    # (loss gap 0.066, first-output accuracy 0.83; docs/experiments/toy.md), so it gets the paper's 3000. Three vanilla seeds per task are replayed at layer-1
+    # majority passes by step 200 (seed 0), so 600 for margin; conditioned majority had not passed at step 2000
+    # (loss gap 0.044, first-output accuracy 0.88; docs/experiments/toy.md), so it gets the paper's 3000. Three vanilla seeds per task are replayed at layer-1
     # sites: input positions 4, 6, 8 (NTP-useless) and output position 14 (useful). Layer-2 sites are the last
     # residual, where pre-caching is zero by construction.
     "medium": ToyScale("medium", (0, 1, 2, 3, 4), _sites((1,), (4, 6, 8, 14)),
