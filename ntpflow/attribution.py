@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .hooks import hooks
 from .loss import lm_loss
 from .model import GPT
 from .sites import Site
@@ -133,10 +132,9 @@ def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor |
 class SitePasses:
     """The decomposition of one batch, site by site (what ``decompose`` and the influence tracker share).
 
-    The constructor runs the two cotangent passes (``resid_cotangents``); ``run(site, extra)`` then builds the
-    site's prefix graph once and runs on it the decomposition VJPs and, optionally, extra VJPs of cotangents of
-    the site's residual in the ordinary (non-myopic) graph, e.g. risk gradients. In a non-myopic model both kinds
-    share one graph (one prefix forward per site).
+    The constructor runs the two cotangent passes (``resid_cotangents``); ``run(site)`` then builds the site's
+    prefix graph (``GPT.resid_last``: positions ≤ i, the last block for query i alone) and runs on it the two
+    decomposition VJPs, in the model's own regime.
     """
 
     def __init__(self, model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None):
@@ -152,59 +150,19 @@ class SitePasses:
         """False where pre-caching is structurally zero: a myopic model, or the last layer (only ln_final reads it)."""
         return self.model.myopic == "none" and site.layer < self.model.cfg.n_layer
 
-    def run(self, site: Site, out: torch.Tensor | None = None, extra: torch.Tensor | None = None):
-        """(parts [2, n_params] = direct, pre-cached; extra VJPs [n, n_params] or None).
-
-        out: optional [2, n_params] buffer for the parts; extra: cotangents [n, batch, d_model] of r^k_i in the
-        ordinary graph.
-        """
-        model, params, k, i = self.model, self.params, site.layer, site.pos
+    def run(self, site: Site, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The site's direct and pre-cached gradients [2, n_params] (into ``out`` if given)."""
+        k, i = site.layer, site.pos
         if out is None:
             out = self.full.new_empty((2, self.n_params))
-        prefix = self.tokens[:, :i + 1]
         cots = [self.c_own[k][:, i]]
         if self.has_pre_cached(site):
             cots.append(self.c_all[k][:, i] - self.c_own[k][:, i])
         else:
             out[1].zero_()
-        n_extra = 0 if extra is None else len(extra)
-        extra_out = out.new_empty((n_extra, self.n_params)) if n_extra else None
-        r = model.resid_last(prefix, k)
-        shared_graph = n_extra and model.myopic == "none"  # the ordinary graph is the model's own
-        vjp_rows(r, params, torch.stack(cots), out[:len(cots)], retain_graph=shared_graph)
-        if n_extra:
-            r_true = r if shared_graph else model.resid_last(prefix, k, myopic="none")
-            vjp_rows(r_true, params, extra, extra_out)
-        return out, extra_out
-
-    def jvp(self, site: Site, directions: torch.Tensor) -> torch.Tensor:
-        """Directional derivatives of r^k_i (ordinary graph) along parameter directions: [m, n_params] ->
-        [m, batch, d_model], row j = J·directions[j] with J = ∂r^k_i/∂θ.
-
-        Computed by double backward: g(u) = Jᵀu is linear in a dummy u, and ∂(g(u)·δ)/∂u = Jδ. One graph and m
-        passes serve any number of cotangents e, since e·(Jδ) = (Jᵀe)·δ: cheaper than a VJP per cotangent when
-        there are many (Othello's per-square, per-type risks). Attention runs on its explicit (twice
-        differentiable) path here; forward values are the same.
-        """
-        model, params, k, i = self.model, self.params, site.layer, site.pos
-        explicit = [(f"blocks.{b}.attn.hook_pattern", _identity) for b in range(k)]
-        with hooks(model, explicit):
-            r = model.resid_last(self.tokens[:, :i + 1], k, myopic="none")
-        u = torch.zeros_like(r, requires_grad=True)
-        g = torch.autograd.grad(r, params, grad_outputs=u, create_graph=True, allow_unused=True)
-        used = [j for j, x in enumerate(g) if x is not None]
-        starts = [0]
-        for p in params:
-            starts.append(starts[-1] + p.numel())
-        out = r.new_empty((len(directions), *r.shape))
-        for n, row in enumerate(directions):
-            views = [row[starts[j]:starts[j + 1]].view_as(params[j]) for j in used]
-            out[n] = torch.autograd.grad([g[j] for j in used], u, grad_outputs=views, retain_graph=True)[0]
+        r = self.model.resid_last(self.tokens[:, :i + 1], k)
+        vjp_rows(r, self.params, torch.stack(cots), out[:len(cots)])
         return out
-
-
-def _identity(act, hook):
-    return act
 
 
 def decompose(
@@ -223,6 +181,6 @@ def decompose(
     passes = SitePasses(model, tokens, sites, loss_mask)
     out = {}
     for s in sites:
-        (direct, pre), _ = passes.run(s)
+        direct, pre = passes.run(s)
         out[s] = Components(direct=direct, pre_cached=pre, shared=passes.full - direct - pre, full=passes.full)
     return out

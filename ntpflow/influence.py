@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .attribution import SitePasses, flat_grads
+from .forward_mode import Primals, all_tangents, site_tangents
 from .model import GPT
 from .sites import Site
 
@@ -72,7 +73,7 @@ class InfluenceTracker:
     ``component="risk"`` rows hold R or R_c itself (``optimizer="none"``).
     """
 
-    def __init__(self, final_model: GPT, probes: Sequence[Probe]):
+    def __init__(self, final_model: GPT, probes: Sequence[Probe], sgd_rows: bool = True):
         self.final_model = final_model.eval()
         self.probes = list(probes)
         self.sites = sorted({p.site for p in self.probes})
@@ -82,27 +83,42 @@ class InfluenceTracker:
         for p in self.probes:
             if p.w.shape != (d,):
                 raise ValueError(f"probe {p.name} at {p.site} has shape {tuple(p.w.shape)}, expected ({d},)")
-        self.moments: dict[str, torch.Tensor] = {}  # "full" and "{layer}:{pos}:{component}" first moments
+        self.sgd_rows = sgd_rows
+        # Adam first moments, stacked: per site [n_sites, 2 (direct, pre-cached), n_params], and the full one
+        self._m_sites: torch.Tensor | None = None
+        self._m_full: torch.Tensor | None = None
         self.step = 0
-        # a site with more risks than this uses directional derivatives (SitePasses.jvp) instead of one VJP per
-        # risk; None: twice the number of update directions (where the two cost about the same on CPU)
-        self.jvp_min_risks: int | None = None
 
     # ---- state for resuming ----
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The state for resuming: the first moments and the step."""
-        return {**{f"m.{k}": v for k, v in self.moments.items()}, "step": torch.tensor(self.step)}
+        """The state for resuming: the step and the first moments, ``m.full`` and ``m.{layer}:{pos}:{component}``
+        (component direct or pre_cached), each [n_params]; none before the first Adam step."""
+        state = {"step": torch.tensor(self.step)}
+        if self._m_full is not None:
+            state["m.full"] = self._m_full
+            for s, m in zip(self.sites, self._m_sites):
+                state[f"m.{s.layer}:{s.pos}:direct"], state[f"m.{s.layer}:{s.pos}:pre_cached"] = m[0], m[1]
+        return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.step = int(state["step"])
-        self.moments = {k[2:]: v for k, v in state.items() if k.startswith("m.")}
+        self._m_sites = self._m_full = None
+        if "m.full" in state:
+            self._ensure_moments(state["m.full"])
+            self._m_full.copy_(state["m.full"])
+            for s, m in zip(self.sites, self._m_sites):
+                for j, comp in enumerate(("direct", "pre_cached")):
+                    key = f"m.{s.layer}:{s.pos}:{comp}"
+                    if key in state:
+                        m[j].copy_(state[key])
 
     # ---- one step ----
-    def risk_cotangents(self, resid: list[torch.Tensor], frozen: list[torch.Tensor],
-                        feature_types: dict[str, torch.Tensor] | None):
-        """For every probe, type subset and mismatch: (probe, type, mismatch, R, cotangent [batch, d_model] of R at
-        the site). The centred cotangent 2(d_b − d̄)/n is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0.
+    def risk_coefficients(self, resid: list[torch.Tensor], frozen: list[torch.Tensor],
+                          feature_types: dict[str, torch.Tensor] | None):
+        """For every probe, type subset and mismatch: (probe, type, mismatch, R, a [batch]) with ``a[:, None] * w``
+        the cotangent of R at the site: a = 2e/n, e = d (paper) or d − d̄ (centred) on the subset's rows, 0 elsewhere.
+        The centred a is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0.
 
         resid, frozen: lists of [batch, pos, d_model] for θ and θ*; feature_types: {probe name: int [batch, pos]}.
         """
@@ -122,7 +138,7 @@ class InfluenceTracker:
                 d = torch.where(rows, diff, 0.0)
                 dc = torch.where(rows, diff - d.sum() / n, 0.0)
                 for mismatch, e in zip(MISMATCHES, (d, dc)):
-                    out.append((p, t, mismatch, (e.pow(2).sum() / n).item(), (2 * e / n)[:, None] * w[None, :]))
+                    out.append((p, t, mismatch, (e.pow(2).sum() / n).item(), 2 * e / n))
         return out
 
     def track(self, model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
@@ -131,76 +147,86 @@ class InfluenceTracker:
         """Influence rows for this step (see class docstring). ``feature_types`` maps a probe name to int
         [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks.
 
-        How: per site, one prefix graph serves the site's decomposition VJPs and the VJPs ∇θR of its risks (in a
-        non-myopic model; a myopic one also builds the ordinary graph). A site with many risks (more than
-        ``jvp_min_risks``) instead takes directional derivatives of its residual along the update directions. The influences are then one product
-        ∇θR · [g_direct, g_pre, g_full, Adam Δ_direct, Adam Δ_pre, Adam Δ_full]ᵀ per site; the shared parts follow
-        as full − direct − pre. No delta vector is materialised per component.
+        How (docs/engine.md): the decomposition gives each site's direct and pre-cached gradients explicitly
+        (``SitePasses``: per-site prefix VJPs, needed for the per-site Adam moments). A risk's influence along an
+        update δ is ``∇θR · δ = Σ_b a_b ⟨w, (J δ)_b⟩`` with J = ∂r^k_i/∂θ in the ordinary graph, so one cached ordinary
+        forward (``Primals``) and forward-mode tangents do the rest: along the full gradient and the full Adam step
+        once for every site (``all_tangents``), along each site's direct and pre-cached updates per site
+        (``site_tangents``, prefix ≤ i only). Shared parts follow as full − direct − pre. No per-risk gradient vector
+        is formed, and the cost does not grow with the number of probes, mismatches or type subsets.
         """
         kind, group = _check_optimizer(opt)
         params = list(model.parameters())
         passes = SitePasses(model, tokens, self.sites, loss_mask)  # forward + the two cotangent passes
+        n_pos = max(s.pos for s in self.sites) + 1
+        primals = Primals(model, tokens[:, :n_pos])  # the ordinary forward, also for a myopic model
         with torch.no_grad():
-            _, frozen = self.final_model(tokens, return_resid=True, myopic="none")
-            resid = passes.resid if model.myopic == "none" else model(tokens, return_resid=True, myopic="none")[1]
-        risks = self.risk_cotangents(resid, frozen, feature_types)
-        g_full = passes.full
-        lr = group["lr"]
-        # rows of D: g_direct, g_pre, g_full (SGD: Δ = lr·g), then Adam Δ_direct, Δ_pre, Δ_full (per-site rows 0, 1,
-        # 3, 4 are rewritten for every site)
-        D = g_full.new_empty((6 if kind == "adam" else 3, passes.n_params))
-        D[2] = g_full
-        if kind == "adam":
-            scale, D[5] = self._adam_scale(opt, group, params, g_full)
+            frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
+        risks = self.risk_coefficients(primals.resid, frozen, feature_types)
+        g_full, lr = passes.full, group["lr"]
+        adam = kind == "adam"
+        sgd = kind == "sgd" or self.sgd_rows
+        if adam:
+            self._ensure_moments(g_full)
+        shared_dirs = ([g_full] if sgd else []) + ([self._adam_full(opt, group, params, g_full)] if adam else [])
+        n_layers = max(s.layer for s in self.sites)
+        tau_shared = all_tangents(primals, n_layers, n_pos, torch.stack(shared_dirs))  # [m0, batch, n_pos, d] each
         rows = [self._row(p, t, m, "risk", "none", risk) for p, t, m, risk, _ in risks]
-        for site in self.sites:  # one site at a time bounds memory
-            idx = [n for n, (p, *_) in enumerate(risks) if p.site == site]
-            cots = torch.stack([risks[n][4] for n in idx]) if idx else None  # [n_risks, batch, d_model]
-            threshold = 2 * len(D) if self.jvp_min_risks is None else self.jvp_min_risks
-            by_jvp = len(idx) > threshold
-            _, grads_r = passes.run(site, out=D[0:2], extra=None if by_jvp else cots)
-            if kind == "adam":
-                for row, comp in ((0, "direct"), (1, "pre_cached")):
-                    torch.mul(scale, self._moment(f"{site.layer}:{site.pos}:{comp}", D[row], group), out=D[row + 3])
-            if not idx:
-                continue
-            if by_jvp:  # ∇R·δ = e·(Jδ): len(D) passes instead of one per risk
-                grads_r, D_site = cots.flatten(1), passes.jvp(site, D).flatten(1)
-            else:
-                D_site = D
-            values = (grads_r @ D_site.T).tolist()  # [n_risks, 3 or 6]: ∇R · (g_dir, g_pre, g_full[, Adam deltas])
-            for n, v in zip(idx, values):
-                p, t, m = risks[n][:3]
-                dv, pv, fv = lr * v[0], lr * v[1], lr * v[2]
-                rows += [self._row(p, t, m, c, "sgd", x) for c, x in zip(COMPONENTS, (dv, pv, fv - dv - pv, fv))]
-                if kind == "adam":
-                    rows += [self._row(p, t, m, c, "adam", x)
-                             for c, x in zip(COMPONENTS, (v[3], v[4], v[5] - v[3] - v[4], v[5]))]
+        for n_site, site in enumerate(self.sites):  # one site at a time bounds memory
+            parts = passes.run(site)  # [2, n_params]: direct, pre-cached
+            with_pre = passes.has_pre_cached(site)
+            dirs = []  # the site's own update directions; its pre-cached rows are exactly 0 when structurally absent
+            if sgd:
+                dirs += [parts[0]] + ([parts[1]] if with_pre else [])
+            if adam:
+                moments = self._m_sites[n_site]  # [2, n_params]
+                moments.mul_(self.beta1).add_((1 - self.beta1) * parts)  # same rounding as β1·m + (1−β1)·g
+                dirs += [self._scale * moments[0]] + ([self._scale * moments[1]] if with_pre else [])
+            tau = torch.cat([site_tangents(primals, site.layer, site.pos, torch.stack(dirs)),
+                             tau_shared[site.layer][:, :, site.pos]])  # [m, batch, d]
+            for p in (p for p in self.probes if p.site == site):
+                proj = tau @ p.w.to(tau)  # [m, batch]: ⟨w, J δ⟩ per example
+                for q, t, m, _, a in risks:
+                    if q is p:
+                        rows += self._influence_rows(p, t, m, (proj @ a).tolist(), with_pre, sgd, adam, lr)
         self.step += 1
         return rows
 
-    def _moment(self, key: str, g: torch.Tensor, group: dict) -> torch.Tensor:
-        """Update and return the first moment ``key``: m ← β1·m + (1−β1)·g (zero-initialised)."""
-        beta1 = group["betas"][0]
-        m = self.moments.get(key)
-        if m is None:
-            self.moments[key] = m = (1 - beta1) * g
-        else:
-            m.mul_(beta1).add_((1 - beta1) * g)  # in place, same rounding as β1·m + (1−β1)·g
-        return m
+    def _influence_rows(self, p, t, m, v, with_pre, sgd, adam, lr) -> list[dict]:
+        """Rows from ∇R·δ for the site's directions [(g_dir, g_pre)?, (Δ_dir, Δ_pre)?, (g_full)?, (Δ_full)?]."""
+        n_own = 2 if with_pre else 1
+        own, shared = v[:len(v) - sgd - adam], v[len(v) - sgd - adam:]
+        rows = []
+        for name, on in (("sgd", sgd), ("adam", adam)):
+            if not on:
+                continue
+            scale = lr if name == "sgd" else 1.0
+            dv, pv = own[0], own[1] if with_pre else 0.0
+            own, full = own[n_own:], shared.pop(0)
+            dv, pv, fv = scale * dv, scale * pv, scale * full
+            rows += [self._row(p, t, m, c, name, x) for c, x in zip(COMPONENTS, (dv, pv, fv - dv - pv, fv))]
+        return rows
 
-    def _adam_scale(self, opt, group, params, g_full):
-        """(per-parameter step scale lr/(1−β1^t)/(sqrt(v̂)+eps) [n_params], the real Adam step [n_params]).
+    def _ensure_moments(self, g_full: torch.Tensor) -> None:
+        """Allocate the stacked first moments on the first step: per-site [n_sites, 2, n_params] (direct,
+        pre-cached) and the full one [n_params], zero (so the first update gives (1−β1)·g exactly)."""
+        if self._m_sites is None or self._m_sites.shape[-1] != g_full.numel():
+            self._m_sites = g_full.new_zeros((len(self.sites), 2, g_full.numel()))
+            self._m_full = g_full.new_zeros(g_full.numel())
 
-        v is the optimizer's second moment updated with this step's gradient, shared by every component.
-        """
+    def _adam_full(self, opt, group, params, g_full) -> torch.Tensor:
+        """Set ``self._scale`` (per-parameter step scale lr/(1−β1^t)/(sqrt(v̂)+eps) [n_params], v the optimizer's
+        second moment updated with this step's gradient, shared by every component) and update the full first
+        moment; return the real Adam step [n_params]."""
         beta1, beta2 = group["betas"]
+        self.beta1 = beta1
         states = [opt.state.get(p, {}) for p in params]
         t = int(states[0]["step"]) + 1 if states[0] else 1
         v_prev = flat_grads([s.get("exp_avg_sq") for s in states], params)
         v = beta2 * v_prev + (1 - beta2) * g_full * g_full
-        scale = group["lr"] / (1 - beta1**t) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
-        return scale, scale * self._moment("full", g_full, group)
+        self._scale = group["lr"] / (1 - beta1**t) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
+        self._m_full.mul_(beta1).add_((1 - beta1) * g_full)
+        return self._scale * self._m_full
 
     def _row(self, p: Probe, t: int, mismatch: str, component: str, optimizer: str, value: float) -> dict:
         return {"step": self.step, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,

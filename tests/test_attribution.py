@@ -19,7 +19,8 @@ from ntpflow import (
     split_groups,
     train,
 )
-from ntpflow.attribution import SitePasses, decompose, flat_grads
+from ntpflow.attribution import decompose, flat_grads
+from ntpflow.forward_mode import Primals, all_tangents, site_tangents
 from ntpflow.influence import MISMATCHES, InfluenceTracker, Probe
 
 T, V, D = 8, 7, 16
@@ -76,27 +77,31 @@ def test_decompose_matches_oracle(kw):
         assert any(parts[s].pre_cached.abs().max() > 1e-6 for s in sites if s.layer < 2)
 
 
-@pytest.mark.parametrize("kw", [{}, {"myopic": "resid"}, {"position_groups": "untied"}],
-                         ids=["vanilla", "myopic=resid", "untied"])
-def test_site_passes_extra_vjps_use_the_ordinary_graph(kw):
-    """The extra (risk) VJPs of ``SitePasses.run`` are VJPs of the non-myopic residual, whether or not they share the
-    decomposition's prefix graph; the parts they come with are ``decompose``'s."""
+@pytest.mark.parametrize("kw", [{}, {"myopic": "resid"}, {"position_groups": "untied"},
+                                {"position_groups": split_groups(T, 3)}],
+                         ids=["vanilla", "myopic=resid", "untied", "split"])
+def test_forward_mode_tangents_match_vjps(kw):
+    """⟨u, J δ⟩ from the hand-written forward mode equals ⟨Jᵀu, δ⟩ from autograd, J = ∂r^k_i/∂θ of the ordinary
+    (non-myopic) forward, for every site (layers 0..2, first and last positions) and both entry points."""
     model = tiny(**kw)
-    tokens, mask = batch()
+    tokens, _ = batch()
     params = list(model.parameters())
-    sites = [Site(1, 4), Site(2, 6), Site(0, 3)]
-    passes = SitePasses(model, tokens, sites, mask)
-    parts = decompose(model, tokens, sites, mask)
-    _, r = model(tokens, return_resid=True, myopic="none")
+    n_params = sum(p.numel() for p in params)
     g = torch.Generator().manual_seed(5)
-    for site in sites:
-        u = torch.randn(2, len(tokens), D, generator=g, dtype=torch.float64)
-        (direct, pre), extra = passes.run(site, extra=u)
-        assert torch.equal(direct, parts[site].direct) and torch.equal(pre, parts[site].pre_cached)
-        for j in range(2):
-            ref = flat_grads(torch.autograd.grad(r[site.layer][:, site.pos], params, u[j], retain_graph=True,
-                                                 allow_unused=True), params)
-            assert (extra[j] - ref).abs().max() <= 1e-12 * ref.abs().max()
+    directions = torch.randn(3, n_params, generator=g, dtype=torch.float64)
+    _, r = model(tokens, return_resid=True, myopic="none")
+    primals = Primals(model, tokens)
+    for a, b in zip(primals.resid, r):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+    every = all_tangents(primals, 2, T, directions)
+    for site in [Site(k, p) for k in range(3) for p in (0, 3, T - 1)]:
+        u = torch.randn(len(tokens), D, generator=g, dtype=torch.float64)
+        ref = directions @ flat_grads(torch.autograd.grad(r[site.layer][:, site.pos], params, u, retain_graph=True,
+                                                          allow_unused=True), params)
+        for tangents in (site_tangents(primals, site.layer, site.pos, directions),
+                         every[site.layer][:, :, site.pos]):
+            got = (tangents * u).sum((1, 2))
+            assert (got - ref).abs().max() <= 1e-12 * ref.abs().max(), site
 
 
 def test_decompose_leaves_state_untouched():
@@ -125,21 +130,16 @@ def _risk_grad(model, final, probe, tokens, mismatch="paper"):
     return flat_grads(torch.autograd.grad(risk, params, allow_unused=True), params)
 
 
-# risk path: one VJP per risk, or directional derivatives along the update directions (jvp_min_risks=0)
-RISK_PATHS = {"vjp": 10**9, "jvp": 0}
-
-
-@pytest.mark.parametrize("risk_path", RISK_PATHS)
+@pytest.mark.parametrize("sgd_rows", [True, False], ids=["all-rows", "adam-only"])
 @pytest.mark.parametrize("opt_name", ["adam", "sgd"])
 @pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}, {"position_groups": split_groups(T, 3)}])
-def test_influence_of_full_step_is_real_step(opt_name, kw, risk_path):
+def test_influence_of_full_step_is_real_step(opt_name, kw, sgd_rows):
     """Adam/SGD: the components' steps add up to the optimizer's real update, seen through ∇R."""
     model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
     g = torch.Generator().manual_seed(3)
     probes = [Probe(Site(1, 3), "a", torch.randn(D, generator=g, dtype=torch.float64)),
               Probe(Site(2, 5), "b", torch.randn(D, generator=g, dtype=torch.float64))]
-    tracker = InfluenceTracker(final, probes)
-    tracker.jvp_min_risks = RISK_PATHS[risk_path]
+    tracker = InfluenceTracker(final, probes, sgd_rows=sgd_rows)
     opt = (torch.optim.Adam(model.parameters(), lr=1e-2) if opt_name == "adam"
            else torch.optim.SGD(model.parameters(), lr=1e-1))
     for step in range(3):
@@ -148,6 +148,9 @@ def test_influence_of_full_step_is_real_step(opt_name, kw, risk_path):
         before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
         opt_state = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()} if step else {}
         rows = tracker.track(model, opt, tokens, mask)
+        expected_optimizers = {"none"} | ({"sgd"} if opt_name == "sgd" or sgd_rows else set()) | (
+            {"adam"} if opt_name == "adam" else set())
+        assert {r["optimizer"] for r in rows} == expected_optimizers
         if step:  # tracking leaves the optimizer state alone
             for k, v in opt.state[next(model.parameters())].items():
                 assert torch.equal(v, opt_state[k])
@@ -166,15 +169,13 @@ def test_influence_of_full_step_is_real_step(opt_name, kw, risk_path):
 
 
 @pytest.mark.parametrize("mismatch", MISMATCHES)
-@pytest.mark.parametrize("risk_path", RISK_PATHS)
-def test_sgd_influence_matches_oracle_components(risk_path, mismatch):
+def test_sgd_influence_matches_oracle_components(mismatch):
     model, final = tiny(seed=0), tiny(seed=1)
     w = torch.randn(D, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     probe = Probe(Site(1, 4), "f", w)
     tokens, mask = batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     tracker = InfluenceTracker(final, [probe])
-    tracker.jvp_min_risks = RISK_PATHS[risk_path]
     rows = tracker.track(model, opt, tokens, mask)
     ref = oracle(model, tokens, probe.site, mask)
     g_r = _risk_grad(model, final, probe, tokens, mismatch)
