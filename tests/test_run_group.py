@@ -204,3 +204,20 @@ def test_paper_script_smoke(tmp_path):
     for d in (tmp_path / "w" / "runs").iterdir():
         assert (d / "group.json").exists() and (d / "DONE").exists() and (d / "probes_init").exists()
     assert (tmp_path / "w" / "report.md").exists()
+
+
+def test_paper_scale_is_eight_groups_of_ten_seeds():
+    from ntpflow.experiments.toy import SCALES, run_configs
+    from ntpflow.run_group import check_group
+
+    scale = SCALES["paper"]
+    groups: dict[tuple, list] = {}
+    for c in run_configs(scale):
+        groups.setdefault((c.task, c.regime), []).append(c)
+    assert len(groups) == 8 and all(len(g) == 10 for g in groups.values())
+    for g in groups.values():
+        check_group(g)
+    c = run_configs(scale)[0]
+    assert (c.steps, c.d_model, c.n_layer, c.n_head, c.batch_size, c.lr) == (3000, 128, 2, 4, 256, 1e-3)
+    assert scale.grouped and scale.tracked == ("vanilla",)
+    assert sorted((s.layer, s.pos) for s in scale.sites) == [(k, p) for k in (1, 2) for p in range(2, 20)]
