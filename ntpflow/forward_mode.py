@@ -97,7 +97,7 @@ class Primals:
         sigma = (x - mu).pow(2).mean(-1, keepdim=True).add(self.eps).sqrt()
         n = (x - mu) / sigma
         w, b = p.at(name + "weight", slice(0, x.shape[1])), p.at(name + "bias", slice(0, x.shape[1]))
-        return {"n": n, "sigma": sigma, "y": n * w + b}
+        return {"n": n, "rsigma": 1 / sigma, "y": n * w + b}
 
     def _linear(self, p: _Params, name: str, x: torch.Tensor) -> torch.Tensor:
         s = slice(0, x.shape[1])
@@ -134,8 +134,8 @@ class Primals:
 
 def _ln_tangent(c: dict, dp: _Params, p_w: torch.Tensor, name: str, dx: torch.Tensor, pos: slice) -> torch.Tensor:
     """Tangent of a LayerNorm output: dx [m, batch, P, d] at positions ``pos`` -> [m, batch, P, d]."""
-    n, sigma = c["n"][:, pos], c["sigma"][:, pos]
-    dn = (dx - dx.mean(-1, keepdim=True) - n * (n * dx).mean(-1, keepdim=True)) / sigma
+    n, rsigma = c["n"][:, pos], c["rsigma"][:, pos]
+    dn = (dx - dx.mean(-1, keepdim=True) - n * (n * dx).mean(-1, keepdim=True)) * rsigma
     dw, db = dp.at(name + "weight", pos), dp.at(name + "bias", pos)
     if dp.groups is None:
         dw, db = dw[:, None, None], db[:, None, None]
@@ -190,7 +190,24 @@ def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tenso
     m, bsz = dr.shape[:2]
     dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)
     x1 = c["ln1"]["y"][:, upto]
-    dq, dk, dv = lin(pre + "attn.c_attn.", x1, dx1, upto).chunk(3, dim=-1)
+    if last and shared:
+        dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, pos)
+    else:
+        dz = _attention_tangent(pr, c, lin(pre + "attn.c_attn.", x1, dx1, upto), q_pos, upto)
+    z = c["z"][:, q_pos]
+    dmid = dr[:, :, -1:] if last else dr
+    dmid = dmid + lin(pre + "attn.c_proj.", z, dz, q_pos)
+    dx2 = _ln_tangent(c["ln2"], dp, p.at(pre + "ln2.weight", q_pos), pre + "ln2.", dmid, q_pos)
+    x2 = c["ln2"]["y"][:, q_pos]
+    da = lin(pre + "mlp.c_fc.", x2, dx2, q_pos)
+    dh = da * c["gelu_slope"][:, q_pos]
+    return dmid + lin(pre + "mlp.c_proj.", c["h"][:, q_pos], dh, q_pos)
+
+
+def _attention_tangent(pr: Primals, c: dict, dqkv: torch.Tensor, q_pos: slice, upto: slice) -> torch.Tensor:
+    """Attention output tangent [m, batch, Q, d] from the q/k/v tangents dqkv [m, batch, P, 3d] (q used at q_pos)."""
+    m, bsz = dqkv.shape[:2]
+    dq, dk, dv = dqkv.chunk(3, dim=-1)
     dq = dq[:, :, q_pos]  # the last block: q at the query position only; k, v at every position ≤ pos
     heads = pr.n_head
 
@@ -204,12 +221,35 @@ def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tenso
     ds = (dq @ k.transpose(-1, -2) + q @ dk.transpose(-1, -2)) * scale
     datt = att * (ds - (att * ds).sum(-1, keepdim=True))
     dz = datt @ v + att @ dv  # [m, batch, head, Q, d_head]
-    dz = dz.transpose(2, 3).reshape(m, bsz, -1, heads * dz.shape[-1])
-    z = c["z"][:, q_pos]
-    dmid = dr[:, :, -1:] if last else dr
-    dmid = dmid + lin(pre + "attn.c_proj.", z, dz, q_pos)
-    dx2 = _ln_tangent(c["ln2"], dp, p.at(pre + "ln2.weight", q_pos), pre + "ln2.", dmid, q_pos)
-    x2 = c["ln2"]["y"][:, q_pos]
-    da = lin(pre + "mlp.c_fc.", x2, dx2, q_pos)
-    dh = da * c["gelu_slope"][:, q_pos]
-    return dmid + lin(pre + "mlp.c_proj.", c["h"][:, q_pos], dh, q_pos)
+    return dz.transpose(2, 3).reshape(m, bsz, -1, heads * dz.shape[-1])
+
+
+def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: torch.Tensor, dx1: torch.Tensor,
+                             pos: int) -> torch.Tensor:
+    """Attention output tangent at query ``pos`` alone [m, batch, 1, d], single-group parameters.
+
+    Keys and values enter only through q·k̇ and Σ_t A_t v̇_t, so they regroup per head: with a = W_kᵀq and
+    y = Σ_t A_t x1_t computed once, the direction-dependent work is O(m·batch·(d² + head·P·d)) instead of the
+    O(m·batch·P·d²) of k̇ and v̇ at every position. x1, dx1: ln1 output [batch, P, d] and its tangent [m, batch, P, d].
+    """
+    c, name, heads = pr.blocks[b], f"blocks.{b}.attn.c_attn.", pr.n_head
+    d = x1.shape[-1]
+    w, dw = p.at(name + "weight", 0), dp.at(name + "weight", 0)  # [3d, d], [m, 3d, d]
+    bias_dot = dp.at(name + "bias", 0)  # [m, 3d]
+    m, dh = len(dw), d // heads
+    w_k, w_v = w[d:2 * d].view(heads, dh, d), w[2 * d:].view(heads, dh, d)
+    dw_k, dw_v = dw[:, d:2 * d].view(m, heads, dh, d), dw[:, 2 * d:].view(m, heads, dh, d)
+    q, k, v = c["q"][:, :, pos], c["k"][:, :, :pos + 1], c["v"][:, :, :pos + 1]  # [B, H, dh], [B, H, P, dh]
+    att = c["att"][:, :, pos, :pos + 1]  # [B, H, P]
+    dq = (dx1[:, :, -1] @ w[:d].T + x1[:, -1] @ dw[:, :d].transpose(1, 2) + bias_dot[:, None, :d])
+    dq = dq.view(m, -1, heads, dh)  # [m, B, H, dh]
+    a = torch.einsum("bhe,hed->bhd", q, w_k)  # W_kᵀ q per head
+    ds = (torch.einsum("mbhe,bhte->mbht", dq, k) + torch.einsum("bhd,mbtd->mbht", a, dx1)
+          + torch.einsum("mbhd,btd->mbht", torch.einsum("bhe,mhed->mbhd", q, dw_k), x1)
+          + torch.einsum("bhe,mhe->mbh", q, bias_dot[:, d:2 * d].view(m, heads, dh))[..., None]) / math.sqrt(dh)
+    datt = att * (ds - (att * ds).sum(-1, keepdim=True))
+    y = torch.einsum("bht,btd->bhd", att, x1)  # Σ_t A_t x1_t (rows of A sum to 1)
+    dz = (torch.einsum("mbht,bhte->mbhe", datt, v) + torch.einsum("hed,mbhd->mbhe", w_v,
+                                                                   torch.einsum("bht,mbtd->mbhd", att, dx1))
+          + torch.einsum("mhed,bhd->mbhe", dw_v, y) + bias_dot[:, None, 2 * d:].view(m, 1, heads, dh))
+    return dz.reshape(m, -1, 1, d)
