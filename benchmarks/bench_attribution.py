@@ -565,17 +565,17 @@ class PhaseStack:
         self.t = 0.0
 
     def push(self, label: str):
-        now = now()
+        t = now()
         if self.stack:
-            self.acc[self.stack[-1]] = self.acc.get(self.stack[-1], 0.0) + now - self.t
+            self.acc[self.stack[-1]] = self.acc.get(self.stack[-1], 0.0) + t - self.t
         self.stack.append(label)
-        self.t = now
+        self.t = t
 
     def pop(self):
-        now = now()
+        t = now()
         label = self.stack.pop()
-        self.acc[label] = self.acc.get(label, 0.0) + now - self.t
-        self.t = now
+        self.acc[label] = self.acc.get(label, 0.0) + t - self.t
+        self.t = t
 
     def top(self) -> str:
         return self.stack[-1] if self.stack else ""

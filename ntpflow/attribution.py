@@ -10,9 +10,9 @@ For a site ⟨k, i⟩ (layer/position convention of ``ntpflow.sites``; the loss 
 with L = Σ_j L_j the training loss (``lm_loss``: mean over counted positions of per-position batch means).
 
 How it is computed: ∇L − ∇L^{sg(k,i)} = (∂r^k_i/∂θ)ᵀ ∂L/∂r^k_i, a vector–Jacobian product of the site's residual.
-The cotangents of every site come from two backward passes: the ordinary one gives ∂L/∂r^k, and a myopic
-(``"kv"``) one gives ∂L_i/∂r^k_i for every position i at once, because under myopic attention no later loss
-reaches r^k_i. Each site's VJPs run on the smallest graph that determines it (``GPT.resid_last``).
+The ordinary backward gives ∂L/∂r^k; the own-position cotangent ∂L_i/∂r^k_i comes from a short backward through
+the blocks above k at query i alone (``own_cotangent``; in a myopic model, or at the last layer, it equals ∂L/∂r^k_i).
+Each site's VJPs run on the smallest graph that determines it (``GPT.resid_last``).
 """
 
 from collections.abc import Sequence
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .loss import lm_loss
-from .model import GPT
+from .model import GPT, _last
 from .sites import Site
 
 
@@ -102,22 +102,43 @@ def sites_vjp(model: GPT, tokens: torch.Tensor, requests: Sequence[tuple[Site, t
     return out
 
 
-def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, layers: Sequence[int]):
-    """``resid_cotangents`` plus the forward's residuals (detached), for callers that can reuse them."""
+def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, sites: Sequence[Site]):
+    """(full gradient [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i, filled at the sites' positions},
+    detached residuals), cotangents [batch, pos, d_model]: one forward and backward in the model's own regime,
+    plus ``own_cotangents`` where a later loss can reach r^k_i."""
     params = list(model.parameters())
+    layers = sorted({s.layer for s in sites})
     logits, resid = model.run_with_resid(tokens)
     loss = lm_loss(logits, tokens, loss_mask)
     grads = torch.autograd.grad(loss, params + [resid[k] for k in layers], allow_unused=True)
     full = flat_grads(grads[:len(params)], params)
     c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
+    resid = [r.detach() for r in resid]
     if model.myopic != "none" or all(k == model.cfg.n_layer for k in layers):
-        c_own = c_all  # a myopic loss, or any loss at the last layer, reaches r^k_i only from position i
-    else:
-        logits_m, resid_m = model.run_with_resid(tokens, myopic="kv")
-        loss_m = lm_loss(logits_m, tokens, loss_mask)
-        g_m = torch.autograd.grad(loss_m, [resid_m[k] for k in layers], allow_unused=True)
-        c_own = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, g_m)}
-    return full, c_all, c_own, [r.detach() for r in resid]
+        return full, c_all, c_all, resid  # a myopic loss, or any loss at the last layer, reaches r^k_i only from i
+    c_own = {k: torch.zeros_like(resid[k]) for k in layers}
+    for s in sites:
+        c_own[s.layer][:, s.pos] = own_cotangent(model, tokens, loss_mask, logits.detach(), resid, s)
+    return full, c_all, c_own, resid
+
+
+def own_cotangent(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, logits: torch.Tensor,
+                  resid: Sequence[torch.Tensor], site: Site) -> torch.Tensor:
+    """∂L_i/∂r^k_i [batch, d_model] in the ordinary regime, from a backward through blocks k.. at query i alone.
+
+    By causality r^b_j (j < i) does not depend on r^k_i, so those residuals enter as constants (the full forward's
+    ``resid``, detached) and only position i is live; the other positions' logits (``logits``, detached) keep the
+    loss's normalisation. This is the myopic ("kv") gradient at i without a second full pass.
+    """
+    k, i = site.layer, site.pos
+    live = resid[k][:, i].clone().requires_grad_()
+    groups = model._groups(i + 1)
+    x = live[:, None]
+    for b in range(k, model.cfg.n_layer):
+        x = model.blocks[b](torch.cat([resid[b][:, :i], x], 1), groups, "none", last_only=True)
+    out = model.unembed(x, _last(groups))  # [batch, 1, vocab]
+    loss = lm_loss(torch.cat([logits[:, :i], out, logits[:, i + 1:]], 1), tokens, loss_mask)
+    return torch.autograd.grad(loss, live)[0]
 
 
 def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, layers: Sequence[int]):
@@ -126,7 +147,8 @@ def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor |
     Returns (full_grad [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i at every i}), all
     cotangents [batch, pos, d_model].
     """
-    return _cotangent_pass(model, tokens, loss_mask, layers)[:3]
+    sites = [Site(k, i) for k in layers for i in range(tokens.shape[1])]
+    return _cotangent_pass(model, tokens, loss_mask, sites)[:3]
 
 
 class SitePasses:
@@ -143,8 +165,7 @@ class SitePasses:
         self.model, self.tokens = model, tokens
         self.params = list(model.parameters())
         self.n_params = sum(p.numel() for p in self.params)
-        layers = sorted({s.layer for s in sites})
-        self.full, self.c_all, self.c_own, self.resid = _cotangent_pass(model, tokens, loss_mask, layers)
+        self.full, self.c_all, self.c_own, self.resid = _cotangent_pass(model, tokens, loss_mask, sites)
 
     def has_pre_cached(self, site: Site) -> bool:
         """False where pre-caching is structurally zero: a myopic model, or the last layer (only ln_final reads it)."""

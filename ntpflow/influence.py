@@ -170,7 +170,11 @@ class InfluenceTracker:
             self._ensure_moments(g_full)
         shared_dirs = ([g_full] if sgd else []) + ([self._adam_full(opt, group, params, g_full)] if adam else [])
         n_layers = max(s.layer for s in self.sites)
-        tau_shared = all_tangents(primals, n_layers, n_pos, torch.stack(shared_dirs))  # [m0, batch, n_pos, d] each
+        # the shared directions once for all sites (full blocks over n_pos positions), unless the sites' own prefixes
+        # are less work (e.g. a single site): then they ride along in each site's tangents
+        once = sum(s.layer * (s.pos + 1) for s in self.sites) > n_layers * n_pos
+        shared_dirs = torch.stack(shared_dirs)
+        tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
         rows = [self._row(p, t, m, "risk", "none", risk) for p, t, m, risk, _ in risks]
         for n_site, site in enumerate(self.sites):  # one site at a time bounds memory
             parts = passes.run(site)  # [2, n_params]: direct, pre-cached
@@ -182,8 +186,11 @@ class InfluenceTracker:
                 moments = self._m_sites[n_site]  # [2, n_params]
                 moments.mul_(self.beta1).add_((1 - self.beta1) * parts)  # same rounding as β1·m + (1−β1)·g
                 dirs += [self._scale * moments[0]] + ([self._scale * moments[1]] if with_pre else [])
-            tau = torch.cat([site_tangents(primals, site.layer, site.pos, torch.stack(dirs)),
-                             tau_shared[site.layer][:, :, site.pos]])  # [m, batch, d]
+            if once:
+                tau = torch.cat([site_tangents(primals, site.layer, site.pos, torch.stack(dirs)),
+                                 tau_shared[site.layer][:, :, site.pos]])  # [m, batch, d]
+            else:
+                tau = site_tangents(primals, site.layer, site.pos, torch.cat([torch.stack(dirs), shared_dirs]))
             for p in (p for p in self.probes if p.site == site):
                 proj = tau @ p.w.to(tau)  # [m, batch]: ⟨w, J δ⟩ per example
                 for q, t, m, _, a in risks:

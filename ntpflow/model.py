@@ -329,12 +329,16 @@ class GPT(nn.Module):
             resids.append(resid)
             if k < cfg.n_layer:
                 resid = self.blocks[k](resid, groups, mode)
+        logits = self.unembed(resid, groups)
+        return (logits, resids) if return_resid else logits
+
+    def unembed(self, resid: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """Final LayerNorm and tied unembedding: resid[n_layer] [batch, pos, d_model] -> logits [batch, pos, vocab];
+        ``groups``: the positions' group index (see ``_groups``)."""
         x = self.ln_final(resid, groups)
         if groups is None:
-            logits = x @ self.wte.squeeze(0).T
-        else:
-            logits = torch.bmm(x.transpose(0, 1), take_groups(self.wte, groups).transpose(1, 2)).transpose(0, 1)
-        return (logits, resids) if return_resid else logits
+            return x @ self.wte.squeeze(0).T
+        return torch.bmm(x.transpose(0, 1), take_groups(self.wte, groups).transpose(1, 2)).transpose(0, 1)
 
     def _embed(self, tokens: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
         """tokens [batch, pos] -> resid[0] = token + position embedding [batch, pos, d_model]."""
