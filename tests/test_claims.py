@@ -89,3 +89,27 @@ def test_style_words_and_clipping():
     assert ci_label(1, "seeds") == "1 seed: no CI"
     assert clip(-1.3, 1.2, (-1, 1)) == (-1, 1) and clip(0.2, 0.4, (-1, 1)) == (0.2, 0.4)
     assert clip(None, 2.0, (0, 1)) == (None, 1) and clip(-5, 5, None) == (-5, 5)
+
+
+def test_welch_and_sd_ratio_intervals_against_scipy():
+    """The report statistics agree with scipy's own tests (an independent implementation)."""
+    import numpy as np
+    from scipy import stats as st
+
+    from ntpflow.experiments.report_kit import sd_ratio_ci, welch_ci
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(1.0, 2.0, 12), rng.normal(0.0, 0.5, 7)
+    w = welch_ci(list(a) + [float("nan")], b)  # non-finite values are dropped
+    assert w["n_a"] == 12 and w["diff"] == pytest.approx(a.mean() - b.mean())
+    assert w["p"] == pytest.approx(st.ttest_ind(a, b, equal_var=False).pvalue, rel=1e-9)
+    ci = st.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    assert (w["lo"], w["hi"]) == (pytest.approx(ci.low, rel=1e-9), pytest.approx(ci.high, rel=1e-9))
+    r = sd_ratio_ci(a, b)
+    f = a.var(ddof=1) / b.var(ddof=1)
+    assert r["ratio"] == pytest.approx(f ** 0.5)
+    # the interval holds exactly the ratios not rejected by the two-sided F test at 5%
+    for bound in (r["lo"], r["hi"]):
+        stat = f / bound ** 2
+        assert min(st.f.cdf(stat, 11, 6), st.f.sf(stat, 11, 6)) == pytest.approx(0.025, rel=1e-6)
+    assert sd_ratio_ci(a[:2], b)["ratio"] is None

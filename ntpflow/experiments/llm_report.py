@@ -20,10 +20,20 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..io import read_json
+from ..io import json_safe, read_json
 from .claims import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Claim, Rule, at_least, interval_above
 from .figure_style import BASELINE, SIGN, error_bars, figure, finish, save, style
-from .report_kit import draw_figures, fmt, fmt_ci, report_main, stats, stored_summary
+from .report_kit import (
+    draw_figures,
+    finite,
+    fmt,
+    fmt_ci,
+    report_main,
+    sd_ratio_ci,
+    stats,
+    stored_summary,
+    welch_ci,
+)
 from .render import write_documents
 
 MODES = ("reconstruction", "error-preserving")
@@ -37,59 +47,7 @@ def _read(out: Path, name: str):
     return read_json(p) if p.exists() else None
 
 
-def _clean(x):
-    """NaN/inf -> None, recursively (strict JSON)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    return x
-
-
-def _fin(x) -> bool:
-    return isinstance(x, (int, float)) and x is not None and math.isfinite(x)
-
-
 # ------------------------------------------------------------------------------------------------------ statistics
-
-
-def _sigma_ratio_ci(a, b) -> dict:
-    """σ_a/σ_b with the F-distribution 95% CI (normal model)."""
-    import numpy as np
-    from scipy import stats as st
-
-    a, b = np.asarray(a, float), np.asarray(b, float)
-    if a.size < 3 or b.size < 3:
-        return {"ratio": None, "lo": None, "hi": None, "n_a": int(a.size), "n_b": int(b.size)}
-    f = a.var(ddof=1) / max(b.var(ddof=1), 1e-300)
-    d1, d2 = a.size - 1, b.size - 1
-    lo = f / st.f.ppf(0.975, d1, d2)
-    hi = f / st.f.ppf(0.025, d1, d2)
-    return {"ratio": math.sqrt(f), "lo": math.sqrt(lo), "hi": math.sqrt(hi), "n_a": int(a.size), "n_b": int(b.size)}
-
-
-def _welch(a, b) -> dict:
-    """mean(a) − mean(b) with a Welch 95% CI."""
-    import numpy as np
-    from scipy import stats as st
-
-    a, b = np.asarray([x for x in a if _fin(x)], float), np.asarray([x for x in b if _fin(x)], float)
-    out = {"diff": None, "lo": None, "hi": None, "p": None, "n_a": int(a.size), "n_b": int(b.size)}
-    if a.size < 2 or b.size < 2:
-        if a.size and b.size:
-            out["diff"] = float(a.mean() - b.mean())
-        return out
-    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
-    diff = float(a.mean() - b.mean())
-    se = math.sqrt(va + vb)
-    if se == 0:
-        return {**out, "diff": diff, "lo": diff, "hi": diff, "p": None}
-    df = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
-    t = st.t.ppf(0.975, df)
-    p = 2 * st.t.sf(abs(diff / se), df)
-    return {**out, "diff": diff, "lo": diff - t * se, "hi": diff + t * se, "p": float(p), "df": float(df)}
 
 
 def _q_summary(r: dict, stats_mode: dict | None) -> dict:
@@ -99,7 +57,7 @@ def _q_summary(r: dict, stats_mode: dict | None) -> dict:
 
     from ..llm.qscan import sigma_ci
 
-    inc = [i for i, ok in enumerate(r["included"]) if ok and _fin(r["q"][i]) and r["q"][i] > 0]
+    inc = [i for i, ok in enumerate(r["included"]) if ok and finite(r["q"][i]) and r["q"][i] > 0]
     lq = np.log(np.asarray([r["q"][i] for i in inc], float))
     formal = np.asarray([bool(r["is_formal"][i]) for i in inc], bool)
     doms = [r["domain"][i] for i in inc]
@@ -113,7 +71,7 @@ def _q_summary(r: dict, stats_mode: dict | None) -> dict:
     for name, m in (("formal", formal), ("other", ~formal)):
         mid, half = sigma_ci(lq[m]) if m.sum() >= 2 else (math.nan, math.nan)
         out[f"sigma_{name}"] = {"sigma": mid, "ci_half": half, "n": int(m.sum())}
-    out["sigma_ratio"] = _sigma_ratio_ci(lq[formal], lq[~formal])
+    out["sigma_ratio"] = sd_ratio_ci(lq[formal], lq[~formal])
     n = len(lq)
     n_tail = max(1, round(0.1 * n)) if n else 0
     order = np.argsort(lq)
@@ -147,7 +105,7 @@ def _steer_summary(sj: dict) -> dict:
         hi = [per[f] for f in sj["high"] if f in per]
         lo = [per[f] for f in sj["low"] if f in per]
         out["runs"].append({"alpha": run["alpha"], "prompts": run["prompts"], "high": stats(hi), "low": stats(lo),
-                            "baseline": stats(run["baseline"]), "diff": _welch(hi, lo),
+                            "baseline": stats(run["baseline"]), "diff": welch_ci(hi, lo),
                             "examples": {"high": [[f, run["texts"][run["latents"].index(f)][0]]
                                                   for f in sj["high"][:3]],
                                          "low": [[f, run["texts"][run["latents"].index(f)][0]]
@@ -202,7 +160,7 @@ def summarize(out: Path) -> dict:
                             "final_layer": qj.get("final_layer"), "n_layer": qj.get("n_layer"),
                             "n": len(qj["rows"]), "rows": qj["rows"], "n_sequences": qj["n_sequences"],
                             "toy_eval": qj.get("eval"), "toy_train": qj.get("train")} if qj else None)
-    s = _clean(s)
+    s = json_safe(s)
     s["claims"] = [c.to_dict() for c in claims(s)]
     return s
 

@@ -75,6 +75,45 @@ def stats(values) -> dict:
     return {"mean": mean, "sd": sd, "lo": mean - h, "hi": mean + h, "n": n}
 
 
+def sd_ratio_ci(a, b) -> dict:
+    """σ_a/σ_b of two samples with the F-distribution 95% CI (normal model): ``{ratio, lo, hi, n_a, n_b}``; None
+    with fewer than 3 values in either."""
+    import numpy as np
+    from scipy import stats as st
+
+    a, b = np.asarray(a, float), np.asarray(b, float)
+    if a.size < 3 or b.size < 3:
+        return {"ratio": None, "lo": None, "hi": None, "n_a": int(a.size), "n_b": int(b.size)}
+    f = a.var(ddof=1) / max(b.var(ddof=1), 1e-300)
+    d1, d2 = a.size - 1, b.size - 1
+    lo = f / st.f.ppf(0.975, d1, d2)
+    hi = f / st.f.ppf(0.025, d1, d2)
+    return {"ratio": math.sqrt(f), "lo": math.sqrt(lo), "hi": math.sqrt(hi), "n_a": int(a.size), "n_b": int(b.size)}
+
+
+def welch_ci(a, b) -> dict:
+    """mean(a) − mean(b) of the finite values with a Welch 95% CI and two-sided p: ``{diff, lo, hi, p, n_a, n_b}``
+    (lo/hi/p None with fewer than 2 values in either)."""
+    import numpy as np
+    from scipy import stats as st
+
+    a, b = np.asarray([x for x in a if finite(x)], float), np.asarray([x for x in b if finite(x)], float)
+    out = {"diff": None, "lo": None, "hi": None, "p": None, "n_a": int(a.size), "n_b": int(b.size)}
+    if a.size < 2 or b.size < 2:
+        if a.size and b.size:
+            out["diff"] = float(a.mean() - b.mean())
+        return out
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    diff = float(a.mean() - b.mean())
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return {**out, "diff": diff, "lo": diff, "hi": diff, "p": None}
+    df = (va + vb) ** 2 / (va ** 2 / (a.size - 1) + vb ** 2 / (b.size - 1))
+    t = st.t.ppf(0.975, df)
+    p = 2 * st.t.sf(abs(diff / se), df)
+    return {**out, "diff": diff, "lo": diff - t * se, "hi": diff + t * se, "p": float(p), "df": float(df)}
+
+
 def mean_of(values) -> float | None:
     """Mean of the finite values; None if there are none."""
     xs = [float(v) for v in values if finite(v)]

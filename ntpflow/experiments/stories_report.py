@@ -407,7 +407,7 @@ def _fig_probe_groups(summary, figdir):
         ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups])
         ax.set_ylabel("probe test Pearson r\n(mean over features, layers 1–L, positions 1–63)")
         ax.grid(axis="x", visible=False)
-        _finish(fig, f"Probe quality per feature group ({_ci_text(summary['n_seeds'])})", hs,
+        _finish(fig, f"Probe quality per feature group ({_ci_text(summary['n_seeds'])}, clipped to [−1, 1])", hs,
                 [h.get_label() for h in hs], len(hs))
         return save_figure(fig, figdir, "probe_groups")
 
@@ -475,13 +475,14 @@ def _fig_influence_shares(summary, figdir):
                            label=COMPONENT_LABELS[c])
                 if ax is axes[0][0]:
                     hs.append(h)
-                error_bars(ax, xs, ss)
+                error_bars(ax, xs, ss, bounds=(-1.0, 1.0))  # a share lies in [−1, 1]
             ax.axhline(0, color="#000000", lw=0.6)
             ax.set_xticks(range(len(groups)), [GROUP_LABELS[g].split(" (")[0] for g in groups])
             ax.set_title(rg)
             ax.grid(axis="x", visible=False)
         axes[0][0].set_ylabel("influence share\ncomponent / (|direct| + |pre-cached| + |shared|)")
-        _finish(fig, f"Integrated Adam influence per component at the tracked sites ({_ci_text(summary['n_seeds'])})"
+        _finish(fig, f"Integrated Adam influence per component at the tracked sites ({_ci_text(summary['n_seeds'])}, "
+                "clipped to [−1, 1])"
                 f"\n{SIGN}", hs, [h.get_label() for h in hs], len(hs))
         return save_figure(fig, figdir, "influence_shares")
 
@@ -636,8 +637,8 @@ def _document(summary: dict, figures) -> list[tuple]:
     b.append(("h2", "Integrated influence"))
     b.append(("fig", "influence_shares",
                   "Integrated Adam influence per component as a share of |direct| + |pre-cached| + |shared| "
-                  "per tracked site × feature, averaged over the group. " + _ci_text(n, capital=True)
-                  + f". {SIGN}"))
+                  "per tracked site × feature, averaged over the group (a share lies in [−1, 1]). "
+                  + _ci_text(n, capital=True) + f", clipped to [−1, 1]. {SIGN}"))
     b.append(("fig", "influence_curves",
                   "Cumulative influence over training, raw (mean over tracked sites × features of the group; "
                   "position is dominated by pos_int, measured in tokens)."))
