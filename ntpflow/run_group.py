@@ -29,13 +29,14 @@ from torch.func import functional_call, vmap
 from tqdm.auto import tqdm
 
 from .config import TrainConfig
-from .io import DirLock, ensure_writable_dir, read_json, resolve_device, save_tensors, write_json
+from .io import CorruptFileError, DirLock, ensure_writable_dir, read_json, resolve_device, save_tensors, write_json
 from .loss import lm_loss
 from .model import GPT
 from .tracking import MetricsLog
 from .training import (
     DataOrder,
     Run,
+    TrainingDiverged,
     _prepare_run_dir,
     _truncate_metrics,
     evaluate,
@@ -218,7 +219,7 @@ def _resume(runs: Sequence[Run], models, opts, device, upto: int) -> int:
             for run, m, o in zip(runs, models, opts):
                 load_state(run.weights_path(step), m, o, device)
             return step
-        except ValueError as e:  # a corrupt checkpoint: fall back to the one before
+        except (CorruptFileError, FileNotFoundError) as e:  # a corrupt or deleted checkpoint: the one before
             log.warning("warning: %s; falling back to the previous common checkpoint", e)
     for m, o, c in zip(models, opts, [run.cfg for run in runs]):
         m.load_state_dict(GPT(m.cfg, seed=c.seed).state_dict())
@@ -252,11 +253,15 @@ def _train_group(cfgs: list[TrainConfig], runs: list[Run], progress: bool) -> No
     try:
         bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
                    desc=f"group of {len(runs)}: {runs[0].dir.name}", leave=False)
+        finite = torch.ones(len(runs), dtype=torch.bool, device=device)  # each run's losses so far (no sync)
         for step in bar:
             if step % cfg.eval_every == 0:
                 each_member(lambda r: logs[r].log({"step": step, "kind": "eval",
                                                    **evaluate(models[r], data.evals[r], task)}))
             losses = group_step(stack, group_opt, *data.batch(step))
+            finite &= torch.isfinite(losses)
+            if (step + 1) % cfg.log_every == 0 or (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
+                _check_finite(finite, stack, runs, step + 1)
             if (step + 1) % cfg.log_every == 0:
                 for lg, loss in zip(logs, losses.tolist()):
                     lg.log({"step": step + 1, "kind": "train", "loss": loss})
@@ -276,6 +281,18 @@ def _train_group(cfgs: list[TrainConfig], runs: list[Run], progress: bool) -> No
                                      {"step": cfg.steps, "config_hash": runs[r].cfg.hash()}))
     for run, final in zip(runs, finals):  # DONE last: a member is finished only once every member is saved
         write_json(run.dir / "DONE", {"step": cfg.steps, **final})
+
+
+def _check_finite(finite: torch.Tensor, stack: RunStack, runs: Sequence[Run], step: int) -> None:
+    """:class:`TrainingDiverged` if a run's loss (``finite`` [R]: all its losses so far) or weights became non-finite;
+    called before anything of that step is saved."""
+    with torch.no_grad():
+        ok = finite & torch.stack([torch.isfinite(s).flatten(1).all(1) for s in stack.stacked]).all(0)
+    if not bool(ok.all()):
+        bad = [run.dir.name for run, good in zip(runs, ok.tolist()) if not good]
+        raise TrainingDiverged(f"training diverged: the loss or weights of {', '.join(bad)} became non-finite by "
+                               f"step {step} (lr={runs[0].cfg.lr:g}); the group stops, its last checkpoints stay, "
+                               "no DONE written")
 
 
 class GroupReplay:

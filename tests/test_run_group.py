@@ -161,7 +161,7 @@ def test_replay_of_a_member_is_bit_identical_and_resumes(group, monkeypatch):
     attribute(run.dir, sites, features, out_dir=root / "attr3", block=3, device="cpu", progress=False)
 
 
-def test_group_step_is_the_training_step(group):
+def test_replay_stepper_of_a_member_is_its_group_step(group):
     """The stepper a replay gets: the group's step for a member, ``train_step`` for a run trained alone."""
     _, cfgs, runs = group
     model = runs[0].load_model("init")
@@ -175,6 +175,13 @@ def test_group_step_is_the_training_step(group):
     group_step(stack, gopt, *data.batch(0))
     assert all(torch.equal(p, s[0]) for p, s in zip(model.parameters(), stack.stacked))
     assert int(opt.state[next(model.parameters())]["step"]) == 1
+
+
+def test_a_diverging_group_stops_without_done(tmp_path):
+    cfgs = configs(lr=1e30)  # Adam's first step moves every weight by ~lr: the next loss is inf or nan
+    with pytest.raises(run_group.TrainingDiverged, match="non-finite"):
+        train_group(cfgs, [tmp_path / "a", tmp_path / "b"], progress=False)
+    assert not (tmp_path / "a" / "DONE").exists() and not (tmp_path / "b" / "DONE").exists()
 
 
 def test_bad_groups_are_clean_errors_and_write_nothing(tmp_path):
