@@ -7,6 +7,7 @@ import pytest
 from _util import all_numbers
 
 from ntpflow.cli import main
+from ntpflow.experiments.claims import VERDICTS
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_smoke_structure(smoke):
     assert all(math.isfinite(x) for x in all_numbers(summary))
     claims = summary["claims"]
     assert len(claims) >= 3
-    assert all(c["verdict"] in ("reproduced", "not reproduced", "inconclusive") and c["measured"] for c in claims)
+    assert all(c["verdict"] in VERDICTS and c["measured"] for c in claims)
     assert 'id="claims"' in (smoke / "report.html").read_text()
 
 
