@@ -73,7 +73,7 @@ class RunStack(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [R, batch, pos] -> logits [R, batch, pos, vocab]."""
-        return self._vmap(lambda params, tok: self._one(params, tok), tokens)
+        return self._vmap(self._one, tokens)
 
     def losses(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
         """Each run's ``lm_loss`` on its own batch: tokens, loss_mask [R, batch, pos] -> [R]."""
