@@ -156,6 +156,8 @@ def summarize(out: Path) -> dict:
     s["steering"] = _steer_summary(sj) if sj else None
     s["lens"] = _lens_summary(lj) if lj else None
     s["q_vs_influence"] = ({"spearman": qj["spearman"], "spearman_share": qj["spearman_share"],
+                            "spearman_centred": qj.get("spearman_centred"),
+                            "spearman_share_centred": qj.get("spearman_share_centred"),
                             "spearman_full_horizon": qj.get("spearman_full_horizon"),
                             "final_layer": qj.get("final_layer"), "n_layer": qj.get("n_layer"),
                             "n": len(qj["rows"]), "rows": qj["rows"], "n_sequences": qj["n_sequences"],
@@ -254,7 +256,9 @@ def claims(s: dict) -> list[Claim]:
               "correlation)", "not tested (Prop. 5.1 argues Q ≈ I_pre-cached / I_direct to first order)",
               interval_above("Spearman ρ(Q, I_pre-cached / I_direct) over the toy run's probe sites before the last "
                              "block's output (Fisher-z 95% CI)", "rho"), {"rho": _interval(sp)},
-              f"ρ = {_ci_text(sp, 'rho')}, n = {sp.get('n')}" if sp else "not run",
+              f"ρ = {_ci_text(sp, 'rho')}, n = {sp.get('n')}" + (
+                  f"; with the influence on the centred mismatch R_c: ρ = {_ci_text(qv['spearman_centred'], 'rho')}"
+                  if qv.get("spearman_centred") else "") if sp else "not run",
               (at_least("probe sites", sp.get("n"), 4),)),
     ]
 
@@ -514,6 +518,8 @@ def _blocks(s: dict) -> list:
         rows = []
         for label, key in (("ρ(Q, I_pre/I_direct)", "spearman"),
                            ("ρ(Q, I_pre/(|I_pre|+|I_direct|))", "spearman_share"),
+                           ("ρ(Q, I_pre/I_direct), centred mismatch R_c", "spearman_centred"),
+                           ("ρ(Q, I_pre/(|I_pre|+|I_direct|)), centred mismatch R_c", "spearman_share_centred"),
                            ("ρ(Q, I_pre/I_direct), sites with H = 10", "spearman_full_horizon")):
             sp = qv.get(key)
             if sp:

@@ -114,8 +114,10 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
         device: torch device.
 
     Returns:
-        ``{"rows": [{layer, pos, feature, q, total_kl, H, pre_cached, direct, shared, ratio, share}], "spearman":
-        {...} (Q vs pre_cached/direct), "spearman_share": {...} (Q vs pre_cached/(|pre_cached|+|direct|)),
+        ``{"rows": [{layer, pos, feature, q, total_kl, H, pre_cached, direct, shared, ratio, share, and the same five
+        with suffix _centred}], "spearman": {...} (Q vs pre_cached/direct), "spearman_share": {...} (Q vs
+        pre_cached/(|pre_cached|+|direct|)), "spearman_centred", "spearman_share_centred": the same for the influence
+        on the centred mismatch R_c (ntpflow.influence),
         "spearman_full_horizon": {...} (only sites with the full horizon H), "final_layer": {...},
         "n_sequences", "horizon", "n_layer"}``. The correlations use the sites with ``layer < n_layer`` only: at
         the last residual (after the last block) nothing later reads the position, so Q and I_pre-cached are both 0
@@ -127,7 +129,8 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
 
     run = Run.open(run_dir)
     probes = load_or_probe(run, "final", device)
-    infl = influence_ratios(Path(run_dir) / "attribution" / "influence.parquet")
+    parquet = Path(run_dir) / "attribution" / "influence.parquet"
+    infl, centred = influence_ratios(parquet), influence_ratios(parquet, mismatch="centred")
     model = run.load_model("final", device)
     _, eval_set = make_datasets(run.cfg, run.task)
     tokens = torch.as_tensor(eval_set.tokens[:n_sequences]).long()
@@ -138,12 +141,13 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
             continue
         d = probe_ablation_kl(model, tokens, layer, pos, w, horizon)
         q, tot = q_from_d(d)
-        pre, direct = comp.get("pre_cached", math.nan), comp.get("direct", math.nan)
-        ratio = pre / direct if direct != 0 else math.nan
-        share = pre / (abs(pre) + abs(direct)) if (abs(pre) + abs(direct)) > 0 else math.nan
-        rows.append({"layer": layer, "pos": pos, "feature": feat, "q": q, "total_kl": tot, "H": int(d.shape[1]),
-                     "pre_cached": pre, "direct": direct, "shared": comp.get("shared", math.nan),
-                     "ratio": ratio, "share": share})
+        row = {"layer": layer, "pos": pos, "feature": feat, "q": q, "total_kl": tot, "H": int(d.shape[1])}
+        for suffix, c in (("", comp), ("_centred", centred.get((layer, pos, feat), {}))):
+            pre, direct = c.get("pre_cached", math.nan), c.get("direct", math.nan)
+            row |= {f"pre_cached{suffix}": pre, f"direct{suffix}": direct, f"shared{suffix}": c.get("shared", math.nan),
+                    f"ratio{suffix}": pre / direct if direct != 0 else math.nan,
+                    f"share{suffix}": pre / (abs(pre) + abs(direct)) if abs(pre) + abs(direct) > 0 else math.nan}
+        rows.append(row)
     n_layer = run.model_config().n_layer
     inner = [r for r in rows if r["layer"] < n_layer]
     full = [r for r in inner if r["H"] == horizon]
@@ -151,6 +155,8 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
     return {"rows": rows, "n_layer": n_layer,
             "spearman": spearman([r["q"] for r in inner], [r["ratio"] for r in inner]),
             "spearman_share": spearman([r["q"] for r in inner], [r["share"] for r in inner]),
+            "spearman_centred": spearman([r["q"] for r in inner], [r["ratio_centred"] for r in inner]),
+            "spearman_share_centred": spearman([r["q"] for r in inner], [r["share_centred"] for r in inner]),
             "spearman_full_horizon": spearman([r["q"] for r in full], [r["ratio"] for r in full]),
             "final_layer": {"n": len(last), "max_abs_q": max((abs(r["q"]) for r in last), default=None),
                             "max_abs_pre_cached": max((abs(r["pre_cached"]) for r in last), default=None)},
