@@ -86,8 +86,10 @@ def summarize(data: dict) -> dict:
         for g in regimes:
             sel = sorted((r for r in runs if (r["task"], r["regime"]) == (t, g)), key=lambda r: r["seed"])
             if sel:
-                success[t][g] = {m: stats(r.get(m) for r in sel) for m in ("eval_loss", "loss_gap", "first_acc",
-                                                                          "legal_acc")}
+                success[t][g] = {m: stats(r.get(m) for r in sel) for m in ("eval_loss", "loss_gap")}
+                for m in ("first_acc", "legal_acc"):  # a proportion: its interval clipped to [0, 1]
+                    st = stats(r.get(m) for r in sel)
+                    success[t][g][m] = {**st, **dict(zip(("lo", "hi"), fs.clip(st["lo"], st["hi"], (0.0, 1.0))))}
                 success[t][g]["per_seed"] = [{k: r.get(k) for k in ("seed", "eval_loss", "loss_gap", "first_acc",
                                                                     "steps")} for r in sel]
         van = [r for r in runs if (r["task"], r["regime"]) == (t, "vanilla")]
@@ -432,10 +434,10 @@ def _fig_influence_bars(summary, figdir):
                 ax.axhline(0, color="#000000", lw=0.8)
                 ax.set_xticks(list(xs), [COMPONENT_LABELS[c] for c in COMPONENTS])
                 ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
-                ax.set_ylabel(f"integrated influence ({INFLUENCE_UNIT.split(' (')[0]})")
+                ax.set_ylabel("integrated influence\n(probe units²)")
         n = min(v[c]["n"] for by in summary["influence"].values() for v in by.values() for c in COMPONENTS)
-        fs.finish(fig, f"Which gradient component built the NTP-useless feature (vanilla, useless sites below the "
-                       f"last layer)? Bars: mean, whiskers: {fs.ci_label(n, 'seeds')}. {fs.SIGN}")
+        fs.finish(fig, f"Which component built the NTP-useless feature? Vanilla, useless sites below the last layer; "
+                       f"bars: mean, whiskers: {fs.ci_label(n, 'seeds')}.\n{fs.SIGN}")
         return fs.save(fig, figdir, "influence_bars")
 
 
@@ -474,7 +476,7 @@ def _fig_offset(summary, figdir):
     if not tasks:
         return None
     with fs.style():
-        fig, axes = fs.figure(3.6 * len(tasks), 3.0, 1, len(tasks), sharey=True)
+        fig, axes = fs.figure(max(6.0, 3.6 * len(tasks)), 3.4, 1, len(tasks), sharey=True)
         for ax, t in zip(axes[0], tasks):
             sel = sorted((r for r in rows if r["task"] == t), key=lambda r: r["pos"])
             xs = [r["pos"] for r in sel]
@@ -484,9 +486,9 @@ def _fig_offset(summary, figdir):
             ax.set_ylim(0, 1.05)
             ax.set_xlabel("tracked position (grey: feature NTP-useful)")
             ax.set_title(TASK_TITLES[t])
-        axes[0][0].set_ylabel("offset share of R at step 0: mean(d)² / R")
-        fs.finish(fig, "How much of the paper's mismatch R is a mean offset at initialisation (held-out data, mean over "
-                       f"features; whiskers: {fs.ci_label(len(summary['tracked_seeds']), 'seeds')}, clipped to [0, 1])")
+        axes[0][0].set_ylabel("offset share of R at step 0\nmean(d)² / R")
+        fs.finish(fig, "How much of the paper's mismatch R is a mean offset at step 0? Held-out data, mean over "
+                       f"features; whiskers: {fs.ci_label(len(summary['tracked_seeds']), 'seeds')}, clipped to [0, 1]")
         return fs.save(fig, figdir, "offset_share")
 
 
@@ -531,7 +533,8 @@ def _document(summary: dict, figures) -> list[tuple]:
         for g, v in by.items():
             rows.append([t, g, fmt_ci(v["eval_loss"]), fmt_ci(v["loss_gap"]), fmt_ci(v["first_acc"]),
                          str(v["eval_loss"]["n"])])
-    b.append(("table", ["task", "regime", "eval loss", "gap to optimum", "first-output accuracy", "n"], rows, None))
+    b.append(("table", ["task", "regime", "eval loss", "gap to optimum", "first-output accuracy (CI clipped to [0, 1])",
+                        "n"], rows, None))
     for t in summary["tasks"]:
         name = f"probe_{t}"
         if name in figures:
@@ -554,7 +557,8 @@ def _document(summary: dict, figures) -> list[tuple]:
     for name, caption in (("offset_share", "Offset share of R at step 0, per tracked position (held-out batch)."),
                           ("influence_bars", "Integrated Adam influence per component at NTP-useless sites below "
                                              "the last layer, for R_c (left, decides claim c) and the paper's R."),
-                          ("influence_curves", "Cumulative influence over training (vanilla).")):
+                          ("influence_curves", "Cumulative Adam influence over training at the NTP-useless sites (vanilla), for "
+                                               "R_c (left) and the paper's R (right).")):
         if name in figures:
             b.append(("fig", name, caption))
     if summary["balance"]:
