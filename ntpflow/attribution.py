@@ -12,7 +12,8 @@ with L = Σ_j L_j the training loss (``lm_loss``: mean over counted positions of
 How it is computed: ∇L − ∇L^{sg(k,i)} = (∂r^k_i/∂θ)ᵀ ∂L/∂r^k_i, a vector–Jacobian product of the site's residual.
 The ordinary backward gives ∂L/∂r^k; the own-position cotangent ∂L_i/∂r^k_i comes from a short backward through
 the blocks above k at query i alone (``own_cotangent``; in a myopic model, or at the last layer, it equals ∂L/∂r^k_i).
-Each site's VJPs run on the smallest graph that determines it (``GPT.resid_last``).
+The VJPs themselves run by the hand-written reverse mode of ``ntpflow.reverse_mode`` on one cached ordinary forward
+(positions ≤ i, the site's own block for query i alone), in the model's own regime.
 """
 
 from collections.abc import Sequence
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .forward_mode import Primals
 from .loss import lm_loss
 from .model import GPT, _last
+from .reverse_mode import site_vjps
 from .sites import Site
 
 
@@ -154,9 +157,11 @@ def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor |
 class SitePasses:
     """The decomposition of one batch, site by site (what ``decompose`` and the influence tracker share).
 
-    The constructor runs the two cotangent passes (``resid_cotangents``); ``run(site)`` then builds the site's
-    prefix graph (``GPT.resid_last``: positions ≤ i, the last block for query i alone) and runs on it the two
-    decomposition VJPs, in the model's own regime.
+    The constructor runs the ordinary backward and the own-position cotangents (``_cotangent_pass``) and caches one
+    ordinary forward without a graph (``primals``, ``forward_mode.Primals`` over positions ≤ the last site's).
+    ``run_many(sites)`` then gives the sites' direct and pre-cached gradients by the hand-written reverse mode on that
+    cache (``reverse_mode.site_vjps``, in the model's own regime): no prefix forward is re-run, and the sites of one
+    call (one layer, any positions) share every kernel.
     """
 
     def __init__(self, model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None):
@@ -166,23 +171,30 @@ class SitePasses:
         self.params = list(model.parameters())
         self.n_params = sum(p.numel() for p in self.params)
         self.full, self.c_all, self.c_own, self.resid = _cotangent_pass(model, tokens, loss_mask, sites)
+        self.primals = Primals(model, tokens[:, :max(s.pos for s in sites) + 1])
 
     def has_pre_cached(self, site: Site) -> bool:
         """False where pre-caching is structurally zero: a myopic model, or the last layer (only ln_final reads it)."""
         return self.model.myopic == "none" and site.layer < self.model.cfg.n_layer
 
-    def run(self, site: Site, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The site's direct and pre-cached gradients [2, n_params] (into ``out`` if given)."""
-        k, i = site.layer, site.pos
-        if out is None:
-            out = self.full.new_empty((2, self.n_params))
-        cots = [self.c_own[k][:, i]]
-        if self.has_pre_cached(site):
-            cots.append(self.c_all[k][:, i] - self.c_own[k][:, i])
+    def run(self, site: Site) -> torch.Tensor:
+        """The site's direct and pre-cached gradients [2, n_params]."""
+        return self.run_many([site])[0]
+
+    def run_many(self, sites: Sequence[Site]) -> torch.Tensor:
+        """Direct and pre-cached gradients of sites of one layer [n_sites, 2, n_params] (pre-cached rows exactly 0
+        where ``has_pre_cached`` is False), from one call of the reverse mode (rows: the sites × their cotangents
+        ∂L_i/∂r^k_i and ∂L/∂r^k_i − ∂L_i/∂r^k_i, each [batch, d_model])."""
+        (k,) = {s.layer for s in sites}
+        pos = torch.tensor([s.pos for s in sites], device=self.tokens.device)
+        own = self.c_own[k][:, pos].transpose(0, 1)  # [n, batch, d]
+        out = self.full.new_zeros((len(sites), 2, self.n_params))
+        if self.has_pre_cached(sites[0]):
+            cots = torch.stack([own, self.c_all[k][:, pos].transpose(0, 1) - own], 1).flatten(0, 1)
+            out.view(-1, self.n_params)[:] = site_vjps(self.primals, k, pos.repeat_interleave(2), cots,
+                                                       self.model.myopic)
         else:
-            out[1].zero_()
-        r = self.model.resid_last(self.tokens[:, :i + 1], k)
-        vjp_rows(r, self.params, torch.stack(cots), out[:len(cots)])
+            out[:, 0] = site_vjps(self.primals, k, pos, own, self.model.myopic)
         return out
 
 
@@ -201,7 +213,8 @@ def decompose(
     sites = list(dict.fromkeys(sites))
     passes = SitePasses(model, tokens, sites, loss_mask)
     out = {}
-    for s in sites:
-        direct, pre = passes.run(s)
-        out[s] = Components(direct=direct, pre_cached=pre, shared=passes.full - direct - pre, full=passes.full)
+    for k in sorted({s.layer for s in sites}):
+        layer = [s for s in sites if s.layer == k]
+        for s, (direct, pre) in zip(layer, passes.run_many(layer)):
+            out[s] = Components(direct=direct, pre_cached=pre, shared=passes.full - direct - pre, full=passes.full)
     return out

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .attribution import SitePasses, flat_grads
-from .forward_mode import Primals, all_tangents, site_tangents
+from .forward_mode import all_tangents, site_tangents
 from .model import GPT
 from .sites import Site
 
@@ -157,9 +157,9 @@ class InfluenceTracker:
         """
         kind, group = _check_optimizer(opt)
         params = list(model.parameters())
-        passes = SitePasses(model, tokens, self.sites, loss_mask)  # forward + the two cotangent passes
+        passes = SitePasses(model, tokens, self.sites, loss_mask)  # backward, own cotangents, cached forward
         n_pos = max(s.pos for s in self.sites) + 1
-        primals = Primals(model, tokens[:, :n_pos])  # the ordinary forward, also for a myopic model
+        primals = passes.primals  # the ordinary forward over positions < n_pos, also for a myopic model
         with torch.no_grad():
             frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
         risks = self.risk_coefficients(primals.resid, frozen, feature_types)

@@ -1,0 +1,280 @@
+"""Hand-written reverse mode on the cached ordinary forward: site VJPs (∂r^k_i/∂θ)ᵀ c without re-running a forward.
+
+Layer/position convention of ``ntpflow.sites``: ``resid[k]`` is the output of block k−1 (``resid[0]`` the
+embedding sum); logits at p predict token p+1.
+
+``site_vjps(primals, k, qpos, cot, myopic)`` takes m rows, row r a cotangent ``cot[r]`` [batch, d_model] at
+``resid[k][:, qpos[r]]``, and returns the m parameter gradients [m, n_params] (``model.parameters()`` order) of
+the model's own regime (``myopic`` ``"none"``, ``"kv"`` or ``"resid"``). Forward values are the same in every
+regime, so one ``forward_mode.Primals`` (the ordinary forward) serves all of them; only the backward differs:
+
+- ``"kv"``: query t sees the other positions' keys and values as constants, so only the diagonal s = t of the
+  attention carries gradient to k and v;
+- ``"resid"``: the other positions' keys and values are re-projected from constant residuals with live weights,
+  so the off-diagonal part reaches W_k, W_v and the ln1 affine parameters but not the residual.
+
+Rows of one call may have different query positions (a *bucket* of sites of one layer): every row runs through the
+blocks below k−1 over positions 0..P−1 (P = max(qpos) + 1; by causality a row's cotangent is exactly 0 after its
+own query, so the padding adds exact zeros) and through block k−1 for its own query alone. In that top block, with
+shared (single-group) parameters, the key/value gradients regroup per head (dW_k[h] = Σ_b q_bh ⊗ Σ_s ds_bhs x1_bs,
+dW_v[h] = Σ_b dz_bh ⊗ Σ_s A_bhs x1_bs, and the input cotangent through W_kᵀq and W_vᵀdz), so it costs
+O(m·batch·(d² + head·P·d)) instead of O(m·batch·P·d²).
+"""
+
+import math
+
+import torch
+
+from .forward_mode import Primals
+
+
+class _Grads:
+    """Rows of flat parameter gradients out [m, n_params] and, by name, views [m, G, *shape] into them."""
+
+    def __init__(self, pr: Primals, m: int, like: torch.Tensor):
+        params = list(pr.model.parameters())
+        self.out = like.new_zeros((m, sum(p.numel() for p in params)))
+        views = self.out.split([p.numel() for p in params], dim=1)
+        self.view = {n: v.view(m, *p.shape) for n, v, p in zip(pr.names, views, params)}
+        self.groups = pr.groups  # None (one group) or [T] group index per position
+        self.rows = torch.arange(m, device=like.device)
+
+    def row_groups(self, qpos: torch.Tensor) -> torch.Tensor:
+        """Group index of each row's query position [m]."""
+        return torch.zeros_like(qpos) if self.groups is None else self.groups[qpos]
+
+    def add_rows(self, view: torch.Tensor, g: torch.Tensor, qpos: torch.Tensor) -> None:
+        """Add g [m, *shape] into each row's copy at the group of its query position; view [m, G, *shape]."""
+        if self.groups is None:
+            view[:, 0] += g
+        else:
+            view[self.rows, self.groups[qpos]] += g  # one (row, group) pair per row: no duplicates
+
+    def add_positions(self, view: torch.Tensor, n_pos: int, term) -> None:
+        """Add ``term(sel)`` [m, *shape], a sum over positions ``sel`` (a slice or an index tensor), into the copy
+        of each position group among positions 0..n_pos−1; view [m, G, *shape]."""
+        if self.groups is None:
+            view[:, 0] += term(slice(0, n_pos))
+            return
+        g = self.groups[:n_pos]
+        for group in torch.unique(g).tolist():
+            view[:, group] += term((g == group).nonzero().squeeze(1))
+
+
+def _outer(dy: torch.Tensor, x: torch.Tensor):
+    """Σ over batch and positions ``sel`` of dy ⊗ x: dy [m, B, P, o], x [B, P, i] -> a function of sel, [m, o, i]."""
+    def term(sel):
+        a, b = dy[:, :, sel], x[:, sel]
+        return a.flatten(1, 2).transpose(1, 2) @ b.flatten(0, 1)
+    return term
+
+
+def _summed(y: torch.Tensor):
+    """Σ over batch and positions ``sel`` of y [m, B, P, d] -> a function of sel, [m, d]."""
+    return lambda sel: y[:, :, sel].sum((1, 2))
+
+
+def _weight(pr: Primals, name: str, n_pos: int) -> torch.Tensor:
+    """A weight at positions 0..n_pos−1: [*shape] (shared) or [n_pos, *shape]."""
+    p = dict(pr.model.named_parameters())[name]
+    return p[0] if pr.groups is None else p.index_select(0, pr.groups[:n_pos])
+
+
+def _weight_rows(pr: Primals, name: str, qpos: torch.Tensor) -> torch.Tensor:
+    """A weight at each row's query position: [*shape] (shared) or [m, *shape]."""
+    p = dict(pr.model.named_parameters())[name]
+    return p[0] if pr.groups is None else p.index_select(0, pr.groups[qpos])
+
+
+def _matmul_pos(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dy [m, B, P, o] times w [o, i] (shared) or [P, o, i] (per position) -> [m, B, P, i]."""
+    return dy @ w if w.dim() == 2 else torch.einsum("mbpo,poi->mbpi", dy, w)
+
+
+def _matmul_rows(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dy [m, B, o] times w [o, i] (shared) or [m, o, i] (per row) -> [m, B, i]."""
+    return dy @ w
+
+
+def _ln_back(n: torch.Tensor, rsigma: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """Input cotangent of a LayerNorm y = n·w + b, n = (x − μ)/σ: dy [..., d] -> [..., d] (n, rsigma, w broadcast)."""
+    dn = dy * w
+    return rsigma * (dn - dn.mean(-1, keepdim=True) - n * (dn * n).mean(-1, keepdim=True))
+
+
+def _gather(x: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    """x [B, T, ...] at each row's position -> [m, B, ...]."""
+    return x[:, qpos].transpose(0, 1)
+
+
+def _gather_heads(x: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, ...] at each row's query position -> [m, B, H, ...]."""
+    return x[:, :, qpos].movedim(2, 0)
+
+
+def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, myopic: str) -> torch.Tensor:
+    """Rows (∂resid[layer][:, qpos[r]]/∂θ)ᵀ cot[r] in the regime ``myopic`` -> [m, n_params].
+
+    qpos: long [m], query positions (< the cached length); cot: [m, batch, d_model].
+    """
+    m = len(qpos)
+    n_pos = int(qpos.max()) + 1
+    grads = _Grads(pr, m, cot)
+    onehot = (torch.arange(n_pos, device=qpos.device) == qpos[:, None]).to(cot.dtype)  # [m, P]
+    with torch.no_grad():
+        if layer == 0:
+            d_r = onehot[:, None, :, None] * cot[:, :, None]
+        else:
+            d_r = _top_block_back(pr, grads, layer - 1, qpos, onehot, cot, myopic)
+            for b in reversed(range(layer - 1)):
+                d_r = _block_back(pr, grads, b, d_r, myopic)
+        _embed_back(pr, grads, d_r)
+    return grads.out
+
+
+def _embed_back(pr: Primals, grads: _Grads, d_r: torch.Tensor) -> None:
+    """resid[0][b, p] = wte[g_p, tok[b, p]] + wpe[g_p, p]: scatter d_r [m, B, P, d] into both."""
+    m, bsz, n_pos, d = d_r.shape
+    pos = torch.arange(n_pos, device=d_r.device)
+    g = torch.zeros_like(pos) if pr.groups is None else pr.groups[:n_pos]
+    wte, wpe = grads.view["wte"], grads.view["wpe"]  # [m, G, V, d], [m, G, n_ctx, d]
+    tok = g * wte.shape[2] + pr.tokens[:, :n_pos]  # [B, P]
+    wte.view(m, -1, d).index_add_(1, tok.reshape(-1), d_r.reshape(m, -1, d))
+    wpe.view(m, -1, d).index_add_(1, g * wpe.shape[2] + pos, d_r.sum(1))
+
+
+def _ln_params_rows(grads: _Grads, name: str, n: torch.Tensor, dy: torch.Tensor, qpos: torch.Tensor) -> None:
+    """LayerNorm affine gradients at each row's query position: n, dy [m, B, d]."""
+    grads.add_rows(grads.view[name + "weight"], (dy * n).sum(1), qpos)
+    grads.add_rows(grads.view[name + "bias"], dy.sum(1), qpos)
+
+
+def _linear_rows(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, qpos: torch.Tensor) -> None:
+    """Weight and bias gradients of a linear layer at each row's query position: dy [m, B, o], x [m, B, i]."""
+    grads.add_rows(grads.view[name + "weight"], dy.transpose(1, 2) @ x, qpos)
+    grads.add_rows(grads.view[name + "bias"], dy.sum(1), qpos)
+
+
+def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, onehot: torch.Tensor,
+                    d_out: torch.Tensor, myopic: str) -> torch.Tensor:
+    """Block b for each row's query alone: cotangent d_out [m, B, d] at its output at qpos -> the cotangent of its
+    input resid[b] at positions 0..P−1 [m, B, P, d] (0 after each row's query); parameter gradients into grads."""
+    c, pre = pr.blocks[b], f"blocks.{b}."
+    m, bsz, d = d_out.shape
+    n_pos = onehot.shape[1]
+    heads = pr.n_head
+    dh = d // heads
+    # MLP and ln2 at the query
+    x2, h = _gather(c["ln2"]["y"], qpos), _gather(c["h"], qpos)
+    _linear_rows(grads, pre + "mlp.c_proj.", d_out, h, qpos)
+    da = _matmul_rows(d_out, _weight_rows(pr, pre + "mlp.c_proj.weight", qpos)) * _gather(c["gelu_slope"], qpos)
+    _linear_rows(grads, pre + "mlp.c_fc.", da, x2, qpos)
+    dx2 = _matmul_rows(da, _weight_rows(pr, pre + "mlp.c_fc.weight", qpos))
+    n2 = _gather(c["ln2"]["n"], qpos)
+    _ln_params_rows(grads, pre + "ln2.", n2, dx2, qpos)
+    w2 = _weight_rows(pr, pre + "ln2.weight", qpos)
+    d_mid = d_out + _ln_back(n2, _gather(c["ln2"]["rsigma"], qpos), w2[:, None] if w2.dim() == 2 else w2, dx2)
+    # attention output projection
+    _linear_rows(grads, pre + "attn.c_proj.", d_mid, _gather(c["z"], qpos), qpos)
+    dz = _matmul_rows(d_mid, _weight_rows(pr, pre + "attn.c_proj.weight", qpos)).view(m, bsz, heads, dh)
+    # attention of the query over keys 0..P−1
+    q = _gather_heads(c["q"], qpos)  # [m, B, H, dh]
+    k, v = c["k"][:, :, :n_pos], c["v"][:, :, :n_pos]  # [B, H, P, dh]
+    att = _gather_heads(c["att"][..., :n_pos], qpos)  # [m, B, H, P], exactly 0 after the query
+    datt = torch.einsum("mbhe,bhpe->mbhp", dz, v)
+    ds = att * (datt - (att * datt).sum(-1, keepdim=True)) / math.sqrt(dh)  # cotangent of q·k_s (scale included)
+    dq = torch.einsum("mbhp,bhpe->mbhe", ds, k)
+    diag = onehot[:, None, None, :]
+    live_k, live_v = (ds, att) if myopic == "none" else (ds * diag, att * diag)  # paths into the residual
+    w_k, w_v = (live_k, live_v) if myopic == "kv" else (ds, att)  # paths into the weights
+    x1 = c["ln1"]["y"][:, :n_pos]  # [B, P, d]
+    x1q = _gather(c["ln1"]["y"], qpos)  # [m, B, d]
+    name = pre + "attn.c_attn."
+    w_attn = _weight(pr, name + "weight", n_pos)  # [3d, d] or [P, 3d, d]
+    dqf = dq.reshape(m, bsz, d)
+    grads.add_rows(grads.view[name + "weight"][:, :, :d], dqf.transpose(1, 2) @ x1q, qpos)
+    grads.add_rows(grads.view[name + "bias"][:, :, :d], dqf.sum(1), qpos)
+    dx1_q = _matmul_rows(dqf, _weight_rows(pr, name + "weight", qpos)[..., :d, :])  # [m, B, d], at the query
+    if pr.groups is None:  # regrouped per head
+        wk, wv = w_attn[d:2 * d].view(heads, dh, d), w_attn[2 * d:].view(heads, dh, d)
+        uk = torch.einsum("mbhp,bpd->mbhd", w_k, x1)
+        uv = torch.einsum("mbhp,bpd->mbhd", w_v, x1)
+        view_w, view_b = grads.view[name + "weight"][:, 0], grads.view[name + "bias"][:, 0]
+        view_w[:, d:2 * d] += torch.einsum("mbhe,mbhd->mhed", q, uk).reshape(m, d, d)
+        view_w[:, 2 * d:] += torch.einsum("mbhe,mbhd->mhed", dz, uv).reshape(m, d, d)
+        view_b[:, d:2 * d] += torch.einsum("mbhp,mbhe->mhe", w_k, q).reshape(m, d)
+        view_b[:, 2 * d:] += torch.einsum("mbhp,mbhe->mhe", w_v, dz).reshape(m, d)
+        a, e = torch.einsum("mbhe,hed->mbhd", q, wk), torch.einsum("mbhe,hed->mbhd", dz, wv)  # W_kᵀq, W_vᵀdz
+
+        def dx1_of(sk, sv):  # input cotangent at positions 0..P−1 through the keys and values [m, B, P, d]
+            return torch.einsum("mbhp,mbhd->mbpd", sk, a) + torch.einsum("mbhp,mbhd->mbpd", sv, e)
+    else:  # per-position weights: explicit key and value cotangents
+        def dkv_of(sk, sv):  # [m, B, P, 2d]
+            dk = (sk[..., None] * q[:, :, :, None]).transpose(2, 3).reshape(m, bsz, n_pos, d)
+            dv = (sv[..., None] * dz[:, :, :, None]).transpose(2, 3).reshape(m, bsz, n_pos, d)
+            return torch.cat([dk, dv], -1)
+
+        dkv = dkv_of(w_k, w_v)
+        grads.add_positions(grads.view[name + "weight"][:, :, d:], n_pos, _outer(dkv, x1))
+        grads.add_positions(grads.view[name + "bias"][:, :, d:], n_pos, _summed(dkv))
+
+        def dx1_of(sk, sv):
+            return _matmul_pos(dkv_of(sk, sv), w_attn[..., d:, :])
+    dx1_live = dx1_of(live_k, live_v) + onehot[:, None, :, None] * dx1_q[:, :, None]
+    dx1_all = dx1_live if (w_k is live_k) else dx1_of(w_k, w_v) + onehot[:, None, :, None] * dx1_q[:, :, None]
+    n1, rs1 = c["ln1"]["n"][:, :n_pos], c["ln1"]["rsigma"][:, :n_pos]
+    grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all * n1))
+    grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
+    w1 = _weight(pr, pre + "ln1.weight", n_pos)
+    return _ln_back(n1, rs1, w1, dx1_live) + onehot[:, None, :, None] * d_mid[:, :, None]
+
+
+def _linear_pos(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, n_pos: int) -> None:
+    """Weight and bias gradients of a linear layer over positions 0..n_pos−1: dy [m, B, P, o], x [B, P, i]."""
+    grads.add_positions(grads.view[name + "weight"], n_pos, _outer(dy, x))
+    grads.add_positions(grads.view[name + "bias"], n_pos, _summed(dy))
+
+
+def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic: str) -> torch.Tensor:
+    """Block b over positions 0..P−1: cotangent d_out [m, B, P, d] of its output -> that of its input [m, B, P, d];
+    parameter gradients into grads."""
+    c, pre = pr.blocks[b], f"blocks.{b}."
+    m, bsz, n_pos, d = d_out.shape
+    heads = pr.n_head
+    dh = d // heads
+    upto = slice(0, n_pos)
+    _linear_pos(grads, pre + "mlp.c_proj.", d_out, c["h"][:, upto], n_pos)
+    da = _matmul_pos(d_out, _weight(pr, pre + "mlp.c_proj.weight", n_pos)) * c["gelu_slope"][:, upto]
+    _linear_pos(grads, pre + "mlp.c_fc.", da, c["ln2"]["y"][:, upto], n_pos)
+    dx2 = _matmul_pos(da, _weight(pr, pre + "mlp.c_fc.weight", n_pos))
+    n2 = c["ln2"]["n"][:, upto]
+    grads.add_positions(grads.view[pre + "ln2.weight"], n_pos, _summed(dx2 * n2))
+    grads.add_positions(grads.view[pre + "ln2.bias"], n_pos, _summed(dx2))
+    d_mid = d_out + _ln_back(n2, c["ln2"]["rsigma"][:, upto], _weight(pr, pre + "ln2.weight", n_pos), dx2)
+    _linear_pos(grads, pre + "attn.c_proj.", d_mid, c["z"][:, upto], n_pos)
+    dz = _matmul_pos(d_mid, _weight(pr, pre + "attn.c_proj.weight", n_pos))
+    dz = dz.view(m, bsz, n_pos, heads, dh).transpose(2, 3)  # [m, B, H, P, dh]
+    q, k, v = c["q"][:, :, upto], c["k"][:, :, upto], c["v"][:, :, upto]
+    att = c["att"][:, :, upto, upto]  # [B, H, P(query), P(key)]
+    datt = dz @ v.transpose(-1, -2)
+    ds = att * (datt - (att * datt).sum(-1, keepdim=True)) / math.sqrt(dh)
+    dq = ds @ k
+    eye = torch.eye(n_pos, dtype=ds.dtype, device=ds.device)
+    live_s, live_a = (ds, att) if myopic == "none" else (ds * eye, att * eye)
+    w_s, w_a = (live_s, live_a) if myopic == "kv" else (ds, att)
+
+    def dqkv_of(s, a):  # [m, B, P, 3d] with keys from s, values from a
+        dk, dv = s.transpose(-1, -2) @ q, a.transpose(-1, -2) @ dz
+        return torch.cat([z.transpose(2, 3).reshape(m, bsz, n_pos, d) for z in (dq, dk, dv)], -1)
+
+    name = pre + "attn.c_attn."
+    w_attn = _weight(pr, name + "weight", n_pos)
+    x1 = c["ln1"]["y"][:, upto]
+    dqkv = dqkv_of(w_s, w_a)
+    _linear_pos(grads, name, dqkv, x1, n_pos)
+    dx1_all = _matmul_pos(dqkv, w_attn)
+    dx1_live = dx1_all if w_s is live_s else _matmul_pos(dqkv_of(live_s, live_a), w_attn)
+    n1 = c["ln1"]["n"][:, upto]
+    grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all * n1))
+    grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
+    return d_mid + _ln_back(n1, c["ln1"]["rsigma"][:, upto], _weight(pr, pre + "ln1.weight", n_pos), dx1_live)
