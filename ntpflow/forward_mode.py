@@ -8,7 +8,8 @@ order), ``J δ_j`` with ``J = ∂resid[k]/∂θ`` is the directional derivative 
 statistics, q/k/v, attention probabilities, GELU slopes, every linear layer's input). By causality its values at
 positions ≤ i are exactly those of the prefix ``tokens[:, :i+1]``, so one cache serves every site:
 ``site_tangents(primals, k, i, D)`` propagates m directions [m, n_params] through the blocks below k over positions
-≤ i, and through block k−1 for query i alone (keys and values over ≤ i). All m directions travel in one leading
+≤ i, and through block k−1 for query i alone (keys and values over ≤ i); ``i`` may differ per direction (a bucket of
+sites of one layer: the lower blocks then run over positions ≤ max i). All m directions travel in one leading
 axis, so each layer is a few large matmuls. FLOPs per direction ≈ 2× a forward of that prefix (a linear layer's
 tangent is ẋWᵀ + xẆᵀ + ḃ).
 
@@ -144,17 +145,24 @@ def _ln_tangent(c: dict, dp: _Params, p_w: torch.Tensor, name: str, dx: torch.Te
     return dn * p_w + n * dw + db
 
 
-def site_tangents(primals: Primals, layer: int, pos: int, directions: torch.Tensor) -> torch.Tensor:
-    """Tangents of ``resid[layer][:, pos]`` along ``directions`` [m, n_params] -> [m, batch, d_model].
+def site_tangents(primals: Primals, layer: int, pos: "int | torch.Tensor", directions: torch.Tensor) -> torch.Tensor:
+    """Tangents of ``resid[layer][:, pos_j]`` along ``directions`` [m, n_params] -> [m, batch, d_model].
 
-    Blocks below ``layer − 1`` run over positions ≤ pos, block ``layer − 1`` for query ``pos`` alone.
+    ``pos``: one query position for every direction, or long [m], one per direction (a bucket of sites of one
+    layer). Blocks below ``layer − 1`` run over positions ≤ max(pos) (by causality a position's tangent is that of
+    its prefix), block ``layer − 1`` for each direction's query alone.
     """
+    qpos = torch.as_tensor(pos, device=directions.device).expand(len(directions))
+    n_pos = int(qpos.max()) + 1
     p, dp = primals.params(), primals.directions(directions)
+    rows = torch.arange(len(directions), device=directions.device)
     with torch.no_grad():
-        dr = _embed_tangent(primals, dp, pos)
-        for b in range(layer):
-            dr = _block_tangent(primals, p, dp, b, dr, pos, last=b == layer - 1)
-    return dr[:, :, -1]
+        dr = _embed_tangent(primals, dp, n_pos - 1)
+        if layer == 0:
+            return dr[rows, :, qpos]
+        for b in range(layer - 1):
+            dr = _block_tangent(primals, p, dp, b, dr, n_pos - 1)
+        return _top_block_tangent(primals, p, dp, layer - 1, dr, qpos)
 
 
 def all_tangents(primals: Primals, n_layers: int, n_pos: int, directions: torch.Tensor) -> list[torch.Tensor]:
@@ -165,7 +173,7 @@ def all_tangents(primals: Primals, n_layers: int, n_pos: int, directions: torch.
     with torch.no_grad():
         out = [_embed_tangent(primals, dp, n_pos - 1)]
         for b in range(n_layers):
-            out.append(_block_tangent(primals, p, dp, b, out[-1], n_pos - 1, last=False))
+            out.append(_block_tangent(primals, p, dp, b, out[-1], n_pos - 1))
     return out
 
 
@@ -177,46 +185,98 @@ def _embed_tangent(pr: Primals, dp: _Params, pos: int) -> torch.Tensor:
     return dp.flat["wte"][:, g[None, :], tok] + dp.flat["wpe"][:, g, positions][:, None]
 
 
-def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, pos: int, last: bool):
-    """Tangent through block b: dr [m, batch, P, d] at positions 0..pos -> [m, batch, P or 1, d]."""
+def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, pos: int) -> torch.Tensor:
+    """Tangent through block b: dr [m, batch, P, d] at positions 0..pos -> [m, batch, P, d]."""
     c, pre, shared = pr.blocks[b], f"blocks.{b}.", pr.shared
     upto = slice(0, pos + 1)
-    q_pos = slice(pos, pos + 1) if last else upto  # query positions computed
 
-    def lin(name, x, dx, s):  # tangent of a linear layer at positions s: ẋWᵀ + xẆᵀ + ḃ
-        return (_lin(dx, p.at(name + "weight", s), shared) + _lin(x, dp.at(name + "weight", s), shared)
-                + _bias(dp.at(name + "bias", s), shared, 1))
+    def lin(name, x, dx):  # tangent of a linear layer at positions 0..pos: ẋWᵀ + xẆᵀ + ḃ
+        return (_lin(dx, p.at(name + "weight", upto), shared) + _lin(x, dp.at(name + "weight", upto), shared)
+                + _bias(dp.at(name + "bias", upto), shared, 1))
 
-    m, bsz = dr.shape[:2]
     dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)
+    dz = _attention_tangent(pr, c, lin(pre + "attn.c_attn.", c["ln1"]["y"][:, upto], dx1), upto)
+    dmid = dr + lin(pre + "attn.c_proj.", c["z"][:, upto], dz)
+    dx2 = _ln_tangent(c["ln2"], dp, p.at(pre + "ln2.weight", upto), pre + "ln2.", dmid, upto)
+    dh = lin(pre + "mlp.c_fc.", c["ln2"]["y"][:, upto], dx2) * c["gelu_slope"][:, upto]
+    return dmid + lin(pre + "mlp.c_proj.", c["h"][:, upto], dh)
+
+
+def _rows(t: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    """A cached tensor [B, T, ...] at each direction's query position -> [m, B, ...]."""
+    return t[:, qpos].transpose(0, 1)
+
+
+def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, qpos: torch.Tensor):
+    """Tangent through block b for each direction's query alone: dr [m, batch, P, d] at positions 0..P−1 ->
+    [m, batch, d] at qpos (long [m]); keys and values over positions ≤ the query."""
+    c, pre = pr.blocks[b], f"blocks.{b}."
+    m, n_pos = len(qpos), dr.shape[2]
+    rows = torch.arange(m, device=qpos.device)
+    g_rows = torch.zeros_like(qpos) if pr.groups is None else pr.groups[qpos]
+    upto = slice(0, n_pos)
+
+    def at_rows(params: _Params, name):  # a parameter (or direction) at each row's query group
+        t = params.flat[name]
+        if params.lead:
+            return t[rows, g_rows]  # [m, *shape]
+        return t[0] if pr.groups is None else t[g_rows]  # [*shape] or [m, *shape]
+
+    def lin(name, x, dx):  # rows: x, dx [m, B, in] -> ẋWᵀ + xẆᵀ + ḃ [m, B, out]
+        return (dx @ at_rows(p, name + "weight").transpose(-1, -2) + x @ at_rows(dp, name + "weight").transpose(1, 2)
+                + at_rows(dp, name + "bias")[:, None])
+
+    def ln(cache, name, dx):  # rows: LayerNorm tangent [m, B, d]
+        n, rsigma = _rows(cache["n"], qpos), _rows(cache["rsigma"], qpos)
+        dn = (dx - dx.mean(-1, keepdim=True) - n * (n * dx).mean(-1, keepdim=True)) * rsigma
+        w = at_rows(p, name + "weight")
+        return dn * (w[:, None] if w.dim() == 2 else w) + n * at_rows(dp, name + "weight")[:, None] + at_rows(
+            dp, name + "bias")[:, None]
+
+    dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)  # [m, B, P, d]
     x1 = c["ln1"]["y"][:, upto]
-    if last and shared:
-        dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, pos)
+    if pr.shared:
+        dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, qpos)
     else:
-        dz = _attention_tangent(pr, c, lin(pre + "attn.c_attn.", x1, dx1, upto), q_pos, upto)
-    z = c["z"][:, q_pos]
-    dmid = dr[:, :, -1:] if last else dr
-    dmid = dmid + lin(pre + "attn.c_proj.", z, dz, q_pos)
-    dx2 = _ln_tangent(c["ln2"], dp, p.at(pre + "ln2.weight", q_pos), pre + "ln2.", dmid, q_pos)
-    x2 = c["ln2"]["y"][:, q_pos]
-    da = lin(pre + "mlp.c_fc.", x2, dx2, q_pos)
-    dh = da * c["gelu_slope"][:, q_pos]
-    return dmid + lin(pre + "mlp.c_proj.", c["h"][:, q_pos], dh, q_pos)
+        name = pre + "attn.c_attn."
+        dqkv = (_lin(dx1, p.at(name + "weight", upto), False) + _lin(x1, dp.at(name + "weight", upto), False)
+                + _bias(dp.at(name + "bias", upto), False, 1))  # [m, B, P, 3d]
+        dz = _query_attention_generic(pr, c, dqkv, qpos)
+    dmid = dr[rows, :, qpos] + lin(pre + "attn.c_proj.", _rows(c["z"], qpos), dz)
+    dx2 = ln(c["ln2"], pre + "ln2.", dmid)
+    dh = lin(pre + "mlp.c_fc.", _rows(c["ln2"]["y"], qpos), dx2) * _rows(c["gelu_slope"], qpos)
+    return dmid + lin(pre + "mlp.c_proj.", _rows(c["h"], qpos), dh)
 
 
-def _attention_tangent(pr: Primals, c: dict, dqkv: torch.Tensor, q_pos: slice, upto: slice) -> torch.Tensor:
-    """Attention output tangent [m, batch, Q, d] from the q/k/v tangents dqkv [m, batch, P, 3d] (q used at q_pos)."""
+def _query_attention_generic(pr: Primals, c: dict, dqkv: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+    """Attention output tangent at each direction's query alone [m, B, d], from the q/k/v tangents dqkv
+    [m, B, P, 3d] at positions 0..P−1 (any parameter groups)."""
+    m, bsz, n_pos = dqkv.shape[:3]
+    heads, rows = pr.n_head, torch.arange(m, device=qpos.device)
+    dq, dk, dv = dqkv.chunk(3, dim=-1)
+    dq = dq[rows, :, qpos].view(m, bsz, heads, -1)  # [m, B, H, dh]
+    dk, dv = (z.view(m, bsz, n_pos, heads, -1).transpose(2, 3) for z in (dk, dv))  # [m, B, H, P, dh]
+    q = c["q"][:, :, qpos].movedim(2, 0)  # [m, B, H, dh]
+    k, v = c["k"][:, :, :n_pos], c["v"][:, :, :n_pos]
+    att = c["att"][:, :, qpos, :n_pos].movedim(2, 0)  # [m, B, H, P], exactly 0 after the query
+    ds = (torch.einsum("mbhe,bhpe->mbhp", dq, k) + torch.einsum("mbhe,mbhpe->mbhp", q, dk)) / math.sqrt(q.shape[-1])
+    datt = att * (ds - (att * ds).sum(-1, keepdim=True))
+    dz = torch.einsum("mbhp,bhpe->mbhe", datt, v) + torch.einsum("mbhp,mbhpe->mbhe", att, dv)
+    return dz.reshape(m, bsz, -1)
+
+
+def _attention_tangent(pr: Primals, c: dict, dqkv: torch.Tensor, upto: slice) -> torch.Tensor:
+    """Attention output tangent [m, batch, P, d] from the q/k/v tangents dqkv [m, batch, P, 3d] at positions upto."""
     m, bsz = dqkv.shape[:2]
     dq, dk, dv = dqkv.chunk(3, dim=-1)
-    dq = dq[:, :, q_pos]  # the last block: q at the query position only; k, v at every position ≤ pos
     heads = pr.n_head
 
     def split(z):  # [m, batch, P, d] -> [m, batch, head, P, d_head]
         return z.reshape(*z.shape[:3], heads, -1).transpose(2, 3)
 
     dq, dk, dv = split(dq), split(dk), split(dv)
-    q, k, v = c["q"][:, :, q_pos], c["k"][:, :, upto], c["v"][:, :, upto]
-    att = c["att"][:, :, q_pos, upto]  # rows sum to 1 over keys ≤ query (masked entries are exactly 0)
+    q, k, v = c["q"][:, :, upto], c["k"][:, :, upto], c["v"][:, :, upto]
+    att = c["att"][:, :, upto, upto]  # rows sum to 1 over keys ≤ query (masked entries are exactly 0)
     scale = 1 / math.sqrt(q.shape[-1])
     ds = (dq @ k.transpose(-1, -2) + q @ dk.transpose(-1, -2)) * scale
     datt = att * (ds - (att * ds).sum(-1, keepdim=True))
@@ -225,31 +285,34 @@ def _attention_tangent(pr: Primals, c: dict, dqkv: torch.Tensor, q_pos: slice, u
 
 
 def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: torch.Tensor, dx1: torch.Tensor,
-                             pos: int) -> torch.Tensor:
-    """Attention output tangent at query ``pos`` alone [m, batch, 1, d], single-group parameters.
+                             qpos: torch.Tensor) -> torch.Tensor:
+    """Attention output tangent at each direction's query alone [m, batch, d], single-group parameters.
 
     Keys and values enter only through q·k̇ and Σ_t A_t v̇_t, so they regroup per head: with a = W_kᵀq and
-    y = Σ_t A_t x1_t computed once, the direction-dependent work is O(m·batch·(d² + head·P·d)) instead of the
-    O(m·batch·P·d²) of k̇ and v̇ at every position. x1, dx1: ln1 output [batch, P, d] and its tangent [m, batch, P, d].
+    y = Σ_t A_t x1_t, the direction-dependent work is O(m·batch·(d² + head·P·d)) instead of the O(m·batch·P·d²)
+    of k̇ and v̇ at every position. x1, dx1: ln1 output [batch, P, d] and its tangent [m, batch, P, d]; qpos [m].
     """
     c, name, heads = pr.blocks[b], f"blocks.{b}.attn.c_attn.", pr.n_head
-    d = x1.shape[-1]
+    d, n_pos = x1.shape[-1], x1.shape[1]
     w, dw = p.at(name + "weight", 0), dp.at(name + "weight", 0)  # [3d, d], [m, 3d, d]
     bias_dot = dp.at(name + "bias", 0)  # [m, 3d]
     m, dh = len(dw), d // heads
+    rows = torch.arange(m, device=qpos.device)
     w_k, w_v = w[d:2 * d].view(heads, dh, d), w[2 * d:].view(heads, dh, d)
     dw_k, dw_v = dw[:, d:2 * d].view(m, heads, dh, d), dw[:, 2 * d:].view(m, heads, dh, d)
-    q, k, v = c["q"][:, :, pos], c["k"][:, :, :pos + 1], c["v"][:, :, :pos + 1]  # [B, H, dh], [B, H, P, dh]
-    att = c["att"][:, :, pos, :pos + 1]  # [B, H, P]
-    dq = (dx1[:, :, -1] @ w[:d].T + x1[:, -1] @ dw[:, :d].transpose(1, 2) + bias_dot[:, None, :d])
+    q = c["q"][:, :, qpos].movedim(2, 0)  # [m, B, H, dh]
+    k, v = c["k"][:, :, :n_pos], c["v"][:, :, :n_pos]  # [B, H, P, dh]
+    att = c["att"][:, :, qpos, :n_pos].movedim(2, 0)  # [m, B, H, P], exactly 0 after the query
+    x1q, dx1q = _rows(x1, qpos), dx1[rows, :, qpos]  # [m, B, d]
+    dq = dx1q @ w[:d].T + x1q @ dw[:, :d].transpose(1, 2) + bias_dot[:, None, :d]
     dq = dq.view(m, -1, heads, dh)  # [m, B, H, dh]
-    a = torch.einsum("bhe,hed->bhd", q, w_k)  # W_kᵀ q per head
-    ds = (torch.einsum("mbhe,bhte->mbht", dq, k) + torch.einsum("bhd,mbtd->mbht", a, dx1)
-          + torch.einsum("mbhd,btd->mbht", torch.einsum("bhe,mhed->mbhd", q, dw_k), x1)
-          + torch.einsum("bhe,mhe->mbh", q, bias_dot[:, d:2 * d].view(m, heads, dh))[..., None]) / math.sqrt(dh)
+    a = torch.einsum("mbhe,hed->mbhd", q, w_k)  # W_kᵀ q per head
+    ds = (torch.einsum("mbhe,bhte->mbht", dq, k) + torch.einsum("mbhd,mbtd->mbht", a, dx1)
+          + torch.einsum("mbhd,btd->mbht", torch.einsum("mbhe,mhed->mbhd", q, dw_k), x1)
+          + torch.einsum("mbhe,mhe->mbh", q, bias_dot[:, d:2 * d].view(m, heads, dh))[..., None]) / math.sqrt(dh)
     datt = att * (ds - (att * ds).sum(-1, keepdim=True))
-    y = torch.einsum("bht,btd->bhd", att, x1)  # Σ_t A_t x1_t (rows of A sum to 1)
+    y = torch.einsum("mbht,btd->mbhd", att, x1)  # Σ_t A_t x1_t (rows of A sum to 1)
     dz = (torch.einsum("mbht,bhte->mbhe", datt, v) + torch.einsum("hed,mbhd->mbhe", w_v,
-                                                                   torch.einsum("bht,mbtd->mbhd", att, dx1))
-          + torch.einsum("mhed,bhd->mbhe", dw_v, y) + bias_dot[:, None, 2 * d:].view(m, 1, heads, dh))
-    return dz.reshape(m, -1, 1, d)
+                                                                   torch.einsum("mbht,mbtd->mbhd", att, dx1))
+          + torch.einsum("mhed,mbhd->mbhe", dw_v, y) + bias_dot[:, None, 2 * d:].view(m, 1, heads, dh))
+    return dz.reshape(m, -1, d)

@@ -21,6 +21,7 @@ from ntpflow import (
 )
 from ntpflow.attribution import decompose, flat_grads
 from ntpflow.forward_mode import Primals, all_tangents, site_tangents
+from ntpflow.reverse_mode import site_vjps
 from ntpflow.influence import MISMATCHES, InfluenceTracker, Probe
 
 T, V, D = 8, 7, 16
@@ -102,6 +103,32 @@ def test_forward_mode_tangents_match_vjps(kw):
                          every[site.layer][:, :, site.pos]):
             got = (tangents * u).sum((1, 2))
             assert (got - ref).abs().max() <= 1e-12 * ref.abs().max(), site
+
+
+@pytest.mark.parametrize("kw", REGIMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "vanilla")
+def test_bucketed_reverse_and_forward_mode_match_autograd(kw):
+    """One call for sites of one layer at different positions (a bucket padded to its longest prefix): every row of
+    the reverse mode equals autograd's (∂r^k_i/∂θ)ᵀu in the model's regime, and every row of the forward mode equals
+    J·δ of the ordinary forward, site by site; rows in any order, positions repeated."""
+    model = tiny(**kw)
+    tokens, _ = batch()
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    g = torch.Generator().manual_seed(7)
+    primals = Primals(model, tokens[:, :T - 1])
+    for layer in range(3):
+        pos = torch.tensor([5, 0, 2, 6, 2, 3])
+        u = torch.randn(len(pos), len(tokens), D, generator=g, dtype=torch.float64)
+        directions = torch.randn(len(pos), n_params, generator=g, dtype=torch.float64)
+        vjps = site_vjps(primals, layer, pos, u, model.myopic)
+        tangents = site_tangents(primals, layer, pos, directions)
+        for j, i in enumerate(pos.tolist()):
+            r = model.resid_last(tokens[:, :i + 1], layer)
+            ref = flat_grads(torch.autograd.grad(r, params, u[j], allow_unused=True), params)
+            assert (vjps[j] - ref).abs().max() <= 1e-12 * ref.abs().max(), (layer, i)
+            r = model.resid_last(tokens[:, :i + 1], layer, myopic="none")
+            ref = flat_grads(torch.autograd.grad(r, params, u[j], allow_unused=True), params) @ directions[j]
+            assert abs((tangents[j] * u[j]).sum() - ref) <= 1e-12 * abs(ref), (layer, i)
 
 
 def test_decompose_leaves_state_untouched():
