@@ -114,7 +114,9 @@ def cmd_reproduce(args) -> int:
         resolve_device(args.device)
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
     options = {"workers": args.workers, "device": args.device or "auto", "progress": not args.quiet,
-               "corpus": args.corpus, "tasks": tuple(args.tasks.split(",")) if args.tasks else None}
+               "corpus": args.corpus, "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
+               "regimes": tuple(args.regimes.split(",")) if args.regimes else None,
+               "replays": False if args.no_replays else None}
     if args.experiment == "all":
         print(run_all(args.scale, out, **options))
     else:
@@ -261,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--corpus", help="stories (needed at small scale): a folder or file of stories, "
                     "'generated[:N]' or 'hf' (default: generated at smoke, hf at paper)")
     rp.add_argument("--tasks", help="toy only: comma-separated subset of majority,cond_majority (default: both)")
+    rp.add_argument("--regimes", help="toy only: comma-separated subset of vanilla,myopic,untied,myopic-untied "
+                    "(default: all four)")
+    rp.add_argument("--no-replays", action="store_true",
+                    help="toy only: train and probe, skip the tracked replays (hours at medium scale); the influence "
+                    "claims are then not testable. Rerun without it to add them")
     rp.add_argument("--device", help="auto (default), cpu, cuda, ...")
     rp.set_defaults(fn=cmd_reproduce)
 

@@ -90,10 +90,11 @@ SCALES = {
 }
 
 
-def run_configs(scale: ToyScale, tasks: tuple[str, ...] = TASKS) -> list[TrainConfig]:
-    """The TrainConfigs of every task (of ``tasks``) × regime × seed of ``scale``."""
+def run_configs(scale: ToyScale, tasks: tuple[str, ...] = TASKS,
+                regimes: tuple[str, ...] = REGIMES) -> list[TrainConfig]:
+    """The TrainConfigs of every task (of ``tasks``) × regime (of ``regimes``) × seed of ``scale``."""
     return [TrainConfig(task=t, regime=r, seed=s, **{**scale.train, **scale.task_train.get(t, {})})
-            for t in tasks for r in REGIMES for s in scale.seeds]
+            for t in tasks for r in regimes for s in scale.seeds]
 
 
 def run_dir_name(cfg: TrainConfig) -> str:
@@ -144,42 +145,51 @@ def _one_replay(run_dir: str, sites: list[tuple[int, int]], features: list[str],
 
 
 def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
-            progress: bool = True, tasks: tuple[str, ...] = TASKS) -> Path:
-    """Run (or resume) every run of ``scale`` (for ``tasks``) into ``out/runs`` and gather ``out/data.json``.
-    Returns ``out``."""
+            progress: bool = True, tasks: tuple[str, ...] = TASKS, regimes: tuple[str, ...] = REGIMES,
+            replays: bool = True) -> Path:
+    """Run (or resume) every run of ``scale`` (for ``tasks`` and ``regimes``) into ``out/runs`` and gather
+    ``out/data.json``.
+    ``replays=False`` trains and probes only: the tracked replays (the costly part) are skipped, and the influence
+    claims come out not testable; a later call with ``replays=True`` adds them. Returns ``out``."""
     if isinstance(scale, str):
         if scale not in SCALES:
             raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
         scale = SCALES[scale]
-    unknown = sorted(set(tasks) - set(TASKS))
-    if unknown or not tasks:
-        raise ValueError(f"unknown toy task(s) {unknown}; choose from {list(TASKS)}")
+    for kind, given, known in (("task", tasks, TASKS), ("regime", regimes, REGIMES)):
+        unknown = sorted(set(given) - set(known))
+        if unknown or not given:
+            raise ValueError(f"unknown toy {kind}(s) {unknown}; choose from {list(known)}")
     out = ensure_writable_dir(out)
     (out / "runs").mkdir(exist_ok=True)
-    configs = run_configs(scale, tuple(t for t in TASKS if t in tasks))
+    configs = run_configs(scale, tuple(t for t in TASKS if t in tasks), tuple(r for r in REGIMES if r in regimes))
     workers = workers or min(len(configs), os.cpu_count() or 1)
     threads = max(1, (os.cpu_count() or 1) // workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
     run_dir = {c: str(out / "runs" / run_dir_name(c)) for c in configs}
+
+    def tracked(c: TrainConfig) -> bool:
+        return replays and scale.is_tracked(c)
+
     if scale.grouped:  # every seed of a (task, regime) at once, then the tracked replays
         groups = {(c.task, c.regime): [g for g in configs if (g.task, g.regime) == (c.task, c.regime)]
                   for c in configs}
         run_jobs(_one_group, [([c.to_dict() for c in g], [run_dir[c] for c in g], device, threads)
                               for g in groups.values()], workers, f"toy {scale.name} groups", progress)
         run_jobs(_one_replay, [(run_dir[c], sites, list(TRACKED[c.task]), device, threads)
-                               for c in configs if scale.is_tracked(c)], workers,
+                               for c in configs if tracked(c)], workers,
                  f"toy {scale.name} replays", progress)
     else:
-        jobs = [(c.to_dict(), run_dir[c], sites if scale.is_tracked(c) else [], list(TRACKED[c.task]),
-                 device, threads) for c in configs]
+        jobs = [(c.to_dict(), run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), device, threads)
+                for c in configs]
         run_jobs(_one_run, jobs, workers, f"toy {scale.name}", progress)
-    data = gather(scale, out, configs)
+    data = gather(scale, out, configs, replays)
     write_json(out / "data.json", data)
     return out
 
 
-def gather(scale: ToyScale, out: Path, configs: list[TrainConfig]) -> dict:
-    """Collect tidy records from the finished runs (see ``ntpflow.experiments.toy_report`` for the schema)."""
+def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool = True) -> dict:
+    """Collect tidy records from the finished runs (see ``ntpflow.experiments.toy_report`` for the schema); without
+    ``replays`` no run counts as tracked."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -202,7 +212,7 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig]) -> dict:
                         probes.append({**key, "weights": weights, "layer": layer, "pos": pos, "feature": name,
                                        "r": _finite(ps.r[layer, pos, f].item()),
                                        "useful": bool(task.useful[pos, f])})
-        if not scale.is_tracked(cfg):
+        if not (replays and scale.is_tracked(cfg)):
             continue
         table = pq.read_table(rd / "attribution" / "influence.parquet")
         table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
@@ -224,7 +234,8 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig]) -> dict:
     return {"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
             "train": scale.train, "task_train": {t: scale.task_train.get(t, {}) for t in tasks},
             "tracked": {t: list(TRACKED[t]) for t in tasks},
-            "tracked_seeds": list(scale.tracked_seeds if scale.tracked_seeds is not None else scale.seeds),
+            "tracked_seeds": list(scale.tracked_seeds if scale.tracked_seeds is not None else scale.seeds)
+            if replays else [], "replays": replays,
             "runs": runs, "probes": probes, "influence": influence, "curves": curves, "mismatch": mismatch}
 
 
