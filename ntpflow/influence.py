@@ -73,7 +73,14 @@ class InfluenceTracker:
     ``component="risk"`` rows hold R or R_c itself (``optimizer="none"``).
     """
 
-    def __init__(self, final_model: GPT, probes: Sequence[Probe], sgd_rows: bool = True):
+    def __init__(self, final_model: GPT, probes: Sequence[Probe], sgd_rows: bool = True,
+                 bucket_width: int | None = None, bucket_elements: int = 2**25):
+        """``sgd_rows=False`` drops the SGD rows of an Adam run. Sites of one layer are tracked together in buckets
+        (one reverse-mode and one forward-mode call each, see ``buckets``): ``bucket_width`` is the widest spread of
+        positions in a bucket whose sites have blocks below their own (None: 1 on a CPU, where padding costs
+        FLOPs, 4 elsewhere, where few large kernels win); ``bucket_elements`` caps rows × batch × positions ×
+        d_model of a bucket's largest intermediate (memory)."""
+        self.bucket_width, self.bucket_elements = bucket_width, bucket_elements
         self.final_model = final_model.eval()
         self.probes = list(probes)
         self.sites = sorted({p.site for p in self.probes})
@@ -88,6 +95,24 @@ class InfluenceTracker:
         self._m_sites: torch.Tensor | None = None
         self._m_full: torch.Tensor | None = None
         self.step = 0
+
+    def buckets(self, batch: int, device: torch.device) -> list[slice]:
+        """Consecutive runs of ``self.sites`` (sorted by layer, then position) tracked in one call each.
+
+        A bucket holds sites of one layer; for layer ≥ 2 (blocks below the site's own, run over positions ≤ the
+        bucket's last, so a shorter prefix is padded) their positions span less than the bucket width; every bucket
+        keeps 4 rows per site × batch × positions × d_model within ``bucket_elements``.
+        """
+        width = self.bucket_width or (1 if torch.device(device).type == "cpu" else 4)
+        d = self.final_model.cfg.d_model
+        out, start = [], 0
+        for j, s in enumerate(self.sites):
+            first = self.sites[start]
+            if j > start and (s.layer != first.layer or (s.layer >= 2 and s.pos - first.pos >= width)
+                              or 4 * (j - start + 1) * batch * (s.pos + 1) * d > self.bucket_elements):
+                out.append(slice(start, j))
+                start = j
+        return out + [slice(start, len(self.sites))]
 
     # ---- state for resuming ----
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -147,13 +172,15 @@ class InfluenceTracker:
         """Influence rows for this step (see class docstring). ``feature_types`` maps a probe name to int
         [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks.
 
-        How (docs/engine.md): the decomposition gives each site's direct and pre-cached gradients explicitly
-        (``SitePasses``: per-site prefix VJPs, needed for the per-site Adam moments). A risk's influence along an
-        update δ is ``∇θR · δ = Σ_b a_b ⟨w, (J δ)_b⟩`` with J = ∂r^k_i/∂θ in the ordinary graph, so one cached ordinary
-        forward (``Primals``) and forward-mode tangents do the rest: along the full gradient and the full Adam step
-        once for every site (``all_tangents``), along each site's direct and pre-cached updates per site
-        (``site_tangents``, prefix ≤ i only). Shared parts follow as full − direct − pre. No per-risk gradient vector
-        is formed, and the cost does not grow with the number of probes, mismatches or type subsets.
+        How (docs/engine.md): one ordinary backward and one cached ordinary forward (``Primals``) serve everything.
+        The decomposition gives each site's direct and pre-cached gradients explicitly (``SitePasses.run_many``:
+        the hand-written reverse mode on the cache, prefix ≤ i, needed for the per-site Adam moments). A risk's
+        influence along an update δ is ``∇θR · δ = Σ_b a_b ⟨w, (J δ)_b⟩`` with J = ∂r^k_i/∂θ in the ordinary graph,
+        so forward-mode tangents do the rest: along the full gradient and the full Adam step once for every site
+        (``all_tangents``), along each site's direct and pre-cached updates (``site_tangents``, prefix ≤ i only).
+        Both run per bucket of sites of one layer (``buckets``). Shared parts follow as full − direct − pre. No
+        per-risk gradient vector is formed, and the cost does not grow with the number of probes, mismatches or
+        type subsets.
         """
         kind, group = _check_optimizer(opt)
         params = list(model.parameters())
@@ -176,26 +203,34 @@ class InfluenceTracker:
         shared_dirs = torch.stack(shared_dirs)
         tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
         rows = [self._row(p, t, m, "risk", "none", risk) for p, t, m, risk, _ in risks]
-        for n_site, site in enumerate(self.sites):  # one site at a time bounds memory
-            parts = passes.run(site)  # [2, n_params]: direct, pre-cached
-            with_pre = passes.has_pre_cached(site)
-            dirs = []  # the site's own update directions; its pre-cached rows are exactly 0 when structurally absent
+        for bucket in self.buckets(len(tokens), tokens.device):  # sites of one layer together; bounds memory
+            sites = self.sites[bucket]
+            k, n = sites[0].layer, len(sites)
+            pos = torch.tensor([s.pos for s in sites], device=tokens.device)
+            parts = passes.run_many(sites)  # [n, 2, n_params]: direct, pre-cached
+            with_pre = passes.has_pre_cached(sites[0])
+            own = slice(None) if with_pre else slice(0, 1)  # pre-cached rows are exactly 0 when structurally absent
+            dirs = []  # the sites' own update directions, each [n, 1 or 2, n_params]
             if sgd:
-                dirs += [parts[0]] + ([parts[1]] if with_pre else [])
+                dirs.append(parts[:, own])
             if adam:
-                moments = self._m_sites[n_site]  # [2, n_params]
+                moments = self._m_sites[bucket]  # [n, 2, n_params]
                 moments.mul_(self.beta1).add_((1 - self.beta1) * parts)  # same rounding as β1·m + (1−β1)·g
-                dirs += [self._scale * moments[0]] + ([self._scale * moments[1]] if with_pre else [])
+                dirs.append(self._scale * moments[:, own])
+            if not once:
+                dirs.append(shared_dirs.expand(n, -1, -1))
+            dirs = torch.cat(dirs, 1)  # [n, m, n_params]
+            m_dirs = dirs.shape[1]
+            tau = site_tangents(primals, k, pos.repeat_interleave(m_dirs), dirs.flatten(0, 1))
+            tau = tau.view(n, m_dirs, *tau.shape[1:])  # [n, m, batch, d]
             if once:
-                tau = torch.cat([site_tangents(primals, site.layer, site.pos, torch.stack(dirs)),
-                                 tau_shared[site.layer][:, :, site.pos]])  # [m, batch, d]
-            else:
-                tau = site_tangents(primals, site.layer, site.pos, torch.cat([torch.stack(dirs), shared_dirs]))
-            for p in (p for p in self.probes if p.site == site):
-                proj = tau @ p.w.to(tau)  # [m, batch]: ⟨w, J δ⟩ per example
-                for q, t, m, _, a in risks:
-                    if q is p:
-                        rows += self._influence_rows(p, t, m, (proj @ a).tolist(), with_pre, sgd, adam, lr)
+                tau = torch.cat([tau, tau_shared[k][:, :, pos].movedim(2, 0)], 1)
+            for site, tau_site in zip(sites, tau):
+                for p in (p for p in self.probes if p.site == site):
+                    proj = tau_site @ p.w.to(tau_site)  # [m, batch]: ⟨w, J δ⟩ per example
+                    for q, t, m, _, a in risks:
+                        if q is p:
+                            rows += self._influence_rows(p, t, m, (proj @ a).tolist(), with_pre, sgd, adam, lr)
         self.step += 1
         return rows
 

@@ -211,6 +211,47 @@ def test_sgd_influence_matches_oracle_components(mismatch):
             assert r["value"] == pytest.approx(0.1 * torch.dot(g_r, ref[r["component"]]).item(), rel=1e-8, abs=1e-15)
 
 
+@pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}, {"position_groups": split_groups(T, 3)}],
+                         ids=["vanilla", "myopic=kv", "split"])
+def test_bucketed_tracker_matches_oracle_components(kw):
+    """Sites of one layer at different positions tracked in one bucket (and in buckets split by the memory cap):
+    every SGD component equals lr·⟨∇R, oracle component⟩ site by site; the Adam rows of two steps equal those of
+    one site per bucket."""
+    model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
+    g = torch.Generator().manual_seed(4)
+    sites = [Site(0, 2), Site(1, 1), Site(1, 4), Site(1, 6), Site(2, 3), Site(2, 6), Site(2, 0)]
+    probes = [Probe(s, f"f{j}", torch.randn(D, generator=g, dtype=torch.float64)) for j, s in enumerate(sites)]
+    tokens, mask = batch()
+    wide = InfluenceTracker(final, probes, bucket_width=8)
+    assert [len(wide.sites[b]) for b in wide.buckets(len(tokens), tokens.device)] == [1, 3, 3]
+    capped = InfluenceTracker(final, probes, bucket_width=8, bucket_elements=4 * 2 * len(tokens) * 7 * D)
+    assert [len(capped.sites[b]) for b in capped.buckets(len(tokens), tokens.device)] == [1, 2, 1, 2, 1]
+    for tracker in (wide, capped):
+        rows = tracker.track(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, mask)
+        for p in probes:
+            ref = oracle(model, tokens, p.site, mask)
+            for mismatch in MISMATCHES:
+                g_r = _risk_grad(model, final, p, tokens, mismatch)
+                for r in rows:
+                    if r["feature"] == p.name and r["optimizer"] == "sgd" and r["mismatch"] == mismatch:
+                        expected = 0.1 * torch.dot(g_r, ref[r["component"]]).item()
+                        assert r["value"] == pytest.approx(expected, rel=1e-8, abs=1e-15), (p.site, r["component"])
+    trackers = [InfluenceTracker(final, probes, bucket_width=w) for w in (1, 8)]
+    models = [tiny(seed=0, **kw) for _ in trackers]
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in models]
+    for step in range(2):
+        tokens, mask = batch(seed=step)
+        rows = []
+        for tracker, m, opt in zip(trackers, models, opts):
+            rows.append(tracker.track(m, opt, tokens, mask))
+            opt.zero_grad()
+            lm_loss(m(tokens), tokens, mask).backward()
+            opt.step()
+        assert [r["component"] for r in rows[0]] == [r["component"] for r in rows[1]]
+        for a, b in zip(*rows):
+            assert b["value"] == pytest.approx(a["value"], rel=1e-9, abs=1e-15), a
+
+
 def test_risks_by_type_skip_empty_subsets():
     model, final = tiny(seed=0), tiny(seed=1)
     tokens, mask = batch()
