@@ -16,7 +16,8 @@ from ntpflow.experiments.othello_probes import (
     board_classes,
     fit_classifier,
 )
-from ntpflow.experiments.othello_report import slope, summarize, write_report
+from ntpflow.experiments.othello_report import summarize, write_report
+from ntpflow.experiments.report_kit import slope
 
 VERDICTS = ("reproduced", "not reproduced", "inconclusive")
 
@@ -62,6 +63,9 @@ def test_smoke_files_and_schema(smoke):
         if c == "full":
             parts = sum(tot[(k, p, sq, t, x)] for x in ("direct", "pre_cached", "shared"))
             assert parts == pytest.approx(v, rel=1e-6, abs=1e-9)
+    # the balance check: one entry per tracked site x square (of the paper's R; the centred R_c has its own)
+    sanity = [(r["layer"], r["pos"], r["square"]) for r in data["sanity"]]
+    assert sorted(sanity) == sorted({(s.layer, s.pos, q) for s in scale.sites for q in scale.squares})
 
     summary = json.loads((smoke / "summary.json").read_text())
     assert all(math.isfinite(x) for x in all_numbers(summary))

@@ -59,6 +59,9 @@ def test_smoke_files_schema_and_claims(smoke):
     assert {"direct", "pre_cached", "shared", "full"} <= comps
     assert {r["feature"] for r in data["influence"]} == {f for g in data["feature_groups"].values() for f in g}
     assert all(math.isfinite(x) for x in all_numbers(data["influence"]))
+    removed = [(r["regime"], r["layer"], r["pos"], r["feature"]) for r in data["influence"]
+               if r["component"] == "mismatch_removed"]  # one per run x site x feature (the paper's R only)
+    assert len(removed) == len(set(removed)) == 2 * len(data["sites"]) * len({r["feature"] for r in data["influence"]})
     # myopic runs have no pre-cached gradient: the component is zero by construction
     pre = [r["total"] for r in data["influence"] if r["regime"] == "myopic" and r["component"] == "pre_cached"]
     assert pre and max(abs(x) for x in pre) < 1e-9

@@ -247,6 +247,8 @@ def gather(scale: OthelloScale, out: Path) -> dict:
     summ = run.dir / "attribution" / "summary.json"
     if summ.exists():
         for p in read_json(summ)["probes"]:
+            if p.get("mismatch", "paper") != "paper":  # the figures use the paper's R (one entry per mismatch)
+                continue
             sanity.append({"layer": p["layer"], "pos": p["pos"], "square": p["feature"],
                            "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 12),
                            "adam_full": _num(p.get("adam_full", math.nan), 12)})

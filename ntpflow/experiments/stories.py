@@ -314,6 +314,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
         summ = rd / "attribution" / "summary.json"
         if summ.exists():
             for p in read_json(summ)["probes"]:
+                if p.get("mismatch", "paper") != "paper":  # the influence rows above are the paper's R
+                    continue
                 influence.append({**key, "layer": p["layer"], "pos": p["pos"], "feature": p["feature"],
                                   "group": group_of.get(p["feature"], "other"), "component": "mismatch_removed",
                                   "total": _finite(p.get("R0_minus_RT_eval"))})
