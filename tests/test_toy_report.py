@@ -9,7 +9,8 @@ from _util import all_numbers
 
 from ntpflow.experiments.claims import NOT_TESTABLE
 from ntpflow.experiments.figure_style import SIGN
-from ntpflow.experiments.toy_report import FIGURES, r_stats, summarize, write_report
+from ntpflow.experiments.report_kit import r_stats
+from ntpflow.experiments.toy_report import FIGURES, summarize, write_report
 
 REGIMES = ("vanilla", "myopic", "untied", "myopic-untied")
 FEATURES = {"majority": [f"is_majority_<{v}>" for v in range(3)], "cond_majority": [f"prev_is_<{v}>" for v in range(3)]}

@@ -19,6 +19,8 @@ from ..io import atomic_write
 OKABE_ITO = {"orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73", "yellow": "#F0E442", "blue": "#0072B2",
              "vermillion": "#D55E00", "purple": "#CC79A7", "black": "#000000"}
 BASELINE = "#7F7F7F"  # step 0 / untrained / no intervention
+COMPONENT_COLORS = {"direct": OKABE_ITO["orange"], "pre_cached": OKABE_ITO["sky"], "shared": "#6A3D9A",
+                    "full": "#333333"}
 SIGN = "Sign convention: positive influence = the component moved the feature toward its final value."
 RC = {"svg.hashsalt": "ntpflow-report", "svg.fonttype": "path", "font.size": 10, "axes.titlesize": 10,
       "axes.labelsize": 10, "legend.fontsize": 9, "xtick.labelsize": 9, "ytick.labelsize": 9, "figure.titlesize": 11,
@@ -54,11 +56,15 @@ def figure(width: float, height: float, nrows: int = 1, ncols: int = 1, **kw):
     return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
 
 
-def finish(fig, title: str, handles=(), labels=(), ncol: int = 1) -> None:
+def finish(fig, title: str, handles=None, labels=None, ncol: int = 1) -> None:
     """Title at the top (wrapped to the figure's width) and one legend for the whole figure below the axes (both
-    inside the canvas); a label given twice gets one entry."""
+    inside the canvas): of ``handles`` and ``labels``, or by default of every labelled artist of the axes; a label
+    given twice gets one entry."""
     width = max(20, int(fig.get_figwidth() * 11))  # characters of an 11-pt title line that fit the figure's width
     fig.suptitle("\n".join(textwrap.fill(line, width) for line in title.split("\n")))
+    if handles is None:
+        pairs = [ax.get_legend_handles_labels() for ax in fig.axes]
+        handles, labels = [h for hs, _ in pairs for h in hs], [lab for _, ls in pairs for lab in ls]
     unique = {}
     for lab, h in zip(labels, handles):  # one entry per label: its first handle, in order
         unique.setdefault(lab, h)
@@ -90,6 +96,17 @@ def ci_band(ax, xs, rows, color, alpha=0.18, bounds=None):
     if len(pts) >= 2:
         ax.fill_between([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], color=color, alpha=alpha,
                         lw=0)
+
+
+def mean_line(ax, rows, x: str, color, band: bool = False, bounds=None, band_alpha=0.18, **plot_kw):
+    """Plot the ``mean`` of ``rows`` over their key ``x`` in ``color`` (with the band of their intervals, clipped to
+    ``bounds``, under it when ``band``); returns the line, or None (nothing drawn) without rows."""
+    if not rows:
+        return None
+    xs = [r[x] for r in rows]
+    if band:
+        ci_band(ax, xs, rows, color, alpha=band_alpha, bounds=bounds)
+    return ax.plot(xs, [r["mean"] for r in rows], color=color, **plot_kw)[0]
 
 
 def error_bars(ax, xs, rows, color="#000000", bounds=None):

@@ -21,8 +21,8 @@ import math
 from pathlib import Path
 
 from ..io import json_safe, read_json
-from .claims import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Claim, Rule, at_least, interval_above
-from .figure_style import BASELINE, SIGN, error_bars, figure, finish, save, style
+from .claim_registry import llm_claims
+from .figure_style import BASELINE, SIGN, error_bars, figure, finish
 from .report_kit import (
     draw_figures,
     finite,
@@ -40,7 +40,6 @@ MODES = ("reconstruction", "error-preserving")
 DOMAINS = ("stories", "code", "math")
 DOMAIN_COLORS = {"stories": "#0072B2", "code": "#D55E00", "math": "#009E73"}
 GROUP_COLORS = {"formal": "#D55E00", "other": "#0072B2", "high": "#CC79A7", "low": "#56B4E9", "baseline": "#7F7F7F"}
-PAPER_SIGMA = {"formal": (1.63, 0.03), "other": (1.23, 0.02)}
 
 def _read(out: Path, name: str):
     p = out / name
@@ -163,104 +162,8 @@ def summarize(out: Path) -> dict:
                             "n": len(qj["rows"]), "rows": qj["rows"], "n_sequences": qj["n_sequences"],
                             "toy_eval": qj.get("eval"), "toy_train": qj.get("train")} if qj else None)
     s = json_safe(s)
-    s["claims"] = [c.to_dict() for c in claims(s)]
+    s["claims"] = [c.to_dict() for c in llm_claims(s)]
     return s
-
-
-# --------------------------------------------------------------------------------------------------------- claims
-
-ALPHA = 0.05  # significance level of the tail test
-LENS_MIN_K = 3  # the lens claim needs this many of the five k with a CI on one side of 0
-
-
-def _interval(x: dict | None, key: str = "rho") -> dict:
-    x = x or {}
-    return {"mean": x.get(key), "lo": x.get("lo"), "hi": x.get("hi")}
-
-
-def _rule_tails() -> Rule:
-    def decide(n):
-        if n["p_greater"] is not None and n["p_greater"] < ALPHA:
-            return REPRODUCED
-        return NOT_REPRODUCED if n["p_less"] is not None and n["p_less"] < ALPHA else INCONCLUSIVE
-
-    return Rule("Reconstruction mode; tails = the 10% lowest and 10% highest ln Q of the included latents (at least "
-                "one each). One-sided Fisher exact test of the formal share in the tails against the rest. Reproduced "
-                f"if the tails' formal share is higher with p < {ALPHA}; not reproduced if it is lower with p < "
-                f"{ALPHA} (the opposite one-sided test); otherwise inconclusive.", decide)
-
-
-def _rule_lens() -> Rule:
-    def decide(n):
-        rows = n["rows"]
-        below = sum(1 for r in rows if r["hi"] is not None and r["hi"] < 0)
-        above = sum(1 for r in rows if r["lo"] is not None and r["lo"] > 0)
-        if below >= LENS_MIN_K and above == 0:
-            return REPRODUCED
-        return NOT_REPRODUCED if above >= LENS_MIN_K and below == 0 else INCONCLUSIVE
-
-    return Rule("Reconstruction mode, included latents with Q > 0, projector rank r = d_model/16; per k = 1..5, "
-                f"Spearman ρ(Q, overlap) with a Fisher-z 95% CI. Reproduced if at least {LENS_MIN_K} of the 5 CIs lie "
-                f"below 0 and none above; not reproduced if at least {LENS_MIN_K} lie above 0 and none below; "
-                "otherwise inconclusive.", decide)
-
-
-def _ci_text(x: dict | None, key: str) -> str:
-    x = x or {}
-    return f"{fmt(x.get(key), 2)} [{fmt(x.get('lo'), 2)}, {fmt(x.get('hi'), 2)}]"
-
-
-def claims(s: dict) -> list[Claim]:
-    """The paper's LLM claims (docs/paper.md#gemma, #lookahead) and one beyond it, judged on the summary ``s``."""
-    q = s["q"].get("reconstruction") or {}
-    ratio = q.get("sigma_ratio") or {}
-    sf, so = q.get("sigma_formal") or {}, q.get("sigma_other") or {}
-    t = q.get("tail_test") or {}
-    run = ((s.get("steering") or {}).get("runs") or [{}])[0]
-    diff = run.get("diff") or {}
-    ln = s.get("lens") or {}
-    lens_rows = [r for r in (ln.get("correlation") or {}).get("reconstruction", []) if r["r"] == ln.get("primary_rank")]
-    qv = s.get("q_vs_influence") or {}
-    sp = qv.get("spearman") or {}
-    return [
-        Claim("5a", "σ(ln Q) is larger for formal (code/math) latents than for other latents",
-              "σ(ln Q) = 1.63 ± 0.03 (formal) vs 1.23 ± 0.02 (other); Gemma-2-2B, ≈14.6k latents",
-              interval_above("σ_formal / σ_other (reconstruction mode, included latents with Q > 0; F-distribution "
-                             "95% CI, normal model)", "ratio", 1.0),
-              {"ratio": _interval(ratio, "ratio")},
-              (f"{fmt(sf.get('sigma'), 2)} ± {fmt(sf.get('ci_half'), 2)} (n={sf.get('n')}) vs {fmt(so.get('sigma'), 2)}"
-               f" ± {fmt(so.get('ci_half'), 2)} (n={so.get('n')}); ratio {_ci_text(ratio, 'ratio')}") if q else
-              "no scan", (at_least("formal latents", sf.get("n"), 3), at_least("other latents", so.get("n"), 3))),
-        Claim("5b", "latents at either extreme of Q are over-represented in formal domains",
-              "the high-Q tail is dominated by code and formal-structure latents, which also appear in the low tail "
-              "(no number given)", _rule_tails(), {"p_greater": t.get("p_greater"), "p_less": t.get("p_less")},
-              (f"formal share {fmt(t.get('tail_share'), 2)} in the tails ({t.get('tail_formal')}/"
-               f"{(t.get('tail_formal') or 0) + (t.get('tail_other') or 0)}) vs {fmt(t.get('rest_share'), 2)} in the "
-               f"rest; p(greater) = {fmt(t.get('p_greater'), 3)}") if t else "no scan",
-              (at_least("included latents", q.get("n_positive"), 4),)),
-        Claim("5c", "steering with high-Q latents produces more code-like output than with low-Q latents",
-              "more code and punctuation for high-Q latents (no number given)",
-              interval_above("mean code score, high-Q − low-Q latents at the first steering strength (Welch)",
-                             "diff"), {"diff": _interval(diff, "diff")},
-              (f"alpha {run.get('alpha')}: high-Q {fmt_ci(run.get('high'))} vs low-Q {fmt_ci(run.get('low'))} "
-               f"(no steering {fmt((run.get('baseline') or {}).get('mean'))}); difference "
-               f"{_ci_text(diff, 'diff')}") if run else "not run",
-              (at_least("high-Q latents", diff.get("n_a"), 2), at_least("low-Q latents", diff.get("n_b"), 2))),
-        Claim("6", "Q correlates negatively with a latent's overlap with the look-ahead lens's top singular directions",
-              "negative correlation (statistic and r not given)", _rule_lens(),
-              {"rows": [{"k": r["k"], "rho": r["rho"], "lo": r["lo"], "hi": r["hi"]} for r in lens_rows]},
-              ("; ".join(f"k={r['k']}: ρ={_ci_text(r, 'rho')}" for r in lens_rows)
-               + f" (n={lens_rows[0]['n']}, rank {ln.get('primary_rank')})") if lens_rows else "not run",
-              (at_least("latents", lens_rows[0]["n"] if lens_rows else None, 4),)),
-        Claim("x", "beyond the paper: Q by ablation tracks the replay's I_pre-cached / I_direct (positive rank "
-              "correlation)", "not tested (Prop. 5.1 argues Q ≈ I_pre-cached / I_direct to first order)",
-              interval_above("Spearman ρ(Q, I_pre-cached / I_direct) over the toy run's probe sites before the last "
-                             "block's output (Fisher-z 95% CI)", "rho"), {"rho": _interval(sp)},
-              f"ρ = {_ci_text(sp, 'rho')}, n = {sp.get('n')}" + (
-                  f"; with the influence on the centred mismatch R_c: ρ = {_ci_text(qv['spearman_centred'], 'rho')}"
-                  if qv.get("spearman_centred") else "") if sp else "not run",
-              (at_least("probe sites", sp.get("n"), 4),)),
-    ]
 
 
 # -------------------------------------------------------------------------------------------------------- figures
@@ -268,126 +171,117 @@ def claims(s: dict) -> list[Claim]:
 Q_NOTE = "Q = Σ KL of later predictions / KL of the next prediction when the latent is ablated (dimensionless, > 0)"
 
 
-def _fig_hist(s, figdir):
+def _fig_hist(s):
     modes = [m for m in MODES if m in s["q"] and s["q"][m]["lnq"]]
     if not modes:
         return None
-    with style():
-        fig, axes = figure(4.6 * len(modes) + 0.4, 4.0, 1, len(modes), sharey=True)
-        for ax, mode in zip(axes[0], modes):
-            q = s["q"][mode]
-            lq = q["lnq"]
-            lo, hi = min(lq), max(lq)
-            bins = [lo + (hi - lo + 1e-9) * i / 20 for i in range(21)]
-            for g, flag, ls in (("other", False, "-"), ("formal", True, "--")):
-                xs = [x for x, f in zip(lq, q["formal"]) if f == flag]
-                sg = q[f"sigma_{g}"]
-                ax.hist(xs, bins=bins, histtype="step", lw=2.0, ls=ls, color=GROUP_COLORS[g],
-                        label=f"{g} latents (σ of ln Q: {fmt(sg['sigma'], 2)} ± {fmt(sg['ci_half'], 2)}, 95% χ²-CI)"
-                        if len(modes) == 1 else f"{g} latents")
-            ax.set_title(f"{mode} ablation (n = {len(lq)} included latents with Q > 0)")
-            ax.set_xlabel("ln Q")
-        axes[0][0].set_ylabel("latents per bin")
-        h, lab = axes[0][0].get_legend_handles_labels()
-        finish(fig, "ln Q of SAE latents: formal (code + math hold > half of the top examples) vs other\n" + Q_NOTE,
-               h, lab, 2)
-        return save(fig, figdir, "lnq_hist")
+    fig, axes = figure(4.6 * len(modes) + 0.4, 4.0, 1, len(modes), sharey=True)
+    for ax, mode in zip(axes[0], modes):
+        q = s["q"][mode]
+        lq = q["lnq"]
+        lo, hi = min(lq), max(lq)
+        bins = [lo + (hi - lo + 1e-9) * i / 20 for i in range(21)]
+        for g, flag, ls in (("other", False, "-"), ("formal", True, "--")):
+            xs = [x for x, f in zip(lq, q["formal"]) if f == flag]
+            sg = q[f"sigma_{g}"]
+            ax.hist(xs, bins=bins, histtype="step", lw=2.0, ls=ls, color=GROUP_COLORS[g],
+                    label=f"{g} latents (σ of ln Q: {fmt(sg['sigma'], 2)} ± {fmt(sg['ci_half'], 2)}, 95% χ²-CI)"
+                    if len(modes) == 1 else f"{g} latents")
+        ax.set_title(f"{mode} ablation (n = {len(lq)} included latents with Q > 0)")
+        ax.set_xlabel("ln Q")
+    axes[0][0].set_ylabel("latents per bin")
+    finish(fig, "ln Q of SAE latents: formal (code + math hold > half of the top examples) vs other\n" + Q_NOTE,
+           ncol=2)
+    return fig
 
 
-def _fig_tails(s, figdir):
+def _fig_tails(s):
     modes = [m for m in MODES if m in s["q"] and s["q"][m]["lnq"]]
     if not modes:
         return None
-    with style():
-        fig, axes = figure(3.8 * len(modes) + 0.6, 3.8, 1, len(modes), sharey=True)
-        for ax, mode in zip(axes[0], modes):
-            t, n_tail, n = s["q"][mode]["tails"], s["q"][mode]["n_tail"], len(s["q"][mode]["lnq"])
-            bottom = [0.0] * 3
-            for d in DOMAINS:
-                vals = [t[g][d] or 0.0 for g in ("low", "all", "high")]
-                ax.bar(range(3), vals, bottom=bottom, color=DOMAIN_COLORS[d], label=d, width=0.6,
-                       edgecolor="white")
-                bottom = [b + v for b, v in zip(bottom, vals)]
-            ax.set_xticks(range(3), [f"lowest 10%\n(n = {n_tail})", f"all\n(n = {n})", f"highest 10%\n(n = {n_tail})"])
-            ax.set_ylim(0, 1)
-            ax.grid(axis="x", visible=False)
-            ax.set_title(f"{mode} ablation")
-        axes[0][0].set_ylabel("share of latents by domain")
-        h, lab = axes[0][0].get_legend_handles_labels()
-        finish(fig, "Domain of a latent's top-activating contexts, in the tails of ln Q and overall", h, lab, 3)
-        return save(fig, figdir, "q_tails")
+    fig, axes = figure(3.8 * len(modes) + 0.6, 3.8, 1, len(modes), sharey=True)
+    for ax, mode in zip(axes[0], modes):
+        t, n_tail, n = s["q"][mode]["tails"], s["q"][mode]["n_tail"], len(s["q"][mode]["lnq"])
+        bottom = [0.0] * 3
+        for d in DOMAINS:
+            vals = [t[g][d] or 0.0 for g in ("low", "all", "high")]
+            ax.bar(range(3), vals, bottom=bottom, color=DOMAIN_COLORS[d], label=d, width=0.6,
+                   edgecolor="white")
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set_xticks(range(3), [f"lowest 10%\n(n = {n_tail})", f"all\n(n = {n})", f"highest 10%\n(n = {n_tail})"])
+        ax.set_ylim(0, 1)
+        ax.grid(axis="x", visible=False)
+        ax.set_title(f"{mode} ablation")
+    axes[0][0].set_ylabel("share of latents by domain")
+    finish(fig, "Domain of a latent's top-activating contexts, in the tails of ln Q and overall", ncol=3)
+    return fig
 
 
-def _fig_steering(s, figdir):
+def _fig_steering(s):
     st = s.get("steering")
     if not st or not st["runs"]:
         return None
     labels = {"high": "high-Q latents", "low": "low-Q latents", "baseline": "no steering"}
-    with style():
-        fig, axes = figure(2.9 * len(st["runs"]) + 0.8, 3.9, 1, len(st["runs"]), sharey=True)
-        for ax, run in zip(axes[0], st["runs"]):
-            for i, g in enumerate(("high", "low", "baseline")):
-                r = run[g]
-                if r["mean"] is None:
-                    continue
-                ax.bar(i, r["mean"], color=GROUP_COLORS[g], width=0.6, label=labels[g])
-                error_bars(ax, [i], [r], bounds=(0.0, 1.0))
-                ax.annotate(f"{r['mean']:.2f}\nn={r['n']}", (i, r["hi"] if r["hi"] is not None else r["mean"]),
-                            textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
-            ax.set_xticks(range(3), ["high Q", "low Q", "none"])
-            ax.grid(axis="x", visible=False)
-            ax.set_title(f"strength alpha = {run['alpha']}")
-        axes[0][0].set_ylabel("code score (share of code-like characters)")
-        h, lab = axes[0][0].get_legend_handles_labels()
-        finish(fig, "Steered continuations: mean code score, whiskers 95% t-CI (over latents; 'no steering': over "
-               "prompts), clipped to [0, 1]", h, lab, 3)
-        return save(fig, figdir, "steering")
+    fig, axes = figure(2.9 * len(st["runs"]) + 0.8, 3.9, 1, len(st["runs"]), sharey=True)
+    for ax, run in zip(axes[0], st["runs"]):
+        for i, g in enumerate(("high", "low", "baseline")):
+            r = run[g]
+            if r["mean"] is None:
+                continue
+            ax.bar(i, r["mean"], color=GROUP_COLORS[g], width=0.6, label=labels[g])
+            error_bars(ax, [i], [r], bounds=(0.0, 1.0))
+            ax.annotate(f"{r['mean']:.2f}\nn={r['n']}", (i, r["hi"] if r["hi"] is not None else r["mean"]),
+                        textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8)
+        ax.set_xticks(range(3), ["high Q", "low Q", "none"])
+        ax.grid(axis="x", visible=False)
+        ax.set_title(f"strength alpha = {run['alpha']}")
+    axes[0][0].set_ylabel("code score (share of code-like characters)")
+    finish(fig, "Steered continuations: mean code score, whiskers 95% t-CI (over latents; 'no steering': over "
+           "prompts), clipped to [0, 1]", ncol=3)
+    return fig
 
 
-def _fig_lens(s, figdir):
+def _fig_lens(s):
     ln = s.get("lens")
     if not ln:
         return None
-    with style():
-        fig, axes = figure(10.0, 4.2, 1, 2)
-        ax = axes[0][0]
-        ks = [m["k"] for m in ln["metrics"]]
-        ax.plot(ks, [m["top1"] for m in ln["metrics"]], "o-", color="#0072B2", label="lens top-1 (token t+k)")
-        ax.plot(ks, [m["model_top1"] for m in ln["metrics"]], "s--", color=BASELINE,
-                label="model's own top-1 at t+k−1 (reference)")
-        ax.plot(ks, [m["agree"] for m in ln["metrics"]], "^-", color="#009E73", label="lens agrees with model")
-        ax.set_xticks(ks)
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("look-ahead offset k (tokens)")
-        ax.set_ylabel("top-1 accuracy (held-out contexts)")
-        ax.set_title(f"look-ahead lenses (n = {ln['n_contexts']} contexts, 20% held out)")
-        ax = axes[0][1]
-        rows = ln["correlation"].get("reconstruction", [])
-        colors = ["#56B4E9", "#E69F00", "#CC79A7", "#999933"]
-        n = None
-        for i, r in enumerate(ln["ranks"]):
-            rr = [x for x in rows if x["r"] == r and x["rho"] is not None]
-            if not rr:
-                continue
-            n = rr[0]["n"]
-            xs = [x["k"] + 0.1 * (i - 1) for x in rr]
-            ax.errorbar(xs, [x["rho"] for x in rr], yerr=[[x["rho"] - x["lo"] for x in rr],
-                                                          [x["hi"] - x["rho"] for x in rr]],
-                        fmt="o", color=colors[i % 4], capsize=2, label=f"projector rank {r} of {ln['d_model']}")
-        ax.axhline(0, color="#333333", lw=0.8)
-        ax.set_xticks(ks)
-        ax.set_ylim(-1, 1)
-        ax.set_xlabel("look-ahead offset k (tokens)")
-        ax.set_ylabel("Spearman ρ(Q, overlap), Fisher-z 95% CI")
-        ax.set_title(f"Q vs lens overlap (reconstruction ablation, n = {n} latents)")
-        h1, l1 = axes[0][0].get_legend_handles_labels()
-        h2, l2 = ax.get_legend_handles_labels()
-        finish(fig, "Look-ahead lens: accuracy, and the rank correlation of Q with a latent's overlap with the lens's "
-               "top singular directions", h1 + h2, l1 + l2, 3)
-        return save(fig, figdir, "lens")
+    fig, axes = figure(10.0, 4.2, 1, 2)
+    ax = axes[0][0]
+    ks = [m["k"] for m in ln["metrics"]]
+    ax.plot(ks, [m["top1"] for m in ln["metrics"]], "o-", color="#0072B2", label="lens top-1 (token t+k)")
+    ax.plot(ks, [m["model_top1"] for m in ln["metrics"]], "s--", color=BASELINE,
+            label="model's own top-1 at t+k−1 (reference)")
+    ax.plot(ks, [m["agree"] for m in ln["metrics"]], "^-", color="#009E73", label="lens agrees with model")
+    ax.set_xticks(ks)
+    ax.set_ylim(0, 1)
+    ax.set_xlabel("look-ahead offset k (tokens)")
+    ax.set_ylabel("top-1 accuracy (held-out contexts)")
+    ax.set_title(f"look-ahead lenses (n = {ln['n_contexts']} contexts, 20% held out)")
+    ax = axes[0][1]
+    rows = ln["correlation"].get("reconstruction", [])
+    colors = ["#56B4E9", "#E69F00", "#CC79A7", "#999933"]
+    n = None
+    for i, r in enumerate(ln["ranks"]):
+        rr = [x for x in rows if x["r"] == r and x["rho"] is not None]
+        if not rr:
+            continue
+        n = rr[0]["n"]
+        xs = [x["k"] + 0.1 * (i - 1) for x in rr]
+        ax.errorbar(xs, [x["rho"] for x in rr], yerr=[[x["rho"] - x["lo"] for x in rr],
+                                                      [x["hi"] - x["rho"] for x in rr]],
+                    fmt="o", color=colors[i % 4], capsize=2, label=f"projector rank {r} of {ln['d_model']}")
+    ax.axhline(0, color="#333333", lw=0.8)
+    ax.set_xticks(ks)
+    ax.set_ylim(-1, 1)
+    ax.set_xlabel("look-ahead offset k (tokens)")
+    ax.set_ylabel("Spearman ρ(Q, overlap), Fisher-z 95% CI")
+    ax.set_title(f"Q vs lens overlap (reconstruction ablation, n = {n} latents)")
+    finish(fig, "Look-ahead lens: accuracy, and the rank correlation of Q with a latent's overlap with the lens's "
+           "top singular directions", ncol=3)
+    return fig
 
 
-def _fig_qvi(s, figdir):
+def _fig_qvi(s):
     qv = s.get("q_vs_influence")
     if not qv or not qv["rows"]:
         return None
@@ -395,22 +289,24 @@ def _fig_qvi(s, figdir):
     cut = qv.get("n_layer")
     pts = [r for r in qv["rows"] if (cut is None or r["layer"] < cut) and r["q"] is not None and r["q"] > 0
            and r["share"] is not None]
-    with style():
-        fig, axes = figure(5.6, 4.6)
-        ax = axes[0][0]
-        for layer in sorted({r["layer"] for r in pts}):
-            sel = [r for r in pts if r["layer"] == layer]
-            ax.scatter([math.log(r["q"]) for r in sel], [r["share"] for r in sel], s=14,
-                       color=layer_colors.get(layer, "#333333"), label=f"probe sites at layer {layer}")
-        ax.axhline(0, color="#333333", lw=0.6)
-        ax.set_xlabel("ln Q (ablation of the probe direction)")
-        ax.set_ylabel("I_pre-cached / (|I_pre-cached| + |I_direct|)")
-        sp = qv["spearman"]
-        ax.set_title(f"ρ(Q, I_pre/I_direct) = {fmt(sp['rho'], 2)} [{fmt(sp['lo'], 2)}, {fmt(sp['hi'], 2)}], "
-                     f"n = {sp['n']} sites (layer < {cut}); {len(pts)} shown", fontsize=9)
-        h, lab = ax.get_legend_handles_labels()
-        finish(fig, f"Toy run: Q by ablation vs the replay's integrated influence\n{SIGN}", h, lab, 2)
-        return save(fig, figdir, "q_vs_influence")
+    fig, axes = figure(5.6, 4.6)
+    ax = axes[0][0]
+    for layer in sorted({r["layer"] for r in pts}):
+        sel = [r for r in pts if r["layer"] == layer]
+        ax.scatter([math.log(r["q"]) for r in sel], [r["share"] for r in sel], s=14,
+                   color=layer_colors.get(layer, "#333333"), label=f"probe sites at layer {layer}")
+    ax.axhline(0, color="#333333", lw=0.6)
+    ax.set_xlabel("ln Q (ablation of the probe direction)")
+    ax.set_ylabel("I_pre-cached / (|I_pre-cached| + |I_direct|)")
+    sp = qv["spearman"]
+    ax.set_title(f"ρ(Q, I_pre/I_direct) = {fmt(sp['rho'], 2)} [{fmt(sp['lo'], 2)}, {fmt(sp['hi'], 2)}], "
+                 f"n = {sp['n']} sites (layer < {cut}); {len(pts)} shown", fontsize=9)
+    finish(fig, f"Toy run: Q by ablation vs the replay's integrated influence\n{SIGN}", ncol=2)
+    return fig
+
+
+FIGURES = {"lnq_hist": _fig_hist, "q_tails": _fig_tails, "steering": _fig_steering, "lens": _fig_lens,
+           "q_vs_influence": _fig_qvi}
 
 
 # --------------------------------------------------------------------------------------------------------- document
@@ -436,7 +332,7 @@ def _blocks(s: dict) -> list:
                    "instead asks an LLM about Neuronpedia explanations (code/math or syntax/structure), over ~14.6k "
                    "latents; here far fewer latents are scored, so the CIs are an order of magnitude wider.")))
     b.append(("h2", "Claims"))
-    b.append(("claims", [c.to_dict() for c in claims(s)], False))
+    b.append(("claims", [c.to_dict() for c in llm_claims(s)], False))
     b.append(("h2", "SAE quality"))
     rows = []
     for split in ("train", "eval"):
@@ -548,8 +444,7 @@ def write_report(out: str | Path) -> Path:
         s = stored_summary(out)
     else:
         raise FileNotFoundError(f"no llm results in {out} (missing quality.json); run run_llm first")
-    pngs = draw_figures(s, out / "figures", {"lnq_hist": _fig_hist, "q_tails": _fig_tails, "steering": _fig_steering,
-                                             "lens": _fig_lens, "q_vs_influence": _fig_qvi})
+    pngs = draw_figures(s, out / "figures", FIGURES)
     write_documents(out, _blocks(s), pngs, s)
     return out / "report.html"
 

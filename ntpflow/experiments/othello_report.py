@@ -13,76 +13,39 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from .claims import (
-    INCONCLUSIVE,
-    NOT_REPRODUCED,
-    REPRODUCED,
-    Claim,
-    Rule,
-    at_least,
-    every,
-    interval_above,
-    interval_contains,
-)
+from . import figure_style as fs
+from .claim_registry import PAPER_CI, othello_claims
 from .report_kit import (
-    RC,
-    draw_figures,
-    ci_band,
-    figure_grid,
-    finish_figure,
     finite,
     fmt,
     fmt_ci,
     fmt_g,
     mean_of,
+    plain_number,
     report_main,
-    save_figure,
+    select,
+    settings_table,
+    sites_text,
+    slope,
     stats,
     write_from_data,
-)
-from .report_kit import (
-    plain_number as _plain,
-)
-from .report_kit import (
-    sites_text as _sites_text,
 )
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-caching", "shared": "shared", "full": "combined"}
-COMPONENT_COLORS = {"direct": "#E69F00", "pre_cached": "#56B4E9", "shared": "#6A3D9A", "full": "#333333"}
 TYPE_COLORS = {"all": "#333333", "useless": "#D55E00", "useful": "#0072B2"}
 PROBE_TYPES = ("all", "useless", "useful")
 METRICS = {"r": "ridge probe Pearson r", "acc": "3-way classifier accuracy"}
-BASELINE_COLOR = "#7F7F7F"
 TRAINED_COLOR = "#0072B2"
 STEP0_LABEL = "step 0 (untrained baseline; right: mean over layers ≥ 1)"
 METRIC_BOUNDS = {"r": (-1.0, 1.0), "acc": (0.0, 1.0)}
 
 SIGN = "Sign convention: positive = the component moved the feature toward its final value."
 INFLUENCE_UNIT = "probe units² (first-order reduction of the squared probe mismatch, summed over steps)"
-PAPER_CI = {  # docs/paper.md#numbers (95% CIs, second-hand); unit unknown
-    ("direct", "useful"): (2.85, 12.38), ("direct", "useless"): (-4.69, 2.74),
-    ("pre_cached", "useful"): (-1.99, 0.66), ("pre_cached", "useless"): (0.55, 3.05),
-    ("shared", "useful"): (4.80, 12.48), ("shared", "useless"): (2.93, 9.91),
-    ("full", "useful"): (12.14, 19.05), ("full", "useless"): (4.42, 10.07),
-}
 PAPER_SETTINGS = {"n_layer": "6", "d_model": "256", "n_head": "4", "batch_size": "1024", "steps": "5000",
                   "lr": "0.001", "n_train": "unknown (pre-generated)", "n_eval": "20480",
                   "sites": "layers 1–6 × positions 4, 8, …, 56", "squares": "16 central (C3–F6)"}
 SETTING_KEYS = ("n_layer", "d_model", "n_head", "batch_size", "steps", "lr", "n_train", "n_eval")
-
-# ---------------------------------------------------------------------------------------------------- statistics
-
-
-def slope(xs, ys) -> float | None:
-    """Least-squares slope of the finite (x, y) pairs; None with fewer than 2 distinct x."""
-    pts = [(float(x), float(y)) for x, y in zip(xs, ys) if finite(y)]
-    if len({x for x, _ in pts}) < 2:
-        return None
-    mx = sum(x for x, _ in pts) / len(pts)
-    my = sum(y for _, y in pts) / len(pts)
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / sxx
 
 
 class _Probes:
@@ -219,7 +182,7 @@ def summarize(data: dict) -> dict:
         "gap_by_layer": gap_layer, "gap_by_pos": gap_pos, "gap_grid": gap_grid, "gap_slopes": gap_slopes,
         "influence": table, "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
     }
-    summary["claims"] = [c.to_dict() for c in claims(summary)]
+    summary["claims"] = [c.to_dict() for c in othello_claims(summary)]
     return summary
 
 
@@ -228,9 +191,9 @@ def _settings(data: dict) -> list[dict]:
     rows = [{"setting": "scale", "this_run": f"{data.get('scale', '?')} ({data.get('scale_note', '')})",
              "paper": "paper", "differs": data.get("scale") != "paper"}]
     for k in SETTING_KEYS:
-        v = _plain(cfg.get(k, "?"))
+        v = plain_number(cfg.get(k, "?"))
         rows.append({"setting": k, "this_run": v, "paper": PAPER_SETTINGS[k], "differs": v != PAPER_SETTINGS[k]})
-    sites = _sites_text(data.get("sites") or [])
+    sites = sites_text(data.get("sites") or [])
     paper_sites = {(k, p) for k in range(1, 7) for p in range(4, 57, 4)}
     rows.append({"setting": "sites", "this_run": sites, "paper": PAPER_SETTINGS["sites"],
                  "differs": {tuple(s) for s in data.get("sites") or []} != paper_sites})
@@ -244,80 +207,6 @@ def _settings(data: dict) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------- claims
-
-
-def _row(summary, key):
-    return summary["influence"].get(key) or {"mean": None, "lo": None, "hi": None, "n": 0}
-
-
-def _gap_rule() -> Rule:
-    """Claim (i): the final ridge-r gap, per layer ≥ 1 and its slopes over layers and moves (95% t-CI over squares)."""
-
-    def decide(n):
-        gaps, sl = n["gap_by_layer"], n["slopes"]
-        if any(g["hi"] is not None and g["hi"] < 0 for g in gaps) or (sl["mean_gap"] is not None and
-                                                                      sl["mean_gap"] <= 0):
-            return NOT_REPRODUCED
-        los = [g["lo"] for g in gaps] + [sl["per_layer_lo"], sl["per_move_lo"]]
-        return REPRODUCED if all(x is not None and x > 0 for x in los) else INCONCLUSIVE
-
-    return Rule("Final weights, ridge r. Per square, gap = r(useful rows) − r(useless rows) at each (layer, position) "
-                "where both are defined; by layer = the square's mean over positions; by move = its mean over layers "
-                "≥ 1; slopes = per square, the least-squares slope of its gap over layers 1..L and over positions. "
-                "95% t-CIs over squares. Reproduced if every layer ≥ 1 has its gap CI above 0 and both slope CIs "
-                "lie above 0; not reproduced if some layer ≥ 1 has its gap CI below 0 or the mean gap over layers ≥ 1 "
-                "is ≤ 0; otherwise inconclusive.", decide)
-
-
-def claims(summary) -> list[Claim]:
-    """The four OthelloGPT claims of the paper (docs/paper.md#othello), judged on ``summary``."""
-    gl = [g for g in summary["gap_by_layer"] if g["metric"] == "r" and g["weights"] == "final" and g["layer"] >= 1]
-    sl = summary["gap_slopes"].get("r/final") or {"per_layer": stats([]), "per_move": stats([]),
-                                                    "mean_layers_ge1": stats([])}
-    gap_numbers = {"gap_by_layer": [{"layer": g["layer"], "mean": g["mean"], "lo": g["lo"], "hi": g["hi"]} for g in gl],
-                   "slopes": {"per_layer_lo": sl["per_layer"]["lo"], "per_move_lo": sl["per_move"]["lo"],
-                              "mean_gap": sl["mean_layers_ge1"]["mean"]}}
-    gap_text = ("gap by layer (final): " + "; ".join(f"L{g['layer']} {fmt_ci(g)}" for g in gl)
-                + f". Slope per layer {fmt_ci(sl['per_layer'], fmt_g)}; per move {fmt_ci(sl['per_move'], fmt_g)}; "
-                f"mean over layers ≥ 1 {fmt_ci(sl['mean_layers_ge1'])}") if gl else "no final ridge probes"
-    n_sq = gl[0]["n"] if gl else 0
-    row = {k: _row(summary, k) for k in ("direct/useful", "direct/useless", "pre_cached/useless",
-                                          "pre_cached/useful", "shared/useful", "shared/useless")}
-
-    def infl(*keys):
-        return "; ".join(f"{k.replace('_', '-').replace('/', ' ')} {fmt_ci(row[k], fmt_g)} (n={row[k]['n']})"
-                         for k in keys)
-
-    def units(*keys):
-        return tuple(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys)
-
-    pc = PAPER_CI
-    return [
-        Claim("i", "NTP-useful squares are represented better than NTP-useless ones: the gap r(useful) − r(useless) "
-              "is positive at every layer ≥ 1 and grows with layer and with move index (Fig. 3)",
-              "positive at every layer, growing with layer and move index (no number given)", _gap_rule(),
-              gap_numbers, gap_text, (at_least("squares", n_sq, 2), at_least("layers k ≥ 1 with a gap", len(gl), 2))),
-        Claim("ii", "direct influence is positive for useful squares and not different from 0 for useless squares",
-              f"useful {list(pc[('direct', 'useful')])}, useless {list(pc[('direct', 'useless')])}",
-              every(interval_above("useful-square direct influence", "direct/useful"),
-                    interval_contains("useless-square direct influence", "direct/useless")),
-              {k: row[k] for k in ("direct/useful", "direct/useless")}, infl("direct/useful", "direct/useless"),
-              units("direct/useful", "direct/useless")),
-        Claim("iii", "pre-caching influence is positive for useless squares",
-              f"useless {list(pc[('pre_cached', 'useless')])}, useful {list(pc[('pre_cached', 'useful')])}",
-              interval_above("useless-square pre-caching influence", "pre_cached/useless"),
-              {"pre_cached/useless": row["pre_cached/useless"]}, infl("pre_cached/useless", "pre_cached/useful"),
-              units("pre_cached/useless")),
-        Claim("iv", "shared (circuit-sharing) influence is positive for both useful and useless squares",
-              f"useful {list(pc[('shared', 'useful')])}, useless {list(pc[('shared', 'useless')])}",
-              every(interval_above("useful-square shared influence", "shared/useful"),
-                    interval_above("useless-square shared influence", "shared/useless")),
-              {k: row[k] for k in ("shared/useful", "shared/useless")}, infl("shared/useful", "shared/useless"),
-              units("shared/useful", "shared/useless")),
-    ]
-
-
 # ---------------------------------------------------------------------------------------------------- figures
 
 
@@ -329,215 +218,151 @@ def _layer_colors(layers):
     return {k: cmap(0.05 + 0.85 * i / n) for i, k in enumerate(layers)}
 
 
-def _fig_training(summary, figdir):
-    import matplotlib
-
+def _fig_training(summary):
     ev, tr = summary["eval_curve"], summary["train_curve"]
     if not ev and not tr:
         return None
-    with matplotlib.rc_context(RC):
-        fig, axes = figure_grid(10.0, 3.8, 1, 2, left=0.8, right=0.2, top=0.55, bottom=0.9, wspace=0.8)
-        a, b = axes[0]
-        pts = [(r["step"], r["legal_acc"]) for r in ev if finite(r.get("legal_acc"))]
-        a.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, color="#0072B2", label="legal-move accuracy")
-        pts = [(r["step"], r["first_acc"]) for r in ev if finite(r.get("first_acc"))]
-        a.plot([x for x, _ in pts], [y for _, y in pts], marker="s", ms=3, color="#E69F00",
-               label="first-move accuracy")
-        a.set_ylim(0, 1.02)
-        a.set_xlabel("training step")
-        a.set_ylabel("accuracy of the argmax (eval games)")
-        a.set_title("legal-move accuracy")
-        b.plot([r["step"] for r in tr], [r["loss"] for r in tr], color="#333333", lw=1, label="train loss")
-        pts = [(r["step"], r["eval_loss"]) for r in ev if finite(r.get("eval_loss"))]
-        b.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, color="#D55E00", label="eval loss")
-        b.set_xlabel("training step")
-        b.set_ylabel("cross-entropy (nats/token)")
-        b.set_title("loss")
-        h1, l1 = a.get_legend_handles_labels()
-        h2, l2 = b.get_legend_handles_labels()
-        finish_figure(fig, "Training: legal-move accuracy (share of predictions whose argmax is legal) and loss",
-                      h1 + h2, l1 + l2, 4)
-        return save_figure(fig, figdir, "training")
+    fig, axes = fs.figure(10.0, 3.8, 1, 2)
+    a, b = axes[0]
+    for ax, key, marker, color, label in ((a, "legal_acc", "o", "#0072B2", "legal-move accuracy"),
+                                          (a, "first_acc", "s", "#E69F00", "first-move accuracy")):
+        pts = [(r["step"], r[key]) for r in ev if finite(r.get(key))]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, ms=3, color=color, label=label)
+    a.set_ylim(0, 1.02)
+    a.set_xlabel("training step")
+    a.set_ylabel("accuracy of the argmax (eval games)")
+    a.set_title("legal-move accuracy")
+    b.plot([r["step"] for r in tr], [r["loss"] for r in tr], color="#333333", lw=1, label="train loss")
+    pts = [(r["step"], r["eval_loss"]) for r in ev if finite(r.get("eval_loss"))]
+    b.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, color="#D55E00", label="eval loss")
+    b.set_xlabel("training step")
+    b.set_ylabel("cross-entropy (nats/token)")
+    b.set_title("loss")
+    fs.finish(fig, "Training: legal-move accuracy (share of predictions whose argmax is legal) and loss", ncol=4)
+    return fig
 
 
-def _fig_probe_by_layer(summary, figdir):
-    import matplotlib
-
-    rows = summary["probe_by_layer"]
-    if not rows:
+def _fig_probe_by_layer(summary):
+    if not (rows := summary["probe_by_layer"]):
         return None
-    with matplotlib.rc_context(RC):
-        fig, axes = figure_grid(10.5, 4.2, 1, 2, left=0.8, right=0.2, top=0.55, bottom=1.05, wspace=0.8)
-        for ax, metric in zip(axes[0], METRICS):
-            for typ in PROBE_TYPES:
-                for w, ls in (("final", "-"), ("init", "--")):
-                    sel = sorted((r for r in rows if r["metric"] == metric and r["weights"] == w and r["type"] == typ),
-                                 key=lambda r: r["layer"])
-                    if not sel:
-                        continue
-                    xs = [r["layer"] for r in sel]
-                    if w == "final":
-                        ci_band(ax, xs, sel, TYPE_COLORS[typ], bounds=METRIC_BOUNDS[metric])
-                    ax.plot(xs, [r["mean"] for r in sel], ls=ls, marker="o" if w == "final" else None, ms=3,
-                            color=TYPE_COLORS[typ], lw=1.6 if w == "final" else 1.1,
-                            label=f"{typ} squares, {'trained' if w == 'final' else 'step 0 (baseline)'}")
-            ax.set_xlabel("layer k (resid[0] = embeddings, resid[k] = output of block k−1)")
-            ax.set_ylabel(METRICS[metric] + " (test games)")
-            ax.set_xticks(summary["layers"])
-            ax.set_title(METRICS[metric])
-        h, lab = axes[0][0].get_legend_handles_labels()
-        finish_figure(fig, "Probe quality by layer (mean over positions; bands: 95% t-CI over the 64 squares, clipped "
-                      "to the metric's range)", h, lab, 3)
-        return save_figure(fig, figdir, "probe_by_layer")
+    fig, axes = fs.figure(10.5, 4.2, 1, 2)
+    for ax, metric in zip(axes[0], METRICS):
+        for typ in PROBE_TYPES:
+            for w, ls in (("final", "-"), ("init", "--")):
+                fs.mean_line(ax, select(rows, "layer", metric=metric, weights=w, type=typ), "layer", TYPE_COLORS[typ],
+                             band=w == "final", bounds=METRIC_BOUNDS[metric], ls=ls,
+                             marker="o" if w == "final" else None, ms=3, lw=1.6 if w == "final" else 1.1,
+                             label=f"{typ} squares, {'trained' if w == 'final' else 'step 0 (baseline)'}")
+        ax.set_xlabel("layer k (resid[0] = embeddings, resid[k] = output of block k−1)")
+        ax.set_ylabel(METRICS[metric] + " (test games)")
+        ax.set_xticks(summary["layers"])
+        ax.set_title(METRICS[metric])
+    fs.finish(fig, "Probe quality by layer (mean over positions; bands: 95% t-CI over the 64 squares, clipped "
+                   "to the metric's range)", ncol=3)
+    return fig
 
 
-def _fig_probe_by_move(summary, figdir):
-    import matplotlib
-
-    rows = [r for r in summary["probe_grid"] if r["type"] == "all"]
-    if not rows:
+def _fig_probe_by_move(summary):
+    if not (rows := select(summary["probe_grid"], type="all")):
         return None
     layers = summary["layers"]
     colors = _layer_colors(layers)
-    with matplotlib.rc_context(RC):
-        fig, axes = figure_grid(11.0, 4.6, 1, 2, left=0.8, right=0.2, top=0.75, bottom=1.25, wspace=0.9)
-        for ax, metric in zip(axes[0], METRICS):
-            for k in layers:
-                for w, ls in (("final", "-"), ("init", ":")):
-                    sel = sorted((r for r in rows if r["metric"] == metric and r["weights"] == w and r["layer"] == k),
-                                 key=lambda r: r["pos"])
-                    if sel:
-                        ax.plot([r["pos"] for r in sel], [r["mean"] for r in sel], ls=ls, color=colors[k],
-                                lw=1.5 if w == "final" else 1.0,
-                                label=f"layer {k}" if w == "final" else ("step 0 (dotted)" if k == layers[-1] else None))
-            ax.set_xlabel("move index (position p, after reading move p)")
-            ax.set_ylabel(METRICS[metric] + "\n(mean over the 64 squares)")
-            ax.set_title(METRICS[metric])
-        h, lab = axes[0][0].get_legend_handles_labels()
-        finish_figure(fig, "Probe quality by move index, all squares\nsolid = trained, dotted = step-0 baseline "
-                      "(same colour per layer)", h, lab, min(len(lab), 8))
-        return save_figure(fig, figdir, "probe_by_move")
+    fig, axes = fs.figure(11.0, 4.6, 1, 2)
+    for ax, metric in zip(axes[0], METRICS):
+        for k in layers:
+            for w, ls in (("final", "-"), ("init", ":")):
+                fs.mean_line(ax, select(rows, "pos", metric=metric, weights=w, layer=k), "pos", colors[k], ls=ls,
+                             lw=1.5 if w == "final" else 1.0,
+                             label=f"layer {k}" if w == "final" else ("step 0 (dotted)" if k == layers[-1] else None))
+        ax.set_xlabel("move index (position p, after reading move p)")
+        ax.set_ylabel(METRICS[metric] + "\n(mean over the 64 squares)")
+        ax.set_title(METRICS[metric])
+    fs.finish(fig, "Probe quality by move index, all squares\nsolid = trained, dotted = step-0 baseline "
+                   "(same colour per layer)", ncol=8)
+    return fig
 
 
-def _fig_gap(summary, figdir):
-    import matplotlib
-
+def _fig_gap(summary):
     gl, gg = summary["gap_by_layer"], summary["gap_grid"]
     if not gl:
         return None
     layers = summary["layers"]
     colors = _layer_colors(layers)
-    with matplotlib.rc_context(RC):
-        fig, axes = figure_grid(11.4, 7.6, 2, 2, left=1.15, right=0.2, top=0.6, bottom=1.2, wspace=1.05, hspace=0.75)
-        for i, metric in enumerate(METRICS):
-            a, b = axes[i]
-            for w, ls, color in (("final", "-", TRAINED_COLOR), ("init", "--", BASELINE_COLOR)):
-                sel = sorted((r for r in gl if r["metric"] == metric and r["weights"] == w), key=lambda r: r["layer"])
-                if sel:
-                    xs = [r["layer"] for r in sel]
-                    if w == "final":  # the step-0 line has no band: one band per panel, never two greys
-                        ci_band(a, xs, sel, color, alpha=0.25)
-                    a.plot(xs, [r["mean"] for r in sel], ls=ls, marker="o", ms=3, color=color,
-                           label="trained (band: 95% t-CI over squares)" if w == "final" else STEP0_LABEL)
-            a.axhline(0, color="#000000", lw=0.6)
-            a.set_xticks(layers)
-            a.set_xlabel("layer k")
-            a.set_ylabel(f"useful − useless\n({METRICS[metric]})")
-            a.set_title(f"gap by layer ({'r' if metric == 'r' else 'accuracy'}; mean over positions, 95% CI over squares)",
-                        fontsize=9)
-            for k in [k for k in layers if k >= 1]:
-                sel = sorted((r for r in gg if r["metric"] == metric and r["weights"] == "final" and r["layer"] == k),
-                             key=lambda r: r["pos"])
-                if sel:
-                    b.plot([r["pos"] for r in sel], [r["mean"] for r in sel], color=colors[k], lw=1.4,
-                           label=f"layer {k} (trained)")
-            base = sorted((r for r in summary["gap_by_pos"] if r["metric"] == metric and r["weights"] == "init"),
-                          key=lambda r: r["pos"])
-            if base:
-                b.plot([r["pos"] for r in base], [r["mean"] for r in base], ls="--", color=BASELINE_COLOR, lw=1.4,
-                       label=STEP0_LABEL)
-            b.axhline(0, color="#000000", lw=0.6)
-            b.set_xlabel("move index (position p)")
-            b.set_ylabel(f"useful − useless\n({METRICS[metric]})")
-            b.set_title("gap by move index (mean over the 64 squares)", fontsize=9)
-        h1, l1 = axes[0][0].get_legend_handles_labels()
-        h2, l2 = axes[0][1].get_legend_handles_labels()
-        finish_figure(fig, "Paper Fig. 3: probe-quality gap between NTP-useful and NTP-useless squares",
-                      h1 + h2, l1 + l2, min(len(l1 + l2), 5))
-        return save_figure(fig, figdir, "gap")
+    fig, axes = fs.figure(11.4, 7.6, 2, 2)
+    for (a, b), metric in zip(axes, METRICS):
+        # the step-0 line has no band: one band per panel, never two greys
+        fs.mean_line(a, select(gl, "layer", metric=metric, weights="final"), "layer", TRAINED_COLOR, band=True,
+                     band_alpha=0.25, marker="o", ms=3, label="trained (band: 95% t-CI over squares)")
+        fs.mean_line(a, select(gl, "layer", metric=metric, weights="init"), "layer", fs.BASELINE, ls="--",
+                     marker="o", ms=3, label=STEP0_LABEL)
+        a.axhline(0, color="#000000", lw=0.6)
+        a.set_xticks(layers)
+        a.set_xlabel("layer k")
+        a.set_ylabel(f"useful − useless\n({METRICS[metric]})")
+        a.set_title(f"gap by layer ({'r' if metric == 'r' else 'accuracy'}; mean over positions, 95% CI over squares)",
+                    fontsize=9)
+        for k in [k for k in layers if k >= 1]:
+            fs.mean_line(b, select(gg, "pos", metric=metric, weights="final", layer=k), "pos", colors[k], lw=1.4,
+                         label=f"layer {k} (trained)")
+        fs.mean_line(b, select(summary["gap_by_pos"], "pos", metric=metric, weights="init"), "pos", fs.BASELINE,
+                     ls="--", lw=1.4, label=STEP0_LABEL)
+        b.axhline(0, color="#000000", lw=0.6)
+        b.set_xlabel("move index (position p)")
+        b.set_ylabel(f"useful − useless\n({METRICS[metric]})")
+        b.set_title("gap by move index (mean over the 64 squares)", fontsize=9)
+    fs.finish(fig, "Paper Fig. 3: probe-quality gap between NTP-useful and NTP-useless squares", ncol=5)
+    return fig
 
 
-def _fig_influence_bars(summary, figdir):
-    import matplotlib
-
+def _fig_influence_bars(summary):
     infl = summary["influence"]
     if not any(infl[f"{c}/{t}"]["n"] for c in COMPONENTS for t in ("useful", "useless")):
         return None
-    with matplotlib.rc_context(RC):
-        fig, axes = figure_grid(11.0, 4.6, 1, 2, left=0.95, right=0.2, top=0.85, bottom=0.9, wspace=0.95)
-        width = 0.38
-        for ax, source in zip(axes[0], ("ours", "paper")):
-            for j, t in enumerate(("useful", "useless")):
-                xs, means, err = [], [], [[], []]
-                for i, c in enumerate(COMPONENTS):
-                    x = i + (j - 0.5) * width
-                    if source == "ours":
-                        s = infl[f"{c}/{t}"]
-                        if s["mean"] is None:
-                            continue
-                        m, lo, hi = s["mean"], s["lo"], s["hi"]
-                    else:
-                        lo, hi = PAPER_CI[(c, t)]
-                        m = 0.5 * (lo + hi)
-                    xs.append(x)
-                    means.append(m)
-                    err[0].append(m - lo if lo is not None else 0.0)
-                    err[1].append(hi - m if hi is not None else 0.0)
-                ax.bar(xs, means, width=width * 0.92, color=TYPE_COLORS[t], label=f"{t} squares", edgecolor="white",
-                       hatch=None if source == "ours" else "//", alpha=1.0 if source == "ours" else 0.55)
-                ax.errorbar(xs, means, yerr=err, fmt="none", ecolor="#000000", capsize=2.5, elinewidth=1)
-            ax.axhline(0, color="#000000", lw=0.6)
-            ax.set_xticks(range(len(COMPONENTS)), [COMPONENT_LABELS[c] for c in COMPONENTS])
-            ax.grid(axis="x", visible=False)
-            ax.set_ylabel("integrated Adam influence\n(+ = toward final value)")
-            ax.set_title("this run: mean, 95% t-CI over square × position × layer" if source == "ours" else
-                         "paper (docs/paper.md#numbers): CI midpoint and 95% CI; unit unknown", fontsize=9)
-        h, lab = axes[0][0].get_legend_handles_labels()
-        finish_figure(fig, f"Integrated influence on the central squares by type (Adam variant).\n{SIGN}", h, lab, 2)
-        return save_figure(fig, figdir, "influence_bars")
+    fig, axes = fs.figure(11.0, 4.6, 1, 2)
+    width = 0.38
+    for ax, source in zip(axes[0], ("ours", "paper")):
+        for j, t in enumerate(("useful", "useless")):
+            xs, rows = [], []
+            for i, c in enumerate(COMPONENTS):
+                lo, hi = PAPER_CI[(c, t)]
+                r = infl[f"{c}/{t}"] if source == "ours" else {"mean": 0.5 * (lo + hi), "lo": lo, "hi": hi}
+                if r["mean"] is not None:
+                    xs.append(i + (j - 0.5) * width)
+                    rows.append({**r, "lo": r["mean"] if r["lo"] is None else r["lo"],
+                                 "hi": r["mean"] if r["hi"] is None else r["hi"]})
+            ax.bar(xs, [r["mean"] for r in rows], width=width * 0.92, color=TYPE_COLORS[t], label=f"{t} squares",
+                   edgecolor="white", hatch=None if source == "ours" else "//", alpha=1.0 if source == "ours" else 0.55)
+            fs.error_bars(ax, xs, rows)
+        ax.axhline(0, color="#000000", lw=0.6)
+        ax.set_xticks(range(len(COMPONENTS)), [COMPONENT_LABELS[c] for c in COMPONENTS])
+        ax.grid(axis="x", visible=False)
+        ax.set_ylabel("integrated Adam influence\n(+ = toward final value)")
+        ax.set_title("this run: mean, 95% t-CI over square × position × layer" if source == "ours" else
+                     "paper (docs/paper.md#numbers): CI midpoint and 95% CI; unit unknown", fontsize=9)
+    fs.finish(fig, f"Integrated influence on the central squares by type (Adam variant).\n{SIGN}", ncol=2)
+    return fig
 
 
-def _fig_influence_curves(summary, figdir):
-    import matplotlib
-
-    rows = summary["influence_curves"]
-    if not rows:
+def _fig_influence_curves(summary):
+    if not (rows := summary["influence_curves"]):
         return None
-    with matplotlib.rc_context(RC):
-        fig, axes = figure_grid(11.0, 4.3, 1, 2, left=0.95, right=0.2, top=0.85, bottom=0.95, wspace=0.4)
-        axes[0][1].sharey(axes[0][0])
-        for ax, t in zip(axes[0], ("useful", "useless")):
-            for c in COMPONENTS:
-                sel = sorted((r for r in rows if r["type"] == t and r["component"] == c), key=lambda r: r["step"])
-                if sel:
-                    ax.plot([r["step"] for r in sel], [r["mean_cumulative"] for r in sel],
-                            color=COMPONENT_COLORS[c], lw=1.2 if c == "full" else 1.8, ls="--" if c == "full" else "-",
-                            label=COMPONENT_LABELS[c])
-            ax.axhline(0, color="#000000", lw=0.6)
-            ax.set_xlabel("training step")
-            ax.set_title(f"{t} squares")
-        axes[0][0].set_ylabel("cumulative influence (mean over units)\n+ = toward final value")
-        h, lab = axes[0][0].get_legend_handles_labels()
-        finish_figure(fig, f"Cumulative Adam influence over training.\n{SIGN}", h, lab, len(lab))
-        return save_figure(fig, figdir, "influence_curves")
+    fig, axes = fs.figure(11.0, 4.3, 1, 2)
+    axes[0][1].sharey(axes[0][0])
+    for ax, t in zip(axes[0], ("useful", "useless")):
+        for c in COMPONENTS:
+            sel = [{**r, "mean": r["mean_cumulative"]} for r in select(rows, "step", type=t, component=c)]
+            fs.mean_line(ax, sel, "step", fs.COMPONENT_COLORS[c], lw=1.2 if c == "full" else 1.8,
+                         ls="--" if c == "full" else "-", label=COMPONENT_LABELS[c])
+        ax.axhline(0, color="#000000", lw=0.6)
+        ax.set_xlabel("training step")
+        ax.set_title(f"{t} squares")
+    axes[0][0].set_ylabel("cumulative influence (mean over units)\n+ = toward final value")
+    fs.finish(fig, f"Cumulative Adam influence over training.\n{SIGN}", ncol=len(COMPONENTS))
+    return fig
 
 
-def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
-    """Draw every figure that has data; returns {name: PNG bytes}."""
-    return draw_figures(summary, figdir, {"training": _fig_training, "probe_by_layer": _fig_probe_by_layer,
-                                          "probe_by_move": _fig_probe_by_move, "gap": _fig_gap,
-                                          "influence_bars": _fig_influence_bars,
-                                          "influence_curves": _fig_influence_curves})
+FIGURES = {"training": _fig_training, "probe_by_layer": _fig_probe_by_layer, "probe_by_move": _fig_probe_by_move,
+           "gap": _fig_gap, "influence_bars": _fig_influence_bars, "influence_curves": _fig_influence_curves}
 
 
 # ---------------------------------------------------------------------------------------------------- document
@@ -562,9 +387,7 @@ def _document(summary: dict, figures) -> list[tuple]:
                     "in summary.json.")))
 
     b.append(("h2", "Scale and settings"))
-    b.append(("table", ["setting", "this run", "paper", "differs"],
-              [[s["setting"], s["this_run"], s["paper"], "yes" if s["differs"] else ""] for s in summary["settings"]],
-              None))
+    b.append(settings_table(summary["settings"]))
     t, st = summary["timings"], summary["step_times"]
     if t:
         parts = [f"{k} {v:.0f} s" for k, v in sorted(t.items())]
@@ -577,9 +400,10 @@ def _document(summary: dict, figures) -> list[tuple]:
                   + (". Per step: " + "; ".join(extra) if extra else "") + "."))
 
     b.append(("h2", "Claims"))
-    b.append(("claims", [c.to_dict() for c in claims(summary)], False))
-    b.append(("p", "Each rule's text and the code that applies it come from the same Claim (othello_report.claims); "
-                   "a claim whose preconditions fail at this scale is 'not testable at this scale'."))
+    b.append(("claims", [c.to_dict() for c in othello_claims(summary)], False))
+    b.append(("p", "Each rule's text and the code that applies it come from the same Claim "
+                   "(claim_registry.othello_claims); a claim whose preconditions fail at this scale is 'not testable "
+                   "at this scale'."))
 
     b.append(("h2", "Legal-move accuracy"))
     r = summary["run"]
@@ -637,7 +461,7 @@ def _document(summary: dict, figures) -> list[tuple]:
                     "component on the tracked central squares, with the risk of each square restricted to the batch "
                     "rows where it is useful / useless (per-type risks, as the reference). Unit of the CI: one "
                     "square × position × layer whose type occurred in training (tracked sites: "
-                    f"{_sites_text(summary['sites'])}). Value unit: {INFLUENCE_UNIT}. {SIGN} The paper's intervals "
+                    f"{sites_text(summary['sites'])}). Value unit: {INFLUENCE_UNIT}. {SIGN} The paper's intervals "
                     "(docs/paper.md#numbers, unit unknown) are beside ours; only signs and which CIs exclude 0 are "
                     "comparable, not magnitudes.")))
     rows = []
@@ -676,7 +500,7 @@ def _document(summary: dict, figures) -> list[tuple]:
 
 def write_report(out_dir: str | Path) -> Path:
     """Read ``out_dir/data.json``; write figures/, summary.json, report.md and report.html. Returns report.md's path."""
-    return write_from_data(out_dir, summarize, make_figures, _document)
+    return write_from_data(out_dir, summarize, FIGURES, _document)
 
 
 def main(argv=None) -> None:

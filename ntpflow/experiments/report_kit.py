@@ -1,7 +1,7 @@
-"""Shared pieces of the experiment reports: statistics, number formatting and the report pipeline.
+"""Shared pieces of the experiment reports: statistics, number formatting, tables and the report pipeline.
 
-The figure style lives in ``figure_style`` and the md/html/json renderer in ``render``; the names ``RC``,
-``save_figure``, ``ci_band``, ``to_markdown`` and ``to_html`` are kept here for the modules that import them from here.
+The figure style lives in ``figure_style``, the md/html/json renderer in ``render`` and every claim with its rule in
+``claim_registry``.
 """
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from pathlib import Path
 
 from ..io import read_json
 from . import figure_style
-from .figure_style import RC, ci_band  # noqa: F401  (re-exported)
-from .figure_style import save as save_figure  # noqa: F401  (re-exported)
-from .render import to_html, to_markdown, write_documents  # noqa: F401  (re-exported)
+from .render import write_documents
+
+COMPONENTS = ("direct", "pre_cached", "shared")
+COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
 
 
 def _t_central(t: float, df: int) -> float:
@@ -73,6 +74,29 @@ def stats(values) -> dict:
     sd = math.sqrt(math.fsum((x - mean) ** 2 for x in xs) / (n - 1))
     h = t_quantile_975(n - 1) * sd / math.sqrt(n)
     return {"mean": mean, "sd": sd, "lo": mean - h, "hi": mean + h, "n": n}
+
+
+def r_stats(values) -> dict:
+    """Mean and 95% interval of Pearson r values, computed in Fisher z (atanh) and transformed back."""
+    vals = [max(-0.999999, min(0.999999, v)) for v in values if v is not None and math.isfinite(v)]
+    z = stats(math.atanh(v) for v in vals)  # sd stays in z units
+    return {**z, **{k: (None if z[k] is None else math.tanh(z[k])) for k in ("mean", "lo", "hi")}}
+
+
+def paired(a: dict, b: dict) -> dict:
+    """Stats of a[s] − b[s] over the keys (seeds) with a finite value in both."""
+    return stats(a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None)
+
+
+def slope(xs, ys) -> float | None:
+    """Least-squares slope of the finite (x, y) pairs; None with fewer than 2 distinct x."""
+    pts = [(float(x), float(y)) for x, y in zip(xs, ys) if finite(y)]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    mx = sum(x for x, _ in pts) / len(pts)
+    my = sum(y for _, y in pts) / len(pts)
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sxx
 
 
 def sd_ratio_ci(a, b) -> dict:
@@ -144,35 +168,41 @@ def fmt_ci(s: dict | None, fmt=fmt) -> str:
     return f"{fmt(s['mean'])} (n={s['n']})"
 
 
-def figure_grid(width, height, nrows, ncols, *, left=None, right=None, top=None, bottom=None, wspace=None,
-                hspace=None, **kw):
-    """A ``width`` × ``height``-inch figure with an nrows × ncols grid of axes in constrained layout (the margin and
-    gap arguments of the former fixed layout are accepted and ignored); see ``figure_style.figure``."""
-    return figure_style.figure(width, height, nrows, ncols, **kw)
+def select(rows, order: str | None = None, **where) -> list[dict]:
+    """The rows whose keys equal ``where``, sorted by the key ``order`` (in their order without one)."""
+    sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
+    return sorted(sel, key=lambda r: r[order]) if order else sel
 
 
-def finish_figure(fig, title, handles, labels, ncol):
-    """Title at the top, one legend for the whole figure at the bottom (``figure_style.finish``)."""
-    figure_style.finish(fig, title, handles, labels, ncol)
+def settings_table(settings) -> tuple:
+    """The "this run against the paper" table block of ``settings`` rows {setting, this_run, paper, differs}."""
+    return ("table", ["setting", "this run", "paper", "differs"],
+            [[s["setting"], s["this_run"], s["paper"], "yes" if s["differs"] else ""] for s in settings], None)
 
 
-def write_from_data(out_dir: str | Path, summarize, make_figures, document) -> Path:
+def write_from_data(out_dir: str | Path, summarize, figures: dict, document) -> Path:
     """The report pipeline of an experiment folder: ``summary = summarize(data)`` from ``data.json`` (or, when only
-    ``summary.json`` is there, as for the committed results under docs/results, the stored summary itself), figures
-    (``make_figures(summary, figdir) -> {name: png bytes}``), blocks (``document(summary, pngs)``); write
-    summary.json, report.md and report.html atomically (``render.write_documents``). Returns report.md's path."""
+    ``summary.json`` is there, as for the committed results under docs/results, the stored summary itself), the
+    ``figures`` (see :func:`draw_figures`), blocks (``document(summary, pngs)``); write summary.json, report.md and
+    report.html atomically (``render.write_documents``). Returns report.md's path."""
     out = Path(out_dir)
     summary = summarize(read_json(out / "data.json")) if (out / "data.json").exists() or not (
         out / "summary.json").exists() else stored_summary(out)
-    pngs = make_figures(summary, out / "figures")
+    pngs = draw_figures(summary, out / "figures", figures)
     return write_documents(out, document(summary, pngs), pngs, summary)
 
 
 def draw_figures(summary: dict, figdir: Path, figures: dict) -> dict[str, bytes]:
-    """Draw each figure of ``figures`` ({name: fn(summary, figdir) -> PNG bytes, or None without data}) into
-    ``figdir``; returns {name: PNG bytes} of those drawn."""
+    """Draw each figure of ``figures`` ({name: fn(summary) -> a matplotlib Figure, or None without data}) in the
+    report style (``figure_style``) and save it into ``figdir``; returns {name: PNG bytes} of those drawn."""
     figdir.mkdir(parents=True, exist_ok=True)
-    return {name: png for name, fn in figures.items() if (png := fn(summary, figdir)) is not None}
+    pngs = {}
+    for name, draw in figures.items():
+        with figure_style.style():
+            fig = draw(summary)
+        if fig is not None:
+            pngs[name] = figure_style.save(fig, figdir, name)
+    return pngs
 
 
 def stored_summary(out: Path) -> dict:

@@ -16,28 +16,23 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from .claims import INCONCLUSIVE, NOT_REPRODUCED, REPRODUCED, Claim, Rule, at_least, every, interval_above
+from . import figure_style as fs
+from .claim_registry import PAPER_LOSS, stories_claims
 from .report_kit import (
-    RC,
-    draw_figures,
+    COMPONENT_LABELS,
+    COMPONENTS,
     fmt,
     fmt_ci,
     fmt_g,
     mean_of,
+    paired,
+    plain_number,
     report_main,
-    save_figure,
+    select,
+    settings_table,
+    sites_text,
     stats,
     write_from_data,
-)
-from .figure_style import ci_label, error_bars
-from .report_kit import ci_band as _band
-from .report_kit import figure_grid as _grid
-from .report_kit import finish_figure as _finish
-from .report_kit import (
-    plain_number as _plain,
-)
-from .report_kit import (
-    sites_text as _sites_text,
 )
 
 REGIMES = ("vanilla", "myopic")
@@ -45,20 +40,10 @@ GROUPS = ("tags", "deps", "position", "syntax")  # "syntax" = tags + deps, added
 PLOT_GROUPS = ("tags", "deps", "position")
 GROUP_LABELS = {"tags": "POS tags (10)", "deps": "dependency labels (10)", "position": "story position (2)",
                 "syntax": "syntax: tags + deps (20)"}
-COMPONENTS = ("direct", "pre_cached", "shared")
 ALL_COMPONENTS = COMPONENTS + ("full",)
-COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
 REGIME_COLORS = {"vanilla": "#0072B2", "myopic": "#D55E00", "init": "#7F7F7F"}
-COMPONENT_COLORS = {"direct": "#E69F00", "pre_cached": "#56B4E9", "shared": "#6A3D9A", "full": "#333333"}
-PAPER_LOSS = {"vanilla": (2.53, 0.10), "myopic": (3.29, 0.02)}  # docs/paper.md#numbers: mean ± (presumably) sd, 10 seeds
-
-SIGN = "Sign convention: positive influence = the component moved the feature toward its final value."
+SIGN = fs.SIGN
 INFLUENCE_UNIT = "squared probe units (first-order reduction of the batch-mean squared probe mismatch)"
-
-A_REL = 0.02  # claim a: "clearly worse" = at least 2% above vanilla's mean loss
-B_KEEP = 0.8  # claim b: myopic keeps >= 80% of vanilla's probe gain over init
-B_LOSE = 0.5  # claim b: not reproduced if myopic significantly loses more than half of it
-
 PAPER_SETTINGS = {"corpus": "TinyStoriesV2-GPT4 (hub)", "tokenizer": "TinyStories-1M (GPT-Neo BPE, 50,257)",
                   "seeds": "10", "steps": "1000", "batch_size": "256", "lr": "0.001", "n_layer": "4",
                   "d_model": "128", "n_head": "4", "n_train": "300000", "n_eval": "30000",
@@ -92,17 +77,12 @@ def _settings(data: dict, seeds) -> list[dict]:
             {"setting": "seeds", "this_run": f"{len(seeds)} ({', '.join(str(s) for s in seeds)})",
              "paper": PAPER_SETTINGS["seeds"]}]
     for k in SETTING_KEYS:
-        rows.append({"setting": k, "this_run": _plain(train.get(k, defaults.get(k))), "paper": PAPER_SETTINGS[k]})
-    rows.append({"setting": "sites", "this_run": _sites_text(data.get("sites") or []),
+        rows.append({"setting": k, "this_run": plain_number(train.get(k, defaults.get(k))), "paper": PAPER_SETTINGS[k]})
+    rows.append({"setting": "sites", "this_run": sites_text(data.get("sites") or []),
                  "paper": PAPER_SETTINGS["sites"]})
     for r in rows:
         r["differs"] = r["setting"] != "scale" and r["this_run"].split(" (")[0] != r["paper"].split(" (")[0]
     return rows
-
-
-def _paired(a: dict, b: dict) -> dict:
-    """Stats of a[s] − b[s] over the seeds present (finite) in both."""
-    return stats(a[s] - b[s] for s in a if s in b and a[s] is not None and b[s] is not None)
 
 
 def summarize(data: dict) -> dict:
@@ -129,7 +109,7 @@ def summarize(data: dict) -> dict:
                                   "train_loss": stats(r.get("train_loss") for r in sel),
                                   "per_seed": [{"seed": r["seed"], "eval_loss": r.get("eval_loss")} for r in sel]}
     if "vanilla" in regimes and "myopic" in regimes:
-        loss["myopic_minus_vanilla"] = _paired(per_seed_loss["myopic"], per_seed_loss["vanilla"])
+        loss["myopic_minus_vanilla"] = paired(per_seed_loss["myopic"], per_seed_loss["vanilla"])
 
     # ---- probe quality per group: mean over the group's features and layers 1..L of r_mean, per seed
     r_at = {(p["regime"], p["seed"], p["weights"], p["layer"], p["feature"]): p.get("r_mean") for p in probes}
@@ -154,7 +134,7 @@ def summarize(data: dict) -> dict:
             entry["per_layer"]["init"] = {str(k): stats(q(init_rg, s, "init", g, [k]) for s in seeds) for k in layers}
             entry["init"] = entry["per_regime"][init_rg]["init"]
         if "vanilla" in per and "myopic" in per:
-            entry["vanilla_minus_myopic"] = _paired(per["vanilla"], per["myopic"])
+            entry["vanilla_minus_myopic"] = paired(per["vanilla"], per["myopic"])
         probe_quality[g] = entry
 
     per_feature = []
@@ -210,9 +190,9 @@ def summarize(data: dict) -> dict:
             entry["per_regime"][rg] = {
                 "raw": {c: stats(raw[c].values()) for c in raw},
                 "share": {c: stats(share[c].values()) for c in COMPONENTS},
-                "direct_minus_pre_cached_share": _paired(share["direct"], share["pre_cached"]),
-                "pre_cached_minus_direct_share": _paired(share["pre_cached"], share["direct"]),
-                "direct_minus_shared_share": _paired(share["direct"], share["shared"]),
+                "direct_minus_pre_cached_share": paired(share["direct"], share["pre_cached"]),
+                "pre_cached_minus_direct_share": paired(share["pre_cached"], share["direct"]),
+                "direct_minus_shared_share": paired(share["direct"], share["shared"]),
             }
         infl[g] = entry
 
@@ -235,305 +215,155 @@ def summarize(data: dict) -> dict:
         "probe_profiles": profile_rows, "influence": infl, "influence_curves": curve_rows,
         "samples": samples,
     }
-    summary["claims"] = [c.to_dict() for c in claims(summary)]
+    summary["claims"] = [c.to_dict() for c in stories_claims(summary)]
     return summary
-
-
-# ---------------------------------------------------------------------------------------------------- claims
-
-
-def _lo(s):
-    return (s or {}).get("lo")
-
-
-def _rule_a() -> Rule:
-    def decide(n):
-        d, v = n["delta"] or {}, n["vanilla_loss"]
-        if d.get("lo") is not None and v is not None and d["lo"] > 0 and d["mean"] >= A_REL * v:
-            return REPRODUCED
-        return NOT_REPRODUCED if d.get("hi") is not None and d["hi"] < 0 else INCONCLUSIVE
-
-    return Rule("Per seed, Δ = myopic eval loss − vanilla eval loss (same seed, same windows); 95% t-CI over seeds. "
-                f"Reproduced if the CI lies above 0 and mean Δ ≥ {A_REL:.0%} of vanilla's mean loss; not reproduced "
-                "if the CI lies below 0 (myopic better); otherwise inconclusive.", decide)
-
-
-def _rule_b() -> Rule:
-    def decide(n):
-        d, gm, gv = n["D"] or {}, n["gain_myopic"] or {}, n["gain_vanilla"]
-        if gv is None or d.get("lo") is None or gm.get("lo") is None:
-            return INCONCLUSIVE
-        if gm["lo"] > 0 and d["mean"] <= (1 - B_KEEP) * gv:
-            return REPRODUCED
-        return NOT_REPRODUCED if d["lo"] > B_LOSE * gv else INCONCLUSIVE
-
-    return Rule("Per seed, probe quality q = test Pearson r averaged over the 20 syntactic features, layers 1–L and "
-                "probed positions 1–63; gain = q(final) − q(init, same seed); D = q(vanilla) − q(myopic), paired by "
-                f"seed. Reproduced if myopic's gain has its CI above 0 and mean D ≤ {1 - B_KEEP:.1f} × vanilla's mean "
-                f"gain (myopic keeps ≥ {B_KEEP:.0%} of it); not reproduced if D's CI lower bound > {B_LOSE} × "
-                "vanilla's mean gain; otherwise inconclusive.", decide)
-
-
-def _rule_c() -> Rule:
-    def decide(n):
-        e, direct = n["E"] or {}, n["direct_share"]
-        if e.get("lo") is not None and e["lo"] > 0 and direct is not None and direct > 0:
-            return REPRODUCED
-        return NOT_REPRODUCED if e.get("hi") is not None and e["hi"] < 0 else INCONCLUSIVE
-
-    return Rule("Vanilla runs; per seed, each component's influence share (component / (|direct| + |pre-cached| + "
-                "|shared|) per tracked site × feature) averaged over the 20 syntactic features; E = share(direct) − "
-                "share(pre-cached), paired by seed; 95% t-CI. Reproduced if E's CI lies above 0 and the mean direct "
-                "share > 0; not reproduced if E's CI lies below 0; otherwise inconclusive. (Direct vs shared is "
-                "reported, not scored: the paper compares direct with pre-cached.)", decide)
-
-
-def claims(summary) -> list[Claim]:
-    """The four TinyStories claims of the paper (docs/paper.md#tinystories), judged on ``summary``."""
-    lo, pq, infl = summary["loss"], summary["probe_quality"], summary["influence"]
-    seeds = (at_least("seeds", summary["n_seeds"], 2),)
-    empty = stats([])
-    # (a) loss
-    d = lo.get("myopic_minus_vanilla") or empty
-    van = lo["per_regime"].get("vanilla", {}).get("eval_loss", empty)
-    myo = lo["per_regime"].get("myopic", {}).get("eval_loss", empty)
-    a_text = f"eval loss (nats/token): vanilla {fmt_ci(van)}, myopic {fmt_ci(myo)}; paired Δ {fmt_ci(d)}"
-    # (b) syntax survives
-    syn = pq.get("syntax") or {"per_regime": {}}
-    v, m = syn["per_regime"].get("vanilla"), syn["per_regime"].get("myopic")
-    big_d = syn.get("vanilla_minus_myopic") or empty
-    b_text = (f"syntactic probe r: vanilla {fmt_ci(v['final'])}, myopic {fmt_ci(m['final'])}, init "
-              f"{fmt_ci(syn.get('init'))}; gain over init: vanilla {fmt_ci(v['gain'])}, myopic {fmt_ci(m['gain'])}; "
-              f"D = vanilla − myopic {fmt_ci(big_d)}") if v and m else "no probe data for vanilla and myopic"
-    # (c) syntax through the direct path
-    sv = infl.get("syntax", {}).get("per_regime", {}).get("vanilla")
-    e = sv["direct_minus_pre_cached_share"] if sv else empty
-    c_text = ("vanilla influence shares, syntactic features: "
-              + "; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(sv['share'][c])}" for c in COMPONENTS)
-              + f"; E = direct − pre-cached {fmt_ci(e)}; direct − shared {fmt_ci(sv['direct_minus_shared_share'])}"
-              ) if sv else "no vanilla influence for the syntactic features"
-    # (d) position through pre-caching
-    pv = infl.get("position", {}).get("per_regime", {}).get("vanilla")
-    pos = pq.get("position") or {}
-    big_p = pv["pre_cached_minus_direct_share"] if pv else empty
-    pos_d = pos.get("vanilla_minus_myopic") or empty
-    d_text = ("(d1) vanilla influence shares, position features: "
-              + ("; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(pv['share'][c])}" for c in COMPONENTS) if pv else "n/a")
-              + f"; P = pre-cached − direct {fmt_ci(big_p)}. (d2) position probe r: D = vanilla − myopic "
-              f"{fmt_ci(pos_d)}")
-    return [
-        Claim("a", "a myopic model (no pre-caching) reaches a clearly worse held-out loss",
-              f"vanilla {PAPER_LOSS['vanilla'][0]} ± {PAPER_LOSS['vanilla'][1]}, myopic {PAPER_LOSS['myopic'][0]} ± "
-              f"{PAPER_LOSS['myopic'][1]} nats/token", _rule_a(), {"delta": d, "vanilla_loss": van["mean"]}, a_text,
-              seeds),
-        Claim("b", "syntactic features (POS tags, dependency labels) survive myopic training",
-              "survive (no number given)", _rule_b(),
-              {"D": big_d, "gain_myopic": m["gain"] if m else None,
-               "gain_vanilla": v["gain"]["mean"] if v else None}, b_text, seeds),
-        Claim("c", "syntactic features are learned mainly through the direct path (pre-cached influence ≪ direct)",
-              "pre-cached ≪ direct (no number given)", _rule_c(),
-              {"E": e, "direct_share": sv["share"]["direct"]["mean"] if sv else None}, c_text, seeds),
-        Claim("d", "story-position features come from pre-caching, and their probe quality drops under myopic "
-              "training", "high pre-cached influence (one secondary source, low confidence)",
-              every(interval_above("P = share(pre-cached) − share(direct) of the position features (vanilla)", "P"),
-                    interval_above("D = q(vanilla) − q(myopic) of the position features' probe r", "D")),
-              {"P": big_p, "D": pos_d}, d_text, seeds),
-    ]
 
 
 # ---------------------------------------------------------------------------------------------------- figures
 
 
 def _ci_text(n, capital=False):
-    text = f"whiskers: {ci_label(n, 'seeds')}"
+    text = f"whiskers: {fs.ci_label(n, 'seeds')}"
     return text[0].upper() + text[1:] if capital else text
 
 
-def _fig_loss(summary, figdir):
-    import matplotlib
-
-    per = summary["loss"]["per_regime"]
-    if not per:
+def _fig_loss(summary):
+    if not (per := summary["loss"]["per_regime"]):
         return None
     regimes = [rg for rg in REGIMES if rg in per]
-    with matplotlib.rc_context(RC):
-        fig, axes = _grid(6.2, 4.2, 1, 1, left=0.8, right=0.2, top=0.62, bottom=0.72, wspace=0.2)
-        ax = axes[0][0]
-        w = 0.36
-        hs = []
-        for i, rg in enumerate(regimes):
-            s = per[rg]["eval_loss"]
-            if s["mean"] is not None:
-                hs.append(ax.bar(i - w / 2, s["mean"], w, color=REGIME_COLORS[rg], label="this run (mean ± sd)"))
-                if s["sd"] is not None:
-                    ax.errorbar([i - w / 2], [s["mean"]], yerr=[s["sd"]], fmt="none", ecolor="#000000", capsize=3)
-                xs = [i - w / 2] * len(per[rg]["per_seed"])
-                ax.scatter(xs, [r["eval_loss"] for r in per[rg]["per_seed"]], s=10, color="#000000", zorder=3)
-                ax.text(i - w / 2, s["mean"] / 2, f"{s['mean']:.2f}", ha="center", color="white", fontsize=9)
-            pm, psd = PAPER_LOSS[rg]
-            hs.append(ax.bar(i + w / 2, pm, w, color=REGIME_COLORS[rg], alpha=0.35, hatch="//",
-                             label="paper (mean ± sd)"))
-            ax.errorbar([i + w / 2], [pm], yerr=[psd], fmt="none", ecolor="#000000", capsize=3)
-            ax.text(i + w / 2, pm / 2, f"{pm:.2f}", ha="center", fontsize=9,
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
-        ax.set_xticks(range(len(regimes)), regimes)
-        ax.set_ylabel("held-out loss (nats/token)")
-        ax.grid(axis="x", visible=False)
-        handles = [hs[0], hs[1]] if len(hs) >= 2 else hs
-        _finish(fig, "Held-out loss: this run (solid, dots = seeds) vs the paper (hatched)", handles,
-                [h.get_label() for h in handles], 2)
-        return save_figure(fig, figdir, "loss")
+    fig, axes = fs.figure(6.2, 4.2)
+    ax, w = axes[0][0], 0.36
+    for i, rg in enumerate(regimes):
+        s = per[rg]["eval_loss"]
+        if s["mean"] is not None:
+            ax.bar(i - w / 2, s["mean"], w, color=REGIME_COLORS[rg], label="this run (mean ± sd)")
+            if s["sd"] is not None:
+                ax.errorbar([i - w / 2], [s["mean"]], yerr=[s["sd"]], fmt="none", ecolor="#000000", capsize=3)
+            xs = [i - w / 2] * len(per[rg]["per_seed"])
+            ax.scatter(xs, [r["eval_loss"] for r in per[rg]["per_seed"]], s=10, color="#000000", zorder=3)
+            ax.text(i - w / 2, s["mean"] / 2, f"{s['mean']:.2f}", ha="center", color="white", fontsize=9)
+        pm, psd = PAPER_LOSS[rg]
+        ax.bar(i + w / 2, pm, w, color=REGIME_COLORS[rg], alpha=0.35, hatch="//", label="paper (mean ± sd)")
+        ax.errorbar([i + w / 2], [pm], yerr=[psd], fmt="none", ecolor="#000000", capsize=3)
+        ax.text(i + w / 2, pm / 2, f"{pm:.2f}", ha="center", fontsize=9,
+                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
+    ax.set_xticks(range(len(regimes)), regimes)
+    ax.set_ylabel("held-out loss (nats/token)")
+    ax.grid(axis="x", visible=False)
+    fs.finish(fig, "Held-out loss: this run (solid, dots = seeds) vs the paper (hatched)", ncol=2)
+    return fig
 
 
-def _fig_probe_groups(summary, figdir):
-    import matplotlib
+def _grouped_bars(ax, groups, series):
+    """Bars of ``series`` [(label, color, [stats per group])] side by side per group, whiskers clipped to [−1, 1]."""
+    w = 0.8 / len(series)
+    for j, (label, color, ss) in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * w for i in range(len(groups))]
+        ax.bar(xs, [s["mean"] or 0.0 for s in ss], w, color=color, label=label)
+        fs.error_bars(ax, xs, ss, bounds=(-1.0, 1.0))
+    ax.axhline(0, color="#000000", lw=0.6)
+    ax.grid(axis="x", visible=False)
 
+
+def _fig_probe_groups(summary):
     pq = summary["probe_quality"]
-    groups = [g for g in PLOT_GROUPS if g in pq]
-    if not groups:
+    if not (groups := [g for g in PLOT_GROUPS if g in pq]):
         return None
-    series = [("init", "untrained (init)")] + [(rg, rg) for rg in summary["regimes"]]
-    with matplotlib.rc_context(RC):
-        fig, axes = _grid(7.2, 4.3, 1, 1, left=0.8, right=0.2, top=0.62, bottom=0.8, wspace=0.2)
-        ax = axes[0][0]
-        w = 0.8 / len(series)
-        hs = []
-        for j, (key, label) in enumerate(series):
-            xs = [i + (j - (len(series) - 1) / 2) * w for i in range(len(groups))]
-            ss = [pq[g]["init"] if key == "init" else pq[g]["per_regime"][key]["final"] for g in groups]
-            hs.append(ax.bar(xs, [s["mean"] or 0.0 for s in ss], w, color=REGIME_COLORS[key], label=label))
-            error_bars(ax, xs, ss, bounds=(-1.0, 1.0))
-        ax.axhline(0, color="#000000", lw=0.6)
-        ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups])
-        ax.set_ylabel("probe test Pearson r\n(mean over features, layers 1–L, positions 1–63)")
-        ax.grid(axis="x", visible=False)
-        _finish(fig, f"Probe quality per feature group ({_ci_text(summary['n_seeds'])}, clipped to [−1, 1])", hs,
-                [h.get_label() for h in hs], len(hs))
-        return save_figure(fig, figdir, "probe_groups")
+    fig, axes = fs.figure(7.2, 4.3)
+    ax = axes[0][0]
+    _grouped_bars(ax, groups, [("untrained (init)", REGIME_COLORS["init"], [pq[g]["init"] for g in groups])]
+                  + [(rg, REGIME_COLORS[rg], [pq[g]["per_regime"][rg]["final"] for g in groups])
+                     for rg in summary["regimes"]])
+    ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups])
+    ax.set_ylabel("probe test Pearson r\n(mean over features, layers 1–L, positions 1–63)")
+    fs.finish(fig, f"Probe quality per feature group ({_ci_text(summary['n_seeds'])}, clipped to [−1, 1])",
+              ncol=1 + len(summary["regimes"]))
+    return fig
 
 
-def _fig_probe_profiles(summary, figdir):
-    import matplotlib
-
-    rows = summary["probe_profiles"]
-    groups = [g for g in PLOT_GROUPS if any(r["group"] == g for r in rows)]
-    layers = summary["layers"]
-    if not groups or not layers:
-        return None
-    with matplotlib.rc_context(RC):
-        fig, axes = _grid(2.9 * len(layers) + 1.0, 2.5 * len(groups) + 1.6, len(groups), len(layers), left=0.9,
-                          right=0.15, top=0.85, bottom=0.8, wspace=0.15, hspace=0.45, sharex=True)
-        for i, g in enumerate(groups):
-            for j, k in enumerate(layers):
-                ax = axes[i][j]
-                if j > 0:
-                    ax.sharey(axes[i][0])
-                    ax.tick_params(labelleft=False)
-                for key in ("init",) + tuple(summary["regimes"]):
-                    sel = sorted((r for r in rows if r["group"] == g and r["regime"] == key and r["layer"] == k),
-                                 key=lambda r: r["pos"])
-                    if not sel:
-                        continue
-                    xs = [r["pos"] for r in sel]
-                    if key != "init":
-                        _band(ax, xs, sel, REGIME_COLORS[key], bounds=(-1.0, 1.0))
-                    ax.plot(xs, [r["mean"] for r in sel], color=REGIME_COLORS[key], lw=1.0 if key == "init" else 1.5,
-                            ls="--" if key == "init" else "-", label="untrained (init)" if key == "init" else key)
-                for layer_, pos in summary["sites"]:
-                    if layer_ == k:
-                        ax.axvline(pos, color="#BBBBBB", lw=0.6, zorder=0)
-                ax.set_title(f"{GROUP_LABELS[g]} · layer {k}", fontsize=9)
-                if i == len(groups) - 1:
-                    ax.set_xlabel("window position")
-                if j == 0:
-                    ax.set_ylabel("probe r")
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        _finish(fig, "Probe quality along the window (mean over the group's features)\nbands: "
-                f"{ci_label(summary['n_seeds'], 'seeds')}, clipped to [−1, 1]; thin grey lines: tracked sites",
-                handles, labels, len(labels))
-        return save_figure(fig, figdir, "probe_profiles")
-
-
-def _fig_influence_shares(summary, figdir):
-    import matplotlib
-
+def _fig_influence_shares(summary):
     infl = summary["influence"]
     groups = [g for g in PLOT_GROUPS if g in infl]
     regimes = [rg for rg in summary["regimes"] if any(rg in infl[g]["per_regime"] for g in groups)]
     if not groups or not regimes:
         return None
-    with matplotlib.rc_context(RC):
-        fig, axes = _grid(4.6 * len(regimes) + 1.0, 4.4, 1, len(regimes), left=0.95, right=0.15, top=0.8,
-                          bottom=0.85, wspace=0.3, sharey=True)
-        hs = []
-        for ax, rg in zip(axes[0], regimes):
-            w = 0.8 / len(COMPONENTS)
-            for j, c in enumerate(COMPONENTS):
-                xs = [i + (j - 1) * w for i in range(len(groups))]
-                ss = [infl[g]["per_regime"].get(rg, {}).get("share", {}).get(c) or stats([]) for g in groups]
-                h = ax.bar(xs, [s["mean"] or 0.0 for s in ss], w, color=COMPONENT_COLORS[c],
-                           label=COMPONENT_LABELS[c])
-                if ax is axes[0][0]:
-                    hs.append(h)
-                error_bars(ax, xs, ss, bounds=(-1.0, 1.0))  # a share lies in [−1, 1]
-            ax.axhline(0, color="#000000", lw=0.6)
-            ax.set_xticks(range(len(groups)), [GROUP_LABELS[g].split(" (")[0] for g in groups])
-            ax.set_title(rg)
-            ax.grid(axis="x", visible=False)
-        axes[0][0].set_ylabel("influence share\ncomponent / (|direct| + |pre-cached| + |shared|)")
-        _finish(fig, f"Integrated Adam influence per component at the tracked sites ({_ci_text(summary['n_seeds'])}, "
-                "clipped to [−1, 1])"
-                f"\n{SIGN}", hs, [h.get_label() for h in hs], len(hs))
-        return save_figure(fig, figdir, "influence_shares")
+    fig, axes = fs.figure(4.6 * len(regimes) + 1.0, 4.4, 1, len(regimes), sharey=True)
+    for ax, rg in zip(axes[0], regimes):
+        _grouped_bars(ax, groups, [(COMPONENT_LABELS[c], fs.COMPONENT_COLORS[c],
+                                    [infl[g]["per_regime"].get(rg, {}).get("share", {}).get(c) or stats([])
+                                     for g in groups]) for c in COMPONENTS])
+        ax.set_xticks(range(len(groups)), [GROUP_LABELS[g].split(" (")[0] for g in groups])
+        ax.set_title(rg)
+    axes[0][0].set_ylabel("influence share\ncomponent / (|direct| + |pre-cached| + |shared|)")
+    fs.finish(fig, f"Integrated Adam influence per component at the tracked sites ({_ci_text(summary['n_seeds'])}, "
+                   f"clipped to [−1, 1])\n{SIGN}", ncol=len(COMPONENTS))
+    return fig
 
 
-def _fig_influence_curves(summary, figdir):
-    import matplotlib
+def _panels(groups, columns, width, extra_height, xlabel, ylabel):
+    """One panel per group (row) × column [(key, title text)], x shared, y shared along each row, labels on the outer
+    edges; returns the figure and [(axes, group, key)]."""
+    fig, axes = fs.figure(width, 2.5 * len(groups) + extra_height, len(groups), len(columns), sharex=True)
+    panels = []
+    for i, g in enumerate(groups):
+        for j, (key, text) in enumerate(columns):
+            ax = axes[i][j]
+            if j > 0:
+                ax.sharey(axes[i][0])
+                ax.tick_params(labelleft=False)
+            ax.set_title(f"{GROUP_LABELS[g]} · {text}", fontsize=9)
+            panels.append((ax, g, key))
+        axes[i][0].set_ylabel(ylabel)
+    for ax in axes[-1]:
+        ax.set_xlabel(xlabel)
+    return fig, panels
+
+
+def _fig_probe_profiles(summary):
+    rows, layers = summary["probe_profiles"], summary["layers"]
+    groups = [g for g in PLOT_GROUPS if select(rows, group=g)]
+    if not groups or not layers:
+        return None
+    fig, panels = _panels(groups, [(k, f"layer {k}") for k in layers], 2.9 * len(layers) + 1.0, 1.6,
+                          "window position", "probe r")
+    for ax, g, k in panels:
+        for key in ("init", *summary["regimes"]):
+            fs.mean_line(ax, select(rows, "pos", group=g, regime=key, layer=k), "pos", REGIME_COLORS[key],
+                         band=key != "init", bounds=(-1.0, 1.0), lw=1.0 if key == "init" else 1.5,
+                         ls="--" if key == "init" else "-", label="untrained (init)" if key == "init" else key)
+        for layer_, pos in summary["sites"]:
+            if layer_ == k:
+                ax.axvline(pos, color="#BBBBBB", lw=0.6, zorder=0)
+    fs.finish(fig, "Probe quality along the window (mean over the group's features)\nbands: "
+                   f"{fs.ci_label(summary['n_seeds'], 'seeds')}, clipped to [−1, 1]; thin grey lines: tracked sites",
+              ncol=1 + len(summary["regimes"]))
+    return fig
+
+
+def _fig_influence_curves(summary):
     from matplotlib.ticker import MaxNLocator
 
     rows = summary["influence_curves"]
-    groups = [g for g in PLOT_GROUPS if any(r["group"] == g for r in rows)]
-    regimes = [rg for rg in summary["regimes"] if any(r["regime"] == rg for r in rows)]
+    groups = [g for g in PLOT_GROUPS if select(rows, group=g)]
+    regimes = [rg for rg in summary["regimes"] if select(rows, regime=rg)]
     if not groups or not regimes:
         return None
-    with matplotlib.rc_context(RC):
-        fig, axes = _grid(3.6 * len(regimes) + 1.1, 2.5 * len(groups) + 1.5, len(groups), len(regimes), left=1.1,
-                          right=0.15, top=0.85, bottom=0.8, wspace=0.2, hspace=0.45, sharex=True)
-        for i, g in enumerate(groups):
-            for j, rg in enumerate(regimes):
-                ax = axes[i][j]
-                if j > 0:
-                    ax.sharey(axes[i][0])
-                    ax.tick_params(labelleft=False)
-                ax.axhline(0, color="#000000", lw=0.6)
-                for c in ALL_COMPONENTS:
-                    sel = sorted((r for r in rows if r["group"] == g and r["regime"] == rg and r["component"] == c),
-                                 key=lambda r: r["step"])
-                    if not sel:
-                        continue
-                    xs = [r["step"] for r in sel]
-                    if c != "full":
-                        _band(ax, xs, sel, COMPONENT_COLORS[c])
-                    ax.plot(xs, [r["mean"] for r in sel], color=COMPONENT_COLORS[c], lw=1.1 if c == "full" else 1.6,
-                            ls="--" if c == "full" else "-", label=COMPONENT_LABELS[c])
-                ax.set_title(f"{GROUP_LABELS[g]} · {rg}", fontsize=9)
-                if i == len(groups) - 1:
-                    ax.set_xlabel("training step")
-                    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-                if j == 0:
-                    ax.set_ylabel("cumulative influence\n(squared probe units;\n+ = toward final value)")
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        _finish(fig, "Cumulative Adam influence (mean over tracked sites × the group's features; bands: "
-                f"{ci_label(summary['n_seeds'], 'seeds')})\n{SIGN}", handles, labels, len(labels))
-        return save_figure(fig, figdir, "influence_curves")
+    fig, panels = _panels(groups, [(rg, rg) for rg in regimes], 3.6 * len(regimes) + 1.1, 1.5, "training step",
+                          "cumulative influence\n(squared probe units;\n+ = toward final value)")
+    for ax, g, rg in panels:
+        ax.axhline(0, color="#000000", lw=0.6)
+        for c in ALL_COMPONENTS:
+            fs.mean_line(ax, select(rows, "step", group=g, regime=rg, component=c), "step", fs.COMPONENT_COLORS[c],
+                         band=c != "full", lw=1.1 if c == "full" else 1.6, ls="--" if c == "full" else "-",
+                         label=COMPONENT_LABELS[c])
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fs.finish(fig, "Cumulative Adam influence (mean over tracked sites × the group's features; bands: "
+                   f"{fs.ci_label(summary['n_seeds'], 'seeds')})\n{SIGN}", ncol=len(ALL_COMPONENTS))
+    return fig
 
 
-def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
-    """Draw every figure that has data; returns {name: PNG bytes}."""
-    return draw_figures(summary, figdir, {"loss": _fig_loss, "probe_groups": _fig_probe_groups,
-                                          "probe_profiles": _fig_probe_profiles,
-                                          "influence_shares": _fig_influence_shares,
-                                          "influence_curves": _fig_influence_curves})
+FIGURES = {"loss": _fig_loss, "probe_groups": _fig_probe_groups, "probe_profiles": _fig_probe_profiles,
+           "influence_shares": _fig_influence_shares, "influence_curves": _fig_influence_curves}
 
 
 # ---------------------------------------------------------------------------------------------------- document
@@ -583,13 +413,11 @@ def _document(summary: dict, figures) -> list[tuple]:
 
     b.append(("h2", "Scale and settings"))
     b.append(("p", "This run against the paper's setting; rows marked 'yes' differ from the paper."))
-    b.append(("table", ["setting", "this run", "paper", "differs"],
-              [[s["setting"], _corpus_text(s["this_run"]) if s["setting"] == "corpus" else s["this_run"], s["paper"],
-                "yes" if s["differs"] else ""] for s in summary["settings"]],
-              None))
+    b.append(settings_table([{**s, "this_run": _corpus_text(s["this_run"])} if s["setting"] == "corpus" else s
+                             for s in summary["settings"]]))
 
     b.append(("h2", "Claims"))
-    b.append(("claims", [c.to_dict() for c in claims(summary)], False))
+    b.append(("claims", [c.to_dict() for c in stories_claims(summary)], False))
     b.append(("p", ("Decision rules (fixed before looking at the numbers; the verdicts are whatever the numbers give). "
                    "Influence shares put features of different scales on one footing: per tracked site × feature, "
                    "component / (|direct| + |pre-cached| + |shared|).")))
@@ -685,7 +513,7 @@ def _samples_blocks(b, summary):
 
 def write_report(out_dir: str | Path) -> Path:
     """Read ``out_dir/data.json``; write figures/, summary.json, report.md and report.html. Returns report.md's path."""
-    return write_from_data(out_dir, summarize, make_figures, _document)
+    return write_from_data(out_dir, summarize, FIGURES, _document)
 
 
 def main(argv=None) -> None:

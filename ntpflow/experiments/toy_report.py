@@ -21,53 +21,39 @@ to [0, 1] (said in the captions). Positions: logits at p predict token p+1; resi
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from pathlib import Path
 
 from ..config import REGIMES, TrainConfig
 from . import figure_style as fs
-from .claims import Check, Claim, Rule, at_least
-from .claims import INCONCLUSIVE as INC
-from .claims import NOT_REPRODUCED as NOT
-from .claims import REPRODUCED as REP
-from .report_kit import draw_figures, fmt_ci, fmt_g, has_ci, mean_of, plain_number, report_main, sites_text, stats
-from .report_kit import write_from_data as _write_from_data
+from .claim_registry import CLAIM_LAYERS, CLAIM_POSITIONS, GATE_ACC, GATE_GAP, toy_claims
+from .report_kit import (
+    COMPONENT_LABELS,
+    COMPONENTS,
+    fmt_ci,
+    fmt_g,
+    mean_of,
+    paired,
+    plain_number,
+    r_stats,
+    report_main,
+    select,
+    settings_table,
+    sites_text,
+    stats,
+    write_from_data,
+)
 
 TASK_ORDER = ("majority", "cond_majority")
 TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}
-COMPONENTS = ("direct", "pre_cached", "shared")
-COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
 MISMATCHES = ("centred", "paper")
 MISMATCH_LABELS = {"centred": "R_c = var(d), centred", "paper": "R = mean(d²), paper"}
 REGIME_COLORS = dict(zip(REGIMES, (fs.OKABE_ITO[c] for c in ("blue", "vermillion", "green", "purple"))))
-COMPONENT_COLORS = {"direct": fs.OKABE_ITO["orange"], "pre_cached": fs.OKABE_ITO["sky"], "shared": "#6A3D9A",
-                    "full": "#333333"}
 PROBE_FEATURES = {"majority": ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>"),
                   "cond_majority": ("prev_is_<0>",)}
-
-GATE_ACC, GATE_GAP = 0.99, 0.01  # vanilla must learn the task on every seed
-CLAIM_LAYERS, CLAIM_POSITIONS = (1, 2), tuple(range(2, 10))  # input positions: the features are NTP-useless
-B_LEARNED = 0.9  # claim b: vanilla's prev_is_<0> probe r (window mean) on every seed
-B_THRESHOLD = 0.05  # claim b: a gain below this counts as "not learned"
-C_RATIO = 0.25  # claim c: |direct| < C_RATIO · (pre_cached + shared) counts as "small"
 PAPER_SETTINGS = {"seeds": "10", "steps": "3000", "batch_size": "256", "lr": "0.001", "n_layer": "2",
                   "d_model": "128", "n_head": "4", "n_train": "102400", "n_eval": "10240"}
 INFLUENCE_UNIT = "probe units² (first-order change of the mismatch)"
-WINDOW = "layers 1–2, input positions 2–9"
-
-
-# ---------------------------------------------------------------------------------------------------- statistics
-
-
-def r_stats(values) -> dict:
-    """Mean and 95% interval of Pearson r values over seeds, computed in Fisher z (atanh) and transformed back."""
-    vals = [max(-0.999999, min(0.999999, v)) for v in values if v is not None and math.isfinite(v)]
-    z = stats(math.atanh(v) for v in vals)  # sd stays in z units
-    return {**z, **{k: (None if z[k] is None else math.tanh(z[k])) for k in ("mean", "lo", "hi")}}
-
-
-# ---------------------------------------------------------------------------------------------------- summary
 
 
 def summarize(data: dict) -> dict:
@@ -84,7 +70,7 @@ def summarize(data: dict) -> dict:
     for t in tasks:
         success[t] = {}
         for g in regimes:
-            sel = sorted((r for r in runs if (r["task"], r["regime"]) == (t, g)), key=lambda r: r["seed"])
+            sel = select(runs, "seed", task=t, regime=g)
             if sel:
                 success[t][g] = {m: stats(r.get(m) for r in sel) for m in ("eval_loss", "loss_gap")}
                 for m in ("first_acc", "legal_acc"):  # a proportion: its interval clipped to [0, 1]
@@ -126,17 +112,15 @@ def summarize(data: dict) -> dict:
         gain = {g: {s: (f - i if f is not None and i is not None else None) for s, (f, i) in per[g].items()}
                 for g in regimes}
 
-        def paired(a, b, gain=gain):
-            return stats(gain[a][s] - gain[b][s] for s in seeds if gain[a][s] is not None and gain[b][s] is not None)
-
         probe_gain[t] = {
             "per_regime": {g: {"final": r_stats(f for f, _ in per[g].values()),
                                "init": r_stats(i for _, i in per[g].values()),
                                "gain": stats(gain[g].values()),
                                "min_final": min((f for f, _ in per[g].values() if f is not None), default=None)}
                            for g in regimes},
-            "vs_vanilla": {g: paired(g, "vanilla") for g in regimes if g != "vanilla" and "vanilla" in gain},
-            "myopic-untied_vs": {g: paired("myopic-untied", g) for g in ("myopic", "untied")
+            "vs_vanilla": {g: paired(gain[g], gain["vanilla"]) for g in regimes
+                           if g != "vanilla" and "vanilla" in gain},
+            "myopic-untied_vs": {g: paired(gain["myopic-untied"], gain[g]) for g in ("myopic", "untied")
                                  if g in gain and "myopic-untied" in gain}}
 
     # ---- influence at NTP-useless sites below the last layer (pre-caching is zero by construction at the last)
@@ -209,7 +193,7 @@ def summarize(data: dict) -> dict:
                "probe_gain": probe_gain, "influence": infl, "offset_share": offset_rows, "balance": balance_rows,
                "sites_detail": site_rows,
                "influence_curves": curve_rows}
-    summary["claims"] = [c.to_dict() for c in claims(summary)]
+    summary["claims"] = [c.to_dict() for c in toy_claims(summary)]
     return summary
 
 
@@ -229,277 +213,118 @@ def _settings(data: dict, n_seeds: int) -> list[dict]:
     return rows
 
 
-# ---------------------------------------------------------------------------------------------------- claims
-
-
-def gate_checks(summary: dict, task: str) -> tuple[Check, ...]:
-    """The preconditions that vanilla learned ``task``: first-output accuracy and loss gap on every seed."""
-    g = summary["gates"].get(task) or {}
-    acc, gap = g.get("min_first_acc"), g.get("max_loss_gap")
-    return (Check(f"vanilla {task} first-output accuracy >= {GATE_ACC} on every seed (lowest)",
-                  None if acc is None else round(acc, 4), acc is not None and acc >= GATE_ACC),
-            Check(f"vanilla {task} eval loss within {GATE_GAP} of the exact optimum "
-                  f"{fmt_g(g.get('optimal_loss'))} on every seed (largest gap)",
-                  None if gap is None else round(gap, 4), gap is not None and gap <= GATE_GAP))
-
-
-def _rule_a() -> Rule:
-    def decide(n):
-        d, mu, means = n["vs_vanilla"], n["myopic-untied_vs"], n["mean_gain"]
-        if any(not has_ci(d.get(g)) for g in ("myopic", "untied", "myopic-untied")):
-            return INC
-        if any(d[g]["lo"] > 0 for g in d) or any(has_ci(v) and v["lo"] > 0 for v in mu.values()):
-            return NOT
-        lowest = all(means["myopic-untied"] < means[g] for g in ("vanilla", "myopic", "untied"))
-        return REP if d["myopic"]["hi"] < 0 and d["untied"]["hi"] < 0 and lowest else INC
-
-    return Rule(f"Per seed, gain = final r − init r of the same seed (mean over the features), averaged over "
-                f"{WINDOW}; Δ = regime gain − vanilla gain, paired by seed. Reproduced if Δ(myopic) and Δ(untied) "
-                "both have 95% CI upper bound < 0 and myopic-untied has the lowest mean gain. Not reproduced if any "
-                "Δ has CI lower bound > 0 or myopic-untied lies significantly above myopic or untied. Otherwise "
-                "inconclusive.", decide)
-
-
-def _rule_b() -> Rule:
-    def decide(n):
-        g = n["gain"]
-        if not all(has_ci(v) for v in g.values()):
-            return INC
-        myopic = [r for r in ("myopic", "myopic-untied") if r in g]
-        if any(g[r]["lo"] > B_THRESHOLD for r in myopic):
-            return NOT
-        ok = g["vanilla"]["lo"] > 0 and all(g[r]["lo"] <= 0 or g[r]["hi"] < B_THRESHOLD for r in myopic)
-        return REP if ok else INC
-
-    return Rule(f"Per seed, gain = final r − init r of prev_is_<0>, averaged over {WINDOW}. Reproduced if vanilla's "
-                f"gain has 95% CI lower bound > 0 and, for myopic and myopic-untied, the gain's CI includes 0 or lies "
-                f"below {B_THRESHOLD}. Not reproduced if myopic's or myopic-untied's gain has CI lower bound > "
-                f"{B_THRESHOLD}. Otherwise inconclusive.", decide)
-
-
-def _rule_c() -> Rule:
-    def decide(n):
-        v = n["centred"]
-        if not has_ci(v["direct"]) or v["pre_cached+shared"]["mean"] is None:
-            return INC
-        m = {c: v[c]["mean"] for c in COMPONENTS}
-        indirect, direct = v["pre_cached+shared"]["mean"], m["direct"]
-        if direct > 0 and direct > m["pre_cached"] and direct > m["shared"]:
-            return NOT
-        small = v["direct"]["lo"] <= 0 <= v["direct"]["hi"] or abs(direct) < C_RATIO * indirect
-        return REP if indirect > 0 and indirect > direct and small else INC
-
-    return Rule("Vanilla runs, the centred mismatch R_c; per seed the integrated Adam influence of each component, "
-                "averaged over the tracked site × feature pairs where the feature is NTP-useless, below the last "
-                "layer. Not reproduced if direct is positive and the largest of the three; reproduced if "
-                "pre-cached + shared is positive, above direct, and direct's 95% CI includes 0 or "
-                f"|direct| < {C_RATIO} · (pre-cached + shared); otherwise inconclusive. The paper's R is shown "
-                "beside it and does not decide.", decide)
-
-
-def claims(summary: dict) -> list[Claim]:
-    """The toy claims with their numbers, preconditions and verdicts."""
-    out = []
-    pg, n = summary["probe_gain"], summary["n_seeds"]
-    if (a := pg.get("majority")) is not None:
-        per = a["per_regime"]
-        out.append(Claim(
-            "a", "myopic and untied training each reduce the majority feature at input positions; myopic-untied "
-            "reduces it most", "no number given (qualitative, 10 seeds × 4 regimes)", _rule_a(),
-            {"vs_vanilla": a["vs_vanilla"], "myopic-untied_vs": a["myopic-untied_vs"],
-             "mean_gain": {g: v["gain"]["mean"] for g, v in per.items()}},
-            f"gain over init ({WINDOW}): " + "; ".join(
-                f"{g} {fmt_ci(v['gain'])} (init r {fmt_ci(v['init'])}, final {fmt_ci(v['final'])})"
-                for g, v in per.items()) + ". Paired Δ vs vanilla: "
-            + "; ".join(f"{g} {fmt_ci(d)}" for g, d in a["vs_vanilla"].items()) + f". n = {n} seeds",
-            (at_least("seeds", n, 2), Check("all four regimes", len(per), len(per) == 4),
-             *gate_checks(summary, "majority")), "majority"))
-    if (b := pg.get("cond_majority")) is not None:
-        per = b["per_regime"]
-        gain = {g: per[g]["gain"] for g in ("vanilla", "myopic", "myopic-untied") if g in per}
-        low = (per.get("vanilla") or {}).get("min_final")
-        out.append(Claim(
-            "b", "a myopic model never learns prev_is_<0>", "no number given; the paper's code reaches probe r 0.998 "
-            "in vanilla", _rule_b(), {"gain": gain},
-            f"gain of prev_is_<0> r over init ({WINDOW}): " + "; ".join(
-                f"{g} {fmt_ci(v)} (init r {fmt_ci(per[g]['init'])})" for g, v in gain.items()) + f". n = {n} seeds",
-            (at_least("seeds", n, 2), Check("vanilla and myopic both run", sorted(gain),
-                                            {"vanilla", "myopic"} <= set(gain)),
-             *gate_checks(summary, "cond_majority"),
-             Check(f"vanilla learns prev_is_<0>: window probe r >= {B_LEARNED} on every seed (lowest)",
-                   None if low is None else round(low, 3), low is not None and low >= B_LEARNED)),
-            "cond_majority"))
-    for t, by in summary["influence"].items():
-        c, p = by.get("centred"), by.get("paper")
-        if c is None:
-            continue
-        n_tr = min(c[x]["n"] for x in COMPONENTS)
-        text = "; ".join(f"{m}: " + ", ".join(f"{COMPONENT_LABELS[x]} {fmt_ci(v[x], fmt_g)}" for x in COMPONENTS)
-                         for m, v in (("R_c", c), ("R (paper)", p)) if v)
-        out.append(Claim(
-            "c", "in vanilla training the NTP-useless feature is built by the pre-caching and shared parts, not the "
-            "direct part (the paper shows this for Othello; here it is tested on the toy tasks)",
-            "Othello only: direct ≈ 0 for useless squares; toy tasks reported as probe quality only", _rule_c(),
-            {"centred": c, "paper": p},
-            f"integrated influence at NTP-useless sites (+ = toward the final value), {text}. n = {n_tr} seeds",
-            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t)), t))
-    return out
-
-
 # ---------------------------------------------------------------------------------------------------- figures
 
 
-def _shade_useful(ax, lo=9.5, hi=20.5):
-    ax.axvspan(lo, hi, color="#DDDDDD", alpha=0.5, lw=0)
-
-
 def _fig_probe(task):
-    def draw(summary, figdir):
+    def draw(summary):
         rows = [r for r in summary["probe_profiles"] if r["task"] == task]
         if not rows:
             return None
-        layers = summary["probe_layers"]
-        n = summary["n_seeds"]
-        with fs.style():
-            fig, axes = fs.figure(3.2 * len(layers), 3.2, 1, len(layers), sharey=True)
-            handles, labels = [], []
-            for ax, k in zip(axes[0], layers):
-                _shade_useful(ax)
-                for g in summary["regimes"] + ["init"]:
-                    sel = sorted((r for r in rows if r["layer"] == k and (
-                        (g == "init" and r["weights"] == "init") or (r["weights"] == "final" and r["regime"] == g))),
-                        key=lambda r: r["pos"])
-                    if not sel:
-                        continue
-                    xs = [r["pos"] for r in sel]
-                    color = fs.BASELINE if g == "init" else REGIME_COLORS.get(g, "#000000")
-                    (h,) = ax.plot(xs, [r["mean"] for r in sel], color=color, ls="--" if g == "init" else "-", lw=1.4)
-                    fs.ci_band(ax, xs, sel, color, bounds=(-1, 1))
-                    handles.append(h)
-                    labels.append("untrained (step 0)" if g == "init" else g)
-                ax.set_title(f"resid[{k}]" + (" (embeddings)" if k == 0 else f" (output of block {k - 1})"))
-                ax.set_xlabel("position (grey: feature NTP-useful)")
-            axes[0][0].set_ylabel("probe test Pearson r")
-            feats = ", ".join(PROBE_FEATURES[task])
-            fs.finish(fig, f"{TASK_TITLES[task]}: probe quality of {feats} (mean over features) by position; "
-                           f"lines: mean, bands: {fs.ci_label(n, 'seeds')}{' (in Fisher z)' if n > 1 else ''}",
-                      handles, labels, 5)
-            return fs.save(fig, figdir, f"probe_{task}")
+        layers, n = summary["probe_layers"], summary["n_seeds"]
+        fig, axes = fs.figure(3.2 * len(layers), 3.2, 1, len(layers), sharey=True)
+        for ax, k in zip(axes[0], layers):
+            ax.axvspan(9.5, 20.5, color="#DDDDDD", alpha=0.5, lw=0)
+            for g in summary["regimes"]:
+                fs.mean_line(ax, select(rows, "pos", layer=k, weights="final", regime=g), "pos",
+                             REGIME_COLORS.get(g, "#000000"), band=True, bounds=(-1, 1), lw=1.4, label=g)
+            fs.mean_line(ax, select(rows, "pos", layer=k, weights="init"), "pos", fs.BASELINE, band=True,
+                         bounds=(-1, 1), ls="--", lw=1.4, label="untrained (step 0)")
+            ax.set_title(f"resid[{k}]" + (" (embeddings)" if k == 0 else f" (output of block {k - 1})"))
+            ax.set_xlabel("position (grey: feature NTP-useful)")
+        axes[0][0].set_ylabel("probe test Pearson r")
+        feats = ", ".join(PROBE_FEATURES[task])
+        fs.finish(fig, f"{TASK_TITLES[task]}: probe quality of {feats} (mean over features) by position; "
+                       f"lines: mean, bands: {fs.ci_label(n, 'seeds')}{' (in Fisher z)' if n > 1 else ''}", ncol=5)
+        return fig
 
     return draw
 
 
-def _fig_task_success(summary, figdir):
+def _fig_task_success(summary):
     tasks, regimes = summary["tasks"], summary["regimes"]
     if not tasks:
         return None
-    with fs.style():
-        fig, axes = fs.figure(7.5, 3.2 * len(tasks), len(tasks), 2)
-        for row, t in zip(axes, tasks):
-            for ax, metric, label in ((row[0], "loss_gap", "eval loss − exact optimum (nats)"),
-                                      (row[1], "first_acc", "first-output accuracy")):
-                for x, g in enumerate(regimes):
-                    v = summary["task_success"][t].get(g)
-                    if v is None:
-                        continue
-                    ax.bar(x, v[metric]["mean"], color=REGIME_COLORS.get(g), alpha=0.75)
-                    ax.scatter([x] * len(v["per_seed"]), [s[metric] for s in v["per_seed"]], s=9, color="#000000",
-                               zorder=3)
-                    fs.error_bars(ax, [x], [v[metric]], bounds=(0, 1) if metric == "first_acc" else None)
-                gate = GATE_GAP if metric == "loss_gap" else GATE_ACC
-                ax.axhline(gate, color=fs.BASELINE, ls="--", lw=1)
-                ax.set_xticks(range(len(regimes)), regimes, rotation=15)
-                ax.set_ylabel(label)
-                ax.set_title(f"{TASK_TITLES[t]} (dashed: gate {gate})")
-        fs.finish(fig, f"Did the models learn the tasks? Bars: mean, dots: seeds, whiskers: "
-                       f"{fs.ci_label(summary['n_seeds'], 'seeds')} (accuracy clipped to [0, 1])")
-        return fs.save(fig, figdir, "task_success")
+    fig, axes = fs.figure(7.5, 3.2 * len(tasks), len(tasks), 2)
+    for row, t in zip(axes, tasks):
+        for ax, metric, label in ((row[0], "loss_gap", "eval loss − exact optimum (nats)"),
+                                  (row[1], "first_acc", "first-output accuracy")):
+            for x, g in enumerate(regimes):
+                if (v := summary["task_success"][t].get(g)) is None:
+                    continue
+                ax.bar(x, v[metric]["mean"], color=REGIME_COLORS.get(g), alpha=0.75)
+                ax.scatter([x] * len(v["per_seed"]), [s[metric] for s in v["per_seed"]], s=9, color="#000000",
+                           zorder=3)
+                fs.error_bars(ax, [x], [v[metric]], bounds=(0, 1) if metric == "first_acc" else None)
+            gate = GATE_GAP if metric == "loss_gap" else GATE_ACC
+            ax.axhline(gate, color=fs.BASELINE, ls="--", lw=1)
+            ax.set_xticks(range(len(regimes)), regimes, rotation=15)
+            ax.set_ylabel(label)
+            ax.set_title(f"{TASK_TITLES[t]} (dashed: gate {gate})")
+    fs.finish(fig, f"Did the models learn the tasks? Bars: mean, dots: seeds, whiskers: "
+                   f"{fs.ci_label(summary['n_seeds'], 'seeds')} (accuracy clipped to [0, 1])")
+    return fig
 
 
-def _fig_influence_bars(summary, figdir):
-    tasks = [t for t in summary["tasks"] if t in summary["influence"]]
+def _fig_influence(summary, kind):
+    """``kind`` "bars": integrated influence per component; "curves": cumulative influence over training."""
+    rows = summary["influence_curves"]
+    tasks = [t for t in summary["tasks"] if (t in summary["influence"] if kind == "bars" else select(rows, task=t))]
     if not tasks:
         return None
-    with fs.style():
-        fig, axes = fs.figure(7.5, 3.0 * len(tasks), len(tasks), 2)
-        for row, t in zip(axes, tasks):
-            for ax, m in zip(row, MISMATCHES):
-                v = summary["influence"][t].get(m)
-                if v is None:
+    fig, axes = fs.figure(7.5, 3.0 * len(tasks), len(tasks), 2)
+    for row, t in zip(axes, tasks):
+        for ax, m in zip(row, MISMATCHES):
+            if kind == "bars":
+                if (v := summary["influence"][t].get(m)) is None:
                     ax.set_visible(False)
                     continue
                 xs = range(len(COMPONENTS))
-                ax.bar(xs, [v[c]["mean"] or 0 for c in COMPONENTS], color=[COMPONENT_COLORS[c] for c in COMPONENTS])
+                ax.bar(xs, [v[c]["mean"] or 0 for c in COMPONENTS], color=[fs.COMPONENT_COLORS[c] for c in COMPONENTS])
                 fs.error_bars(ax, list(xs), [v[c] for c in COMPONENTS])
-                ax.axhline(0, color="#000000", lw=0.8)
                 ax.set_xticks(list(xs), [COMPONENT_LABELS[c] for c in COMPONENTS])
-                ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
                 ax.set_ylabel("integrated influence\n(probe units²)")
+            else:
+                for c in (*COMPONENTS, "full"):
+                    fs.mean_line(ax, select(rows, task=t, mismatch=m, component=c), "step", fs.COMPONENT_COLORS[c],
+                                 band=True, lw=1.4, ls=":" if c == "full" else "-", label=COMPONENT_LABELS[c])
+                ax.set_xlabel("training step")
+                ax.set_ylabel("cumulative influence (probe units²)")
+            ax.axhline(0, color="#000000", lw=0.8)
+            ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
+    if kind == "bars":
         n = min(v[c]["n"] for by in summary["influence"].values() for v in by.values() for c in COMPONENTS)
         fs.finish(fig, f"Which component built the NTP-useless feature? Vanilla, useless sites below the last layer; "
                        f"bars: mean, whiskers: {fs.ci_label(n, 'seeds')}.\n{fs.SIGN}")
-        return fs.save(fig, figdir, "influence_bars")
-
-
-def _fig_influence_curves(summary, figdir):
-    rows = summary["influence_curves"]
-    tasks = [t for t in summary["tasks"] if any(r["task"] == t for r in rows)]
-    if not tasks:
-        return None
-    with fs.style():
-        fig, axes = fs.figure(7.5, 3.0 * len(tasks), len(tasks), 2)
-        handles, labels = [], []
-        for row, t in zip(axes, tasks):
-            for ax, m in zip(row, MISMATCHES):
-                for c in (*COMPONENTS, "full"):
-                    sel = [r for r in rows if (r["task"], r["mismatch"], r["component"]) == (t, m, c)]
-                    if not sel:
-                        continue
-                    xs = [r["step"] for r in sel]
-                    (h,) = ax.plot(xs, [r["mean"] for r in sel], color=COMPONENT_COLORS[c], lw=1.4,
-                                   ls=":" if c == "full" else "-")
-                    fs.ci_band(ax, xs, sel, COMPONENT_COLORS[c])
-                    handles.append(h)
-                    labels.append(COMPONENT_LABELS[c])
-                ax.axhline(0, color="#000000", lw=0.8)
-                ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
-                ax.set_xlabel("training step")
-                ax.set_ylabel("cumulative influence (probe units²)")
+    else:
         fs.finish(fig, f"Cumulative influence at NTP-useless sites, vanilla; bands: "
-                       f"{fs.ci_label(len(summary['tracked_seeds']), 'seeds')}. {fs.SIGN}", handles, labels, 4)
-        return fs.save(fig, figdir, "influence_curves")
+                       f"{fs.ci_label(len(summary['tracked_seeds']), 'seeds')}. {fs.SIGN}", ncol=4)
+    return fig
 
 
-def _fig_offset(summary, figdir):
+def _fig_offset(summary):
     rows = summary["offset_share"]
-    tasks = [t for t in summary["tasks"] if any(r["task"] == t for r in rows)]
-    if not tasks:
+    if not (tasks := [t for t in summary["tasks"] if any(r["task"] == t for r in rows)]):
         return None
-    with fs.style():
-        fig, axes = fs.figure(max(6.0, 3.6 * len(tasks)), 3.4, 1, len(tasks), sharey=True)
-        for ax, t in zip(axes[0], tasks):
-            sel = sorted((r for r in rows if r["task"] == t), key=lambda r: r["pos"])
-            xs = [r["pos"] for r in sel]
-            ax.bar(xs, [r["mean"] for r in sel], color=[fs.BASELINE if r["where"] == "useful" else
-                                                       fs.OKABE_ITO["vermillion"] for r in sel])
-            fs.error_bars(ax, xs, sel, bounds=(0, 1))
-            ax.set_ylim(0, 1.05)
-            ax.set_xlabel("tracked position (grey: feature NTP-useful)")
-            ax.set_title(TASK_TITLES[t])
-        axes[0][0].set_ylabel("offset share of R at step 0\nmean(d)² / R")
-        fs.finish(fig, "How much of the paper's mismatch R is a mean offset at step 0? Held-out data, mean over "
-                       f"features; whiskers: {fs.ci_label(len(summary['tracked_seeds']), 'seeds')}, clipped to [0, 1]")
-        return fs.save(fig, figdir, "offset_share")
+    fig, axes = fs.figure(max(6.0, 3.6 * len(tasks)), 3.4, 1, len(tasks), sharey=True)
+    for ax, t in zip(axes[0], tasks):
+        sel = select(rows, "pos", task=t)
+        xs = [r["pos"] for r in sel]
+        ax.bar(xs, [r["mean"] for r in sel], color=[fs.BASELINE if r["where"] == "useful" else
+                                                   fs.OKABE_ITO["vermillion"] for r in sel])
+        fs.error_bars(ax, xs, sel, bounds=(0, 1))
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("tracked position (grey: feature NTP-useful)")
+        ax.set_title(TASK_TITLES[t])
+    axes[0][0].set_ylabel("offset share of R at step 0\nmean(d)² / R")
+    fs.finish(fig, "How much of the paper's mismatch R is a mean offset at step 0? Held-out data, mean over "
+                   f"features; whiskers: {fs.ci_label(len(summary['tracked_seeds']), 'seeds')}, clipped to [0, 1]")
+    return fig
 
 
 FIGURES = {"probe_majority": _fig_probe("majority"), "probe_cond_majority": _fig_probe("cond_majority"),
-           "task_success": _fig_task_success, "influence_bars": _fig_influence_bars,
-           "influence_curves": _fig_influence_curves, "offset_share": _fig_offset}
-
-
-def make_figures(summary: dict, figdir: Path) -> dict[str, bytes]:
-    """Draw every figure that has data into ``figdir``; returns {name: PNG bytes}."""
-    return draw_figures(summary, figdir, FIGURES)
+           "task_success": _fig_task_success, "influence_bars": lambda s: _fig_influence(s, "bars"),
+           "influence_curves": lambda s: _fig_influence(s, "curves"), "offset_share": _fig_offset}
 
 
 # ---------------------------------------------------------------------------------------------------- document
@@ -513,9 +338,7 @@ def _document(summary: dict, figures) -> list[tuple]:
                f"{INFLUENCE_UNIT}. resid[k] is the output of block k−1; logits at p predict token p+1. Every number "
                "is also in summary.json."),
          ("h2", "Settings"),
-         ("table", ["setting", "this run", "paper", "differs"],
-          [[s["setting"], s["this_run"], s["paper"], "yes" if s["differs"] else ""] for s in summary["settings"]],
-          None),
+         settings_table(summary["settings"]),
          ("h2", "Claims"),
          ("claims", summary["claims"], False),
          ("p", "Rules were fixed before the numbers were seen. A claim whose preconditions fail is 'not testable at "
@@ -585,7 +408,7 @@ def _document(summary: dict, figures) -> list[tuple]:
 
 def write_report(out_dir: str | Path) -> Path:
     """Read ``out_dir/data.json``; write figures/, summary.json, report.md and report.html. Returns report.md's path."""
-    return _write_from_data(out_dir, summarize, make_figures, _document)
+    return write_from_data(out_dir, summarize, FIGURES, _document)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,426 @@
+"""Every claim of the project with its rule, one section per experiment.
+
+``toy_claims``, ``othello_claims``, ``stories_claims`` and ``llm_claims`` each take the summary that the experiment's
+report computes and return its claims (``claims.Claim``): the statement, the paper's value, the decision rule (its
+text and the code that applies it built from the same parameters), the numbers it reads and its preconditions. The
+thresholds of the rules and the paper's numbers they are compared with are the constants of each section.
+"""
+
+from __future__ import annotations
+
+from .claims import (
+    INCONCLUSIVE,
+    NOT_REPRODUCED,
+    REPRODUCED,
+    Check,
+    Claim,
+    Rule,
+    at_least,
+    every,
+    interval_above,
+    interval_contains,
+)
+from .report_kit import COMPONENT_LABELS, COMPONENTS, fmt, fmt_ci, fmt_g, has_ci, stats
+
+# --------------------------------------------------------------------------------- toy tasks (docs/paper.md#toy-tasks)
+
+GATE_ACC, GATE_GAP = 0.99, 0.01  # vanilla must learn the task on every seed
+CLAIM_LAYERS, CLAIM_POSITIONS = (1, 2), tuple(range(2, 10))  # input positions: the features are NTP-useless
+B_LEARNED = 0.9  # claim b: vanilla's prev_is_<0> probe r (window mean) on every seed
+B_THRESHOLD = 0.05  # claim b: a gain below this counts as "not learned"
+C_RATIO = 0.25  # claim c: |direct| < C_RATIO · (pre_cached + shared) counts as "small"
+WINDOW = "layers 1–2, input positions 2–9"
+
+
+def gate_checks(summary: dict, task: str) -> tuple[Check, ...]:
+    """The preconditions that vanilla learned ``task``: first-output accuracy and loss gap on every seed."""
+    g = summary["gates"].get(task) or {}
+    acc, gap = g.get("min_first_acc"), g.get("max_loss_gap")
+    return (Check(f"vanilla {task} first-output accuracy >= {GATE_ACC} on every seed (lowest)",
+                  None if acc is None else round(acc, 4), acc is not None and acc >= GATE_ACC),
+            Check(f"vanilla {task} eval loss within {GATE_GAP} of the exact optimum "
+                  f"{fmt_g(g.get('optimal_loss'))} on every seed (largest gap)",
+                  None if gap is None else round(gap, 4), gap is not None and gap <= GATE_GAP))
+
+
+def _toy_rule_a() -> Rule:
+    def decide(n):
+        d, mu, means = n["vs_vanilla"], n["myopic-untied_vs"], n["mean_gain"]
+        if any(not has_ci(d.get(g)) for g in ("myopic", "untied", "myopic-untied")):
+            return INCONCLUSIVE
+        if any(d[g]["lo"] > 0 for g in d) or any(has_ci(v) and v["lo"] > 0 for v in mu.values()):
+            return NOT_REPRODUCED
+        lowest = all(means["myopic-untied"] < means[g] for g in ("vanilla", "myopic", "untied"))
+        return REPRODUCED if d["myopic"]["hi"] < 0 and d["untied"]["hi"] < 0 and lowest else INCONCLUSIVE
+
+    return Rule(f"Per seed, gain = final r − init r of the same seed (mean over the features), averaged over "
+                f"{WINDOW}; Δ = regime gain − vanilla gain, paired by seed. Reproduced if Δ(myopic) and Δ(untied) "
+                "both have 95% CI upper bound < 0 and myopic-untied has the lowest mean gain. Not reproduced if any "
+                "Δ has CI lower bound > 0 or myopic-untied lies significantly above myopic or untied. Otherwise "
+                "inconclusive.", decide)
+
+
+def _toy_rule_b() -> Rule:
+    def decide(n):
+        g = n["gain"]
+        if not all(has_ci(v) for v in g.values()):
+            return INCONCLUSIVE
+        myopic = [r for r in ("myopic", "myopic-untied") if r in g]
+        if any(g[r]["lo"] > B_THRESHOLD for r in myopic):
+            return NOT_REPRODUCED
+        ok = g["vanilla"]["lo"] > 0 and all(g[r]["lo"] <= 0 or g[r]["hi"] < B_THRESHOLD for r in myopic)
+        return REPRODUCED if ok else INCONCLUSIVE
+
+    return Rule(f"Per seed, gain = final r − init r of prev_is_<0>, averaged over {WINDOW}. Reproduced if vanilla's "
+                f"gain has 95% CI lower bound > 0 and, for myopic and myopic-untied, the gain's CI includes 0 or lies "
+                f"below {B_THRESHOLD}. Not reproduced if myopic's or myopic-untied's gain has CI lower bound > "
+                f"{B_THRESHOLD}. Otherwise inconclusive.", decide)
+
+
+def _toy_rule_c() -> Rule:
+    def decide(n):
+        v = n["centred"]
+        if not has_ci(v["direct"]) or v["pre_cached+shared"]["mean"] is None:
+            return INCONCLUSIVE
+        m = {c: v[c]["mean"] for c in COMPONENTS}
+        indirect, direct = v["pre_cached+shared"]["mean"], m["direct"]
+        if direct > 0 and direct > m["pre_cached"] and direct > m["shared"]:
+            return NOT_REPRODUCED
+        small = v["direct"]["lo"] <= 0 <= v["direct"]["hi"] or abs(direct) < C_RATIO * indirect
+        return REPRODUCED if indirect > 0 and indirect > direct and small else INCONCLUSIVE
+
+    return Rule("Vanilla runs, the centred mismatch R_c; per seed the integrated Adam influence of each component, "
+                "averaged over the tracked site × feature pairs where the feature is NTP-useless, below the last "
+                "layer. Not reproduced if direct is positive and the largest of the three; reproduced if "
+                "pre-cached + shared is positive, above direct, and direct's 95% CI includes 0 or "
+                f"|direct| < {C_RATIO} · (pre-cached + shared); otherwise inconclusive. The paper's R is shown "
+                "beside it and does not decide.", decide)
+
+
+def toy_claims(summary: dict) -> list[Claim]:
+    """The toy claims with their numbers, preconditions and verdicts."""
+    out = []
+    pg, n = summary["probe_gain"], summary["n_seeds"]
+    if (a := pg.get("majority")) is not None:
+        per = a["per_regime"]
+        out.append(Claim(
+            "a", "myopic and untied training each reduce the majority feature at input positions; myopic-untied "
+            "reduces it most", "no number given (qualitative, 10 seeds × 4 regimes)", _toy_rule_a(),
+            {"vs_vanilla": a["vs_vanilla"], "myopic-untied_vs": a["myopic-untied_vs"],
+             "mean_gain": {g: v["gain"]["mean"] for g, v in per.items()}},
+            f"gain over init ({WINDOW}): " + "; ".join(
+                f"{g} {fmt_ci(v['gain'])} (init r {fmt_ci(v['init'])}, final {fmt_ci(v['final'])})"
+                for g, v in per.items()) + ". Paired Δ vs vanilla: "
+            + "; ".join(f"{g} {fmt_ci(d)}" for g, d in a["vs_vanilla"].items()) + f". n = {n} seeds",
+            (at_least("seeds", n, 2), Check("all four regimes", len(per), len(per) == 4),
+             *gate_checks(summary, "majority")), "majority"))
+    if (b := pg.get("cond_majority")) is not None:
+        per = b["per_regime"]
+        gain = {g: per[g]["gain"] for g in ("vanilla", "myopic", "myopic-untied") if g in per}
+        low = (per.get("vanilla") or {}).get("min_final")
+        out.append(Claim(
+            "b", "a myopic model never learns prev_is_<0>", "no number given; the paper's code reaches probe r 0.998 "
+            "in vanilla", _toy_rule_b(), {"gain": gain},
+            f"gain of prev_is_<0> r over init ({WINDOW}): " + "; ".join(
+                f"{g} {fmt_ci(v)} (init r {fmt_ci(per[g]['init'])})" for g, v in gain.items()) + f". n = {n} seeds",
+            (at_least("seeds", n, 2), Check("vanilla and myopic both run", sorted(gain),
+                                            {"vanilla", "myopic"} <= set(gain)),
+             *gate_checks(summary, "cond_majority"),
+             Check(f"vanilla learns prev_is_<0>: window probe r >= {B_LEARNED} on every seed (lowest)",
+                   None if low is None else round(low, 3), low is not None and low >= B_LEARNED)),
+            "cond_majority"))
+    for t, by in summary["influence"].items():
+        c, p = by.get("centred"), by.get("paper")
+        if c is None:
+            continue
+        n_tr = min(c[x]["n"] for x in COMPONENTS)
+        text = "; ".join(f"{m}: " + ", ".join(f"{COMPONENT_LABELS[x]} {fmt_ci(v[x], fmt_g)}" for x in COMPONENTS)
+                         for m, v in (("R_c", c), ("R (paper)", p)) if v)
+        out.append(Claim(
+            "c", "in vanilla training the NTP-useless feature is built by the pre-caching and shared parts, not the "
+            "direct part (the paper shows this for Othello; here it is tested on the toy tasks)",
+            "Othello only: direct ≈ 0 for useless squares; toy tasks reported as probe quality only", _toy_rule_c(),
+            {"centred": c, "paper": p},
+            f"integrated influence at NTP-useless sites (+ = toward the final value), {text}. n = {n_tr} seeds",
+            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t)), t))
+    return out
+
+
+# ---------------------------------------------------------------------------------- OthelloGPT (docs/paper.md#othello)
+
+PAPER_CI = {  # docs/paper.md#numbers (95% CIs, second-hand); unit unknown
+    ("direct", "useful"): (2.85, 12.38), ("direct", "useless"): (-4.69, 2.74),
+    ("pre_cached", "useful"): (-1.99, 0.66), ("pre_cached", "useless"): (0.55, 3.05),
+    ("shared", "useful"): (4.80, 12.48), ("shared", "useless"): (2.93, 9.91),
+    ("full", "useful"): (12.14, 19.05), ("full", "useless"): (4.42, 10.07),
+}
+
+
+def _othello_row(summary, key):
+    return summary["influence"].get(key) or {"mean": None, "lo": None, "hi": None, "n": 0}
+
+
+def _othello_gap_rule() -> Rule:
+    """Claim (i): the final ridge-r gap, per layer ≥ 1 and its slopes over layers and moves (95% t-CI over squares)."""
+
+    def decide(n):
+        gaps, sl = n["gap_by_layer"], n["slopes"]
+        if any(g["hi"] is not None and g["hi"] < 0 for g in gaps) or (sl["mean_gap"] is not None and
+                                                                      sl["mean_gap"] <= 0):
+            return NOT_REPRODUCED
+        los = [g["lo"] for g in gaps] + [sl["per_layer_lo"], sl["per_move_lo"]]
+        return REPRODUCED if all(x is not None and x > 0 for x in los) else INCONCLUSIVE
+
+    return Rule("Final weights, ridge r. Per square, gap = r(useful rows) − r(useless rows) at each (layer, position) "
+                "where both are defined; by layer = the square's mean over positions; by move = its mean over layers "
+                "≥ 1; slopes = per square, the least-squares slope of its gap over layers 1..L and over positions. "
+                "95% t-CIs over squares. Reproduced if every layer ≥ 1 has its gap CI above 0 and both slope CIs "
+                "lie above 0; not reproduced if some layer ≥ 1 has its gap CI below 0 or the mean gap over layers ≥ 1 "
+                "is ≤ 0; otherwise inconclusive.", decide)
+
+
+def othello_claims(summary) -> list[Claim]:
+    """The four OthelloGPT claims of the paper (docs/paper.md#othello), judged on ``summary``."""
+    gl = [g for g in summary["gap_by_layer"] if g["metric"] == "r" and g["weights"] == "final" and g["layer"] >= 1]
+    sl = summary["gap_slopes"].get("r/final") or {"per_layer": stats([]), "per_move": stats([]),
+                                                    "mean_layers_ge1": stats([])}
+    gap_numbers = {"gap_by_layer": [{"layer": g["layer"], "mean": g["mean"], "lo": g["lo"], "hi": g["hi"]} for g in gl],
+                   "slopes": {"per_layer_lo": sl["per_layer"]["lo"], "per_move_lo": sl["per_move"]["lo"],
+                              "mean_gap": sl["mean_layers_ge1"]["mean"]}}
+    gap_text = ("gap by layer (final): " + "; ".join(f"L{g['layer']} {fmt_ci(g)}" for g in gl)
+                + f". Slope per layer {fmt_ci(sl['per_layer'], fmt_g)}; per move {fmt_ci(sl['per_move'], fmt_g)}; "
+                f"mean over layers ≥ 1 {fmt_ci(sl['mean_layers_ge1'])}") if gl else "no final ridge probes"
+    n_sq = gl[0]["n"] if gl else 0
+    row = {k: _othello_row(summary, k) for k in ("direct/useful", "direct/useless", "pre_cached/useless",
+                                          "pre_cached/useful", "shared/useful", "shared/useless")}
+
+    def infl(*keys):
+        return "; ".join(f"{k.replace('_', '-').replace('/', ' ')} {fmt_ci(row[k], fmt_g)} (n={row[k]['n']})"
+                         for k in keys)
+
+    def units(*keys):
+        return tuple(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys)
+
+    pc = PAPER_CI
+    return [
+        Claim("i", "NTP-useful squares are represented better than NTP-useless ones: the gap r(useful) − r(useless) "
+              "is positive at every layer ≥ 1 and grows with layer and with move index (Fig. 3)",
+              "positive at every layer, growing with layer and move index (no number given)", _othello_gap_rule(),
+              gap_numbers, gap_text, (at_least("squares", n_sq, 2), at_least("layers k ≥ 1 with a gap", len(gl), 2))),
+        Claim("ii", "direct influence is positive for useful squares and not different from 0 for useless squares",
+              f"useful {list(pc[('direct', 'useful')])}, useless {list(pc[('direct', 'useless')])}",
+              every(interval_above("useful-square direct influence", "direct/useful"),
+                    interval_contains("useless-square direct influence", "direct/useless")),
+              {k: row[k] for k in ("direct/useful", "direct/useless")}, infl("direct/useful", "direct/useless"),
+              units("direct/useful", "direct/useless")),
+        Claim("iii", "pre-caching influence is positive for useless squares",
+              f"useless {list(pc[('pre_cached', 'useless')])}, useful {list(pc[('pre_cached', 'useful')])}",
+              interval_above("useless-square pre-caching influence", "pre_cached/useless"),
+              {"pre_cached/useless": row["pre_cached/useless"]}, infl("pre_cached/useless", "pre_cached/useful"),
+              units("pre_cached/useless")),
+        Claim("iv", "shared (circuit-sharing) influence is positive for both useful and useless squares",
+              f"useful {list(pc[('shared', 'useful')])}, useless {list(pc[('shared', 'useless')])}",
+              every(interval_above("useful-square shared influence", "shared/useful"),
+                    interval_above("useless-square shared influence", "shared/useless")),
+              {k: row[k] for k in ("shared/useful", "shared/useless")}, infl("shared/useful", "shared/useless"),
+              units("shared/useful", "shared/useless")),
+    ]
+
+
+# ----------------------------------------------------------------------------- TinyStories (docs/paper.md#tinystories)
+
+PAPER_LOSS = {"vanilla": (2.53, 0.10), "myopic": (3.29, 0.02)}  # docs/paper.md#numbers: mean ± (presumably) sd, 10 seeds
+A_REL = 0.02  # claim a: "clearly worse" = at least 2% above vanilla's mean loss
+B_KEEP = 0.8  # claim b: myopic keeps >= 80% of vanilla's probe gain over init
+B_LOSE = 0.5  # claim b: not reproduced if myopic significantly loses more than half of it
+
+
+def _stories_rule_a() -> Rule:
+    def decide(n):
+        d, v = n["delta"] or {}, n["vanilla_loss"]
+        if d.get("lo") is not None and v is not None and d["lo"] > 0 and d["mean"] >= A_REL * v:
+            return REPRODUCED
+        return NOT_REPRODUCED if d.get("hi") is not None and d["hi"] < 0 else INCONCLUSIVE
+
+    return Rule("Per seed, Δ = myopic eval loss − vanilla eval loss (same seed, same windows); 95% t-CI over seeds. "
+                f"Reproduced if the CI lies above 0 and mean Δ ≥ {A_REL:.0%} of vanilla's mean loss; not reproduced "
+                "if the CI lies below 0 (myopic better); otherwise inconclusive.", decide)
+
+
+def _stories_rule_b() -> Rule:
+    def decide(n):
+        d, gm, gv = n["D"] or {}, n["gain_myopic"] or {}, n["gain_vanilla"]
+        if gv is None or d.get("lo") is None or gm.get("lo") is None:
+            return INCONCLUSIVE
+        if gm["lo"] > 0 and d["mean"] <= (1 - B_KEEP) * gv:
+            return REPRODUCED
+        return NOT_REPRODUCED if d["lo"] > B_LOSE * gv else INCONCLUSIVE
+
+    return Rule("Per seed, probe quality q = test Pearson r averaged over the 20 syntactic features, layers 1–L and "
+                "probed positions 1–63; gain = q(final) − q(init, same seed); D = q(vanilla) − q(myopic), paired by "
+                f"seed. Reproduced if myopic's gain has its CI above 0 and mean D ≤ {1 - B_KEEP:.1f} × vanilla's mean "
+                f"gain (myopic keeps ≥ {B_KEEP:.0%} of it); not reproduced if D's CI lower bound > {B_LOSE} × "
+                "vanilla's mean gain; otherwise inconclusive.", decide)
+
+
+def _stories_rule_c() -> Rule:
+    def decide(n):
+        e, direct = n["E"] or {}, n["direct_share"]
+        if e.get("lo") is not None and e["lo"] > 0 and direct is not None and direct > 0:
+            return REPRODUCED
+        return NOT_REPRODUCED if e.get("hi") is not None and e["hi"] < 0 else INCONCLUSIVE
+
+    return Rule("Vanilla runs; per seed, each component's influence share (component / (|direct| + |pre-cached| + "
+                "|shared|) per tracked site × feature) averaged over the 20 syntactic features; E = share(direct) − "
+                "share(pre-cached), paired by seed; 95% t-CI. Reproduced if E's CI lies above 0 and the mean direct "
+                "share > 0; not reproduced if E's CI lies below 0; otherwise inconclusive. (Direct vs shared is "
+                "reported, not scored: the paper compares direct with pre-cached.)", decide)
+
+
+def stories_claims(summary) -> list[Claim]:
+    """The four TinyStories claims of the paper (docs/paper.md#tinystories), judged on ``summary``."""
+    lo, pq, infl = summary["loss"], summary["probe_quality"], summary["influence"]
+    seeds = (at_least("seeds", summary["n_seeds"], 2),)
+    empty = stats([])
+    # (a) loss
+    d = lo.get("myopic_minus_vanilla") or empty
+    van = lo["per_regime"].get("vanilla", {}).get("eval_loss", empty)
+    myo = lo["per_regime"].get("myopic", {}).get("eval_loss", empty)
+    a_text = f"eval loss (nats/token): vanilla {fmt_ci(van)}, myopic {fmt_ci(myo)}; paired Δ {fmt_ci(d)}"
+    # (b) syntax survives
+    syn = pq.get("syntax") or {"per_regime": {}}
+    v, m = syn["per_regime"].get("vanilla"), syn["per_regime"].get("myopic")
+    big_d = syn.get("vanilla_minus_myopic") or empty
+    b_text = (f"syntactic probe r: vanilla {fmt_ci(v['final'])}, myopic {fmt_ci(m['final'])}, init "
+              f"{fmt_ci(syn.get('init'))}; gain over init: vanilla {fmt_ci(v['gain'])}, myopic {fmt_ci(m['gain'])}; "
+              f"D = vanilla − myopic {fmt_ci(big_d)}") if v and m else "no probe data for vanilla and myopic"
+    # (c) syntax through the direct path
+    sv = infl.get("syntax", {}).get("per_regime", {}).get("vanilla")
+    e = sv["direct_minus_pre_cached_share"] if sv else empty
+    c_text = ("vanilla influence shares, syntactic features: "
+              + "; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(sv['share'][c])}" for c in COMPONENTS)
+              + f"; E = direct − pre-cached {fmt_ci(e)}; direct − shared {fmt_ci(sv['direct_minus_shared_share'])}"
+              ) if sv else "no vanilla influence for the syntactic features"
+    # (d) position through pre-caching
+    pv = infl.get("position", {}).get("per_regime", {}).get("vanilla")
+    pos = pq.get("position") or {}
+    big_p = pv["pre_cached_minus_direct_share"] if pv else empty
+    pos_d = pos.get("vanilla_minus_myopic") or empty
+    d_text = ("(d1) vanilla influence shares, position features: "
+              + ("; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(pv['share'][c])}" for c in COMPONENTS) if pv else "n/a")
+              + f"; P = pre-cached − direct {fmt_ci(big_p)}. (d2) position probe r: D = vanilla − myopic "
+              f"{fmt_ci(pos_d)}")
+    return [
+        Claim("a", "a myopic model (no pre-caching) reaches a clearly worse held-out loss",
+              f"vanilla {PAPER_LOSS['vanilla'][0]} ± {PAPER_LOSS['vanilla'][1]}, myopic {PAPER_LOSS['myopic'][0]} ± "
+              f"{PAPER_LOSS['myopic'][1]} nats/token", _stories_rule_a(), {"delta": d, "vanilla_loss": van["mean"]}, a_text,
+              seeds),
+        Claim("b", "syntactic features (POS tags, dependency labels) survive myopic training",
+              "survive (no number given)", _stories_rule_b(),
+              {"D": big_d, "gain_myopic": m["gain"] if m else None,
+               "gain_vanilla": v["gain"]["mean"] if v else None}, b_text, seeds),
+        Claim("c", "syntactic features are learned mainly through the direct path (pre-cached influence ≪ direct)",
+              "pre-cached ≪ direct (no number given)", _stories_rule_c(),
+              {"E": e, "direct_share": sv["share"]["direct"]["mean"] if sv else None}, c_text, seeds),
+        Claim("d", "story-position features come from pre-caching, and their probe quality drops under myopic "
+              "training", "high pre-cached influence (one secondary source, low confidence)",
+              every(interval_above("P = share(pre-cached) − share(direct) of the position features (vanilla)", "P"),
+                    interval_above("D = q(vanilla) − q(myopic) of the position features' probe r", "D")),
+              {"P": big_p, "D": pos_d}, d_text, seeds),
+    ]
+
+
+# -------------------------------------------------------------------- pretrained LLM (docs/paper.md#gemma, #lookahead)
+
+ALPHA = 0.05  # significance level of the tail test
+LENS_MIN_K = 3  # the lens claim needs this many of the five k with a CI on one side of 0
+
+
+def _interval(x: dict | None, key: str = "rho") -> dict:
+    x = x or {}
+    return {"mean": x.get(key), "lo": x.get("lo"), "hi": x.get("hi")}
+
+
+def _rule_tails() -> Rule:
+    def decide(n):
+        if n["p_greater"] is not None and n["p_greater"] < ALPHA:
+            return REPRODUCED
+        return NOT_REPRODUCED if n["p_less"] is not None and n["p_less"] < ALPHA else INCONCLUSIVE
+
+    return Rule("Reconstruction mode; tails = the 10% lowest and 10% highest ln Q of the included latents (at least "
+                "one each). One-sided Fisher exact test of the formal share in the tails against the rest. Reproduced "
+                f"if the tails' formal share is higher with p < {ALPHA}; not reproduced if it is lower with p < "
+                f"{ALPHA} (the opposite one-sided test); otherwise inconclusive.", decide)
+
+
+def _rule_lens() -> Rule:
+    def decide(n):
+        rows = n["rows"]
+        below = sum(1 for r in rows if r["hi"] is not None and r["hi"] < 0)
+        above = sum(1 for r in rows if r["lo"] is not None and r["lo"] > 0)
+        if below >= LENS_MIN_K and above == 0:
+            return REPRODUCED
+        return NOT_REPRODUCED if above >= LENS_MIN_K and below == 0 else INCONCLUSIVE
+
+    return Rule("Reconstruction mode, included latents with Q > 0, projector rank r = d_model/16; per k = 1..5, "
+                f"Spearman ρ(Q, overlap) with a Fisher-z 95% CI. Reproduced if at least {LENS_MIN_K} of the 5 CIs lie "
+                f"below 0 and none above; not reproduced if at least {LENS_MIN_K} lie above 0 and none below; "
+                "otherwise inconclusive.", decide)
+
+
+def _ci_text(x: dict | None, key: str) -> str:
+    x = x or {}
+    return f"{fmt(x.get(key), 2)} [{fmt(x.get('lo'), 2)}, {fmt(x.get('hi'), 2)}]"
+
+
+def llm_claims(s: dict) -> list[Claim]:
+    """The paper's LLM claims (docs/paper.md#gemma, #lookahead) and one beyond it, judged on the summary ``s``."""
+    q = s["q"].get("reconstruction") or {}
+    ratio = q.get("sigma_ratio") or {}
+    sf, so = q.get("sigma_formal") or {}, q.get("sigma_other") or {}
+    t = q.get("tail_test") or {}
+    run = ((s.get("steering") or {}).get("runs") or [{}])[0]
+    diff = run.get("diff") or {}
+    ln = s.get("lens") or {}
+    lens_rows = [r for r in (ln.get("correlation") or {}).get("reconstruction", []) if r["r"] == ln.get("primary_rank")]
+    qv = s.get("q_vs_influence") or {}
+    sp = qv.get("spearman") or {}
+    return [
+        Claim("5a", "σ(ln Q) is larger for formal (code/math) latents than for other latents",
+              "σ(ln Q) = 1.63 ± 0.03 (formal) vs 1.23 ± 0.02 (other); Gemma-2-2B, ≈14.6k latents",
+              interval_above("σ_formal / σ_other (reconstruction mode, included latents with Q > 0; F-distribution "
+                             "95% CI, normal model)", "ratio", 1.0),
+              {"ratio": _interval(ratio, "ratio")},
+              (f"{fmt(sf.get('sigma'), 2)} ± {fmt(sf.get('ci_half'), 2)} (n={sf.get('n')}) vs {fmt(so.get('sigma'), 2)}"
+               f" ± {fmt(so.get('ci_half'), 2)} (n={so.get('n')}); ratio {_ci_text(ratio, 'ratio')}") if q else
+              "no scan", (at_least("formal latents", sf.get("n"), 3), at_least("other latents", so.get("n"), 3))),
+        Claim("5b", "latents at either extreme of Q are over-represented in formal domains",
+              "the high-Q tail is dominated by code and formal-structure latents, which also appear in the low tail "
+              "(no number given)", _rule_tails(), {"p_greater": t.get("p_greater"), "p_less": t.get("p_less")},
+              (f"formal share {fmt(t.get('tail_share'), 2)} in the tails ({t.get('tail_formal')}/"
+               f"{(t.get('tail_formal') or 0) + (t.get('tail_other') or 0)}) vs {fmt(t.get('rest_share'), 2)} in the "
+               f"rest; p(greater) = {fmt(t.get('p_greater'), 3)}") if t else "no scan",
+              (at_least("included latents", q.get("n_positive"), 4),)),
+        Claim("5c", "steering with high-Q latents produces more code-like output than with low-Q latents",
+              "more code and punctuation for high-Q latents (no number given)",
+              interval_above("mean code score, high-Q − low-Q latents at the first steering strength (Welch)",
+                             "diff"), {"diff": _interval(diff, "diff")},
+              (f"alpha {run.get('alpha')}: high-Q {fmt_ci(run.get('high'))} vs low-Q {fmt_ci(run.get('low'))} "
+               f"(no steering {fmt((run.get('baseline') or {}).get('mean'))}); difference "
+               f"{_ci_text(diff, 'diff')}") if run else "not run",
+              (at_least("high-Q latents", diff.get("n_a"), 2), at_least("low-Q latents", diff.get("n_b"), 2))),
+        Claim("6", "Q correlates negatively with a latent's overlap with the look-ahead lens's top singular directions",
+              "negative correlation (statistic and r not given)", _rule_lens(),
+              {"rows": [{"k": r["k"], "rho": r["rho"], "lo": r["lo"], "hi": r["hi"]} for r in lens_rows]},
+              ("; ".join(f"k={r['k']}: ρ={_ci_text(r, 'rho')}" for r in lens_rows)
+               + f" (n={lens_rows[0]['n']}, rank {ln.get('primary_rank')})") if lens_rows else "not run",
+              (at_least("latents", lens_rows[0]["n"] if lens_rows else None, 4),)),
+        Claim("x", "beyond the paper: Q by ablation tracks the replay's I_pre-cached / I_direct (positive rank "
+              "correlation)", "not tested (Prop. 5.1 argues Q ≈ I_pre-cached / I_direct to first order)",
+              interval_above("Spearman ρ(Q, I_pre-cached / I_direct) over the toy run's probe sites before the last "
+                             "block's output (Fisher-z 95% CI)", "rho"), {"rho": _interval(sp)},
+              f"ρ = {_ci_text(sp, 'rho')}, n = {sp.get('n')}" + (
+                  f"; with the influence on the centred mismatch R_c: ρ = {_ci_text(qv['spearman_centred'], 'rho')}"
+                  if qv.get("spearman_centred") else "") if sp else "not run",
+              (at_least("probe sites", sp.get("n"), 4),)),
+    ]
