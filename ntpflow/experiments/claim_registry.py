@@ -20,7 +20,7 @@ from .claims import (
     interval_above,
     interval_contains,
 )
-from .report_kit import COMPONENT_LABELS, COMPONENTS, fmt, fmt_ci, fmt_g, has_ci, stats
+from .report_kit import COMPONENT_LABELS, COMPONENTS, fmt, fmt_ci, fmt_g, fmt_interval, fmt_sigma, has_ci, stats
 
 # --------------------------------------------------------------------------------- toy tasks (docs/paper.md#toy-tasks)
 
@@ -368,11 +368,6 @@ def _rule_lens() -> Rule:
                 "otherwise inconclusive.", decide)
 
 
-def _ci_text(x: dict | None, key: str) -> str:
-    x = x or {}
-    return f"{fmt(x.get(key), 2)} [{fmt(x.get('lo'), 2)}, {fmt(x.get('hi'), 2)}]"
-
-
 def llm_claims(s: dict) -> list[Claim]:
     """The paper's LLM claims (docs/paper.md#gemma, #lookahead) and one beyond it, judged on the summary ``s``."""
     q = s["q"].get("reconstruction") or {}
@@ -391,8 +386,7 @@ def llm_claims(s: dict) -> list[Claim]:
               interval_above("σ_formal / σ_other (reconstruction mode, included latents with Q > 0; F-distribution "
                              "95% CI, normal model)", "ratio", 1.0),
               {"ratio": _interval(ratio, "ratio")},
-              (f"{fmt(sf.get('sigma'), 2)} ± {fmt(sf.get('ci_half'), 2)} (n={sf.get('n')}) vs {fmt(so.get('sigma'), 2)}"
-               f" ± {fmt(so.get('ci_half'), 2)} (n={so.get('n')}); ratio {_ci_text(ratio, 'ratio')}") if q else
+              f"{fmt_sigma(sf)} vs {fmt_sigma(so)}; ratio {fmt_interval(ratio, 'ratio')}" if q else
               "no scan", (at_least("formal latents", sf.get("n"), 3), at_least("other latents", so.get("n"), 3))),
         Claim("5b", "latents at either extreme of Q are over-represented in formal domains",
               "the high-Q tail is dominated by code and formal-structure latents, which also appear in the low tail "
@@ -407,20 +401,20 @@ def llm_claims(s: dict) -> list[Claim]:
                              "diff"), {"diff": _interval(diff, "diff")},
               (f"alpha {run.get('alpha')}: high-Q {fmt_ci(run.get('high'))} vs low-Q {fmt_ci(run.get('low'))} "
                f"(no steering {fmt((run.get('baseline') or {}).get('mean'))}); difference "
-               f"{_ci_text(diff, 'diff')}") if run else "not run",
+               f"{fmt_interval(diff, 'diff')}") if run else "not run",
               (at_least("high-Q latents", diff.get("n_a"), 2), at_least("low-Q latents", diff.get("n_b"), 2))),
         Claim("6", "Q correlates negatively with a latent's overlap with the look-ahead lens's top singular directions",
               "negative correlation (statistic and r not given)", _rule_lens(),
               {"rows": [{"k": r["k"], "rho": r["rho"], "lo": r["lo"], "hi": r["hi"]} for r in lens_rows]},
-              ("; ".join(f"k={r['k']}: ρ={_ci_text(r, 'rho')}" for r in lens_rows)
+              ("; ".join(f"k={r['k']}: ρ={fmt_interval(r, 'rho')}" for r in lens_rows)
                + f" (n={lens_rows[0]['n']}, rank {ln.get('primary_rank')})") if lens_rows else "not run",
               (at_least("latents", lens_rows[0]["n"] if lens_rows else None, 4),)),
         Claim("x", "beyond the paper: Q by ablation tracks the replay's I_pre-cached / I_direct (positive rank "
               "correlation)", "not tested (Prop. 5.1 argues Q ≈ I_pre-cached / I_direct to first order)",
               interval_above("Spearman ρ(Q, I_pre-cached / I_direct) over the toy run's probe sites before the last "
                              "block's output (Fisher-z 95% CI)", "rho"), {"rho": _interval(sp)},
-              f"ρ = {_ci_text(sp, 'rho')}, n = {sp.get('n')}" + (
-                  f"; with the influence on the centred mismatch R_c: ρ = {_ci_text(qv['spearman_centred'], 'rho')}"
+              f"ρ = {fmt_interval(sp, 'rho')}, n = {sp.get('n')}" + (
+                  f"; with the influence on the centred mismatch R_c: ρ = {fmt_interval(qv['spearman_centred'], 'rho')}"
                   if qv.get("spearman_centred") else "") if sp else "not run",
               (at_least("probe sites", sp.get("n"), 4),)),
     ]

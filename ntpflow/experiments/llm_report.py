@@ -28,6 +28,8 @@ from .report_kit import (
     finite,
     fmt,
     fmt_ci,
+    fmt_interval,
+    fmt_sigma,
     report_main,
     sd_ratio_ci,
     stats,
@@ -299,7 +301,7 @@ def _fig_qvi(s):
     ax.set_xlabel("ln Q (ablation of the probe direction)")
     ax.set_ylabel("I_pre-cached / (|I_pre-cached| + |I_direct|)")
     sp = qv["spearman"]
-    ax.set_title(f"ρ(Q, I_pre/I_direct) = {fmt(sp['rho'], 2)} [{fmt(sp['lo'], 2)}, {fmt(sp['hi'], 2)}], "
+    ax.set_title(f"ρ(Q, I_pre/I_direct) = {fmt_interval(sp, 'rho')}, "
                  f"n = {sp['n']} sites (layer < {cut}); {len(pts)} shown", fontsize=9)
     finish(fig, f"Toy run: Q by ablation vs the replay's integrated influence\n{SIGN}", ncol=2)
     return fig
@@ -346,9 +348,7 @@ def _blocks(s: dict) -> list:
         ls = q.get("lnq_stats") or {}
         sf, so, ra = q["sigma_formal"], q["sigma_other"], q["sigma_ratio"]
         rows.append([mode, str(q["n_scored"]), str(q["n_included"]), fmt(ls.get("median"), 2),
-                     f"{fmt(sf['sigma'], 2)} ± {fmt(sf['ci_half'], 2)} (n={sf['n']})",
-                     f"{fmt(so['sigma'], 2)} ± {fmt(so['ci_half'], 2)} (n={so['n']})",
-                     f"{fmt(ra['ratio'], 2)} [{fmt(ra['lo'], 2)}, {fmt(ra['hi'], 2)}]"])
+                     fmt_sigma(sf), fmt_sigma(so), fmt_interval(ra, "ratio")])
     rows.append(["paper (gemma-2-2b)", "16384", "~14565", "n/a", "1.63 ± 0.03", "1.23 ± 0.02", "1.33"])
     b.append(("table", ["mode", "scored", "included (KL > cutoff)", "median ln Q", "σ(ln Q) formal (95% CI)",
                         "σ(ln Q) other (95% CI)", "σ ratio formal/other [95% CI]"], rows, "sigma"))
@@ -370,7 +370,7 @@ def _blocks(s: dict) -> list:
                        "latents); code score = share of non-whitespace characters that are ASCII punctuation or "
                        "letters of Python keywords.")))
         rows = [[str(r["alpha"]), fmt_ci(r["high"]), fmt_ci(r["low"]), fmt_ci(r["baseline"]),
-                 f"{fmt(r['diff']['diff'])} [{fmt(r['diff']['lo'])}, {fmt(r['diff']['hi'])}]"] for r in st["runs"]]
+                 fmt_interval(r["diff"], "diff", 3)] for r in st["runs"]]
         b.append(("table", ["alpha", "high-Q", "low-Q", "no steering", "high − low (Welch 95% CI)"], rows,
                   "steering"))
         ex = st["runs"][0]["examples"]
@@ -390,7 +390,7 @@ def _blocks(s: dict) -> list:
         rows = [[str(m["k"]), fmt(m["top1"]), fmt(m["model_top1"]), fmt(m["agree"]), fmt(m["r2"])]
                 for m in ln["metrics"]]
         b.append(("table", ["k", "lens top-1", "model top-1 at t+k−1", "agreement", "R² (hidden)"], rows, "lens"))
-        rows = [[mode, str(r["k"]), str(r["r"]), f"{fmt(r['rho'], 2)} [{fmt(r['lo'], 2)}, {fmt(r['hi'], 2)}]",
+        rows = [[mode, str(r["k"]), str(r["r"]), fmt_interval(r, "rho"),
                  fmt(r["p"], 3), str(r["n"])] for mode, rr in ln["correlation"].items() for r in rr]
         b.append(("table", ["mode", "k", "r", "Spearman ρ(Q, overlap) [95% CI]", "p", "n"], rows, "lens-corr"))
         b.append(("fig", "lens", ("Left: held-out accuracy of the lenses. Right: Spearman correlation of Q with "
@@ -419,7 +419,7 @@ def _blocks(s: dict) -> list:
                            ("ρ(Q, I_pre/I_direct), sites with H = 10", "spearman_full_horizon")):
             sp = qv.get(key)
             if sp:
-                rows.append([label, f"{fmt(sp['rho'], 2)} [{fmt(sp['lo'], 2)}, {fmt(sp['hi'], 2)}]",
+                rows.append([label, fmt_interval(sp, "rho"),
                              fmt(sp["p"], 3), str(sp["n"])])
         b.append(("table", ["statistic", "Spearman ρ [95% CI]", "p", "n"], rows, "qvi"))
         b.append(("fig", "q_vs_influence", "Each point a probe site × feature of the toy run."))
@@ -449,10 +449,5 @@ def write_report(out: str | Path) -> Path:
     return out / "report.html"
 
 
-def main(argv=None) -> None:
-    """Command line: write the report of the folder OUT holding the llm results and print the report.html path."""
-    report_main("llm_report", "pretrained-LLM", write_report, argv)
-
-
 if __name__ == "__main__":
-    main()
+    report_main("llm_report", "pretrained-LLM", write_report)

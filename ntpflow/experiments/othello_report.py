@@ -49,7 +49,7 @@ SETTING_KEYS = ("n_layer", "d_model", "n_head", "batch_size", "steps", "lr", "n_
 
 
 class _Probes:
-    """Lookup of the per-square probe values: ``get(weights, metric, type, layer, pos)`` → list of F (or None)."""
+    """The per-square probe values by (weights, metric, type, layer, pos); the type "gap" is useful − useless."""
 
     def __init__(self, records):
         self.v = {(r["weights"], r["metric"], r["type"], r["layer"], r["pos"]): r["values"] for r in records}
@@ -57,29 +57,19 @@ class _Probes:
         self.positions = sorted({r["pos"] for r in records})
         self.n_sq = max((len(r["values"]) for r in records), default=0)
 
-    def get(self, *key):
-        """Values of the key (weights, metric, type, layer, pos): a list with one per square, or None."""
-        return self.v.get(key)
+    def get(self, weights, metric, typ, layer, pos):
+        """One value per square (None where undefined), or None without data."""
+        if typ != "gap":
+            return self.v.get((weights, metric, typ, layer, pos))
+        u, s = (self.v.get((weights, metric, t, layer, pos)) for t in ("useful", "useless"))
+        if u is None or s is None:
+            return None
+        return [a - b if finite(a) and finite(b) else None for a, b in zip(u, s)]
 
     def per_square(self, weights, metric, typ, cells):
         """For each square, the mean of its values over ``cells`` [(layer, pos)]."""
-        out = []
-        for j in range(self.n_sq):
-            out.append(mean_of((self.get(weights, metric, typ, k, p) or [None] * self.n_sq)[j] for k, p in cells))
-        return out
-
-    def gap_square(self, weights, metric, layer, pos):
-        """Per square: useful − useless at (layer, pos), None where either is undefined."""
-        u = self.get(weights, metric, "useful", layer, pos)
-        s = self.get(weights, metric, "useless", layer, pos)
-        if u is None or s is None:
-            return [None] * self.n_sq
-        return [a - b if finite(a) and finite(b) else None for a, b in zip(u, s)]
-
-    def gap_per_square(self, weights, metric, cells):
-        """Per square: the mean over ``cells`` [(layer, pos)] of useful − useless (see :meth:`gap_square`)."""
-        gaps = [self.gap_square(weights, metric, k, p) for k, p in cells]
-        return [mean_of(g[j] for g in gaps) for j in range(self.n_sq)]
+        values = [self.get(weights, metric, typ, k, p) or [None] * self.n_sq for k, p in cells]
+        return [mean_of(v[j] for v in values) for j in range(self.n_sq)]
 
 
 def summarize(data: dict) -> dict:
@@ -89,51 +79,31 @@ def summarize(data: dict) -> dict:
     upper = [k for k in layers if k >= 1]
     weights_present = sorted({r["weights"] for r in data.get("probes") or []}, key=lambda w: w != "final")
 
-    # ---- probe quality
-    by_layer, by_pos, grid = [], [], []
+    # ---- probe quality per type, and Fig. 3: the gap useful − useless (by layer: mean over positions; by move:
+    # mean over layers ≥ 1; per square, then stats over squares)
+    by_layer, by_pos, grid, gap_slopes = [], [], [], {}
     for metric in METRICS:
         for w in weights_present:
-            for typ in PROBE_TYPES:
+            for typ in (*PROBE_TYPES, "gap"):
+                key = {"metric": metric, "weights": w, "type": typ}
+                per_layer = {k: pr.per_square(w, metric, typ, [(k, p) for p in positions]) for k in layers}
                 for k in layers:
-                    s = stats(pr.per_square(w, metric, typ, [(k, p) for p in positions]))
-                    if s["n"]:
-                        by_layer.append({"metric": metric, "weights": w, "type": typ, "layer": k, **s})
+                    if (s := stats(per_layer[k]))["n"]:
+                        by_layer.append({**key, "layer": k, **s})
                     for p in positions:
-                        vals = pr.get(w, metric, typ, k, p)
-                        m = mean_of(vals or [])
-                        if m is not None:
-                            grid.append({"metric": metric, "weights": w, "type": typ, "layer": k, "pos": p,
-                                         "mean": m})
-                for p in positions:
-                    s = stats(pr.per_square(w, metric, typ, [(k, p) for k in upper]))
-                    if s["n"]:
-                        by_pos.append({"metric": metric, "weights": w, "type": typ, "pos": p, **s})
+                        if (m := mean_of(pr.get(w, metric, typ, k, p) or [])) is not None:
+                            grid.append({**key, "layer": k, "pos": p, "mean": m})
+                per_pos = {p: pr.per_square(w, metric, typ, [(k, p) for k in upper]) for p in positions}
+                by_pos += [{**key, "pos": p, **s} for p in positions if (s := stats(per_pos[p]))["n"]]
+            squares = range(pr.n_sq)  # per_layer, per_pos: of the gap, the last type
+            gap_slopes[f"{metric}/{w}"] = {
+                "per_layer": stats(slope(upper, [per_layer[k][j] for k in upper]) for j in squares),
+                "per_move": stats(slope(positions, [per_pos[p][j] for p in positions]) for j in squares),
+                "mean_layers_ge1": stats(mean_of(per_layer[k][j] for k in upper) for j in squares)}
 
-    # ---- Fig. 3: gap useful − useless
-    gap_layer, gap_pos, gap_grid, gap_slopes = [], [], [], {}
-    for metric in METRICS:
-        for w in weights_present:
-            per_layer = {}
-            for k in layers:
-                per_layer[k] = pr.gap_per_square(w, metric, [(k, p) for p in positions])
-                s = stats(per_layer[k])
-                if s["n"]:
-                    gap_layer.append({"metric": metric, "weights": w, "layer": k, **s})
-                for p in positions:
-                    m = mean_of(pr.gap_square(w, metric, k, p))
-                    if m is not None:
-                        gap_grid.append({"metric": metric, "weights": w, "layer": k, "pos": p, "mean": m})
-            per_pos = {}
-            for p in positions:
-                per_pos[p] = pr.gap_per_square(w, metric, [(k, p) for k in upper])
-                s = stats(per_pos[p])
-                if s["n"]:
-                    gap_pos.append({"metric": metric, "weights": w, "pos": p, **s})
-            sl_layer = [slope(upper, [per_layer[k][j] for k in upper]) for j in range(pr.n_sq)]
-            sl_pos = [slope(positions, [per_pos[p][j] for p in positions]) for j in range(pr.n_sq)]
-            mean_upper = stats(mean_of(per_layer[k][j] for k in upper) for j in range(pr.n_sq))
-            gap_slopes[f"{metric}/{w}"] = {"per_layer": stats(sl_layer), "per_move": stats(sl_pos),
-                                          "mean_layers_ge1": mean_upper}
+    def split(rows, gap):
+        """The probe-quality rows, or the gap rows without their type."""
+        return [{k: v for k, v in r.items() if k != "type"} if gap else r for r in rows if (r["type"] == "gap") == gap]
 
     # ---- integrated influence table
     units = defaultdict(list)
@@ -178,8 +148,9 @@ def summarize(data: dict) -> dict:
         "run": {k: run.get(k) for k in ("legal_acc", "first_acc", "eval_loss")},
         "eval_curve": data.get("eval_curve") or [], "train_curve": data.get("train_curve") or [],
         "layers": layers, "positions": positions,
-        "probe_by_layer": by_layer, "probe_by_pos": by_pos, "probe_grid": grid,
-        "gap_by_layer": gap_layer, "gap_by_pos": gap_pos, "gap_grid": gap_grid, "gap_slopes": gap_slopes,
+        "probe_by_layer": split(by_layer, False), "probe_by_pos": split(by_pos, False),
+        "probe_grid": split(grid, False), "gap_by_layer": split(by_layer, True), "gap_by_pos": split(by_pos, True),
+        "gap_grid": split(grid, True), "gap_slopes": gap_slopes,
         "influence": table, "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
     }
     summary["claims"] = [c.to_dict() for c in othello_claims(summary)]
@@ -503,10 +474,5 @@ def write_report(out_dir: str | Path) -> Path:
     return write_from_data(out_dir, summarize, FIGURES, _document)
 
 
-def main(argv=None) -> None:
-    """Command line: write the report of the folder OUT holding data.json and print the report.md path."""
-    report_main("othello_report", "OthelloGPT", write_report, argv)
-
-
 if __name__ == "__main__":
-    main()
+    report_main("othello_report", "OthelloGPT", write_report)

@@ -168,6 +168,18 @@ def fmt_ci(s: dict | None, fmt=fmt) -> str:
     return f"{fmt(s['mean'])} (n={s['n']})"
 
 
+def fmt_interval(x: dict | None, key: str, digits: int = 2) -> str:
+    """``x[key]`` and its interval as "value [lo, hi]" ("n/a" for what is missing)."""
+    x = x or {}
+    return f"{fmt(x.get(key), digits)} [{fmt(x.get('lo'), digits)}, {fmt(x.get('hi'), digits)}]"
+
+
+def fmt_sigma(x: dict | None) -> str:
+    """A σ(ln Q) dict {sigma, ci_half, n} as "σ ± half-width (n=N)"."""
+    x = x or {}
+    return f"{fmt(x.get('sigma'), 2)} ± {fmt(x.get('ci_half'), 2)} (n={x.get('n')})"
+
+
 def select(rows, order: str | None = None, **where) -> list[dict]:
     """The rows whose keys equal ``where``, sorted by the key ``order`` (in their order without one)."""
     sel = [r for r in rows if all(r.get(k) == v for k, v in where.items())]

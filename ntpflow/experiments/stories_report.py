@@ -516,10 +516,5 @@ def write_report(out_dir: str | Path) -> Path:
     return write_from_data(out_dir, summarize, FIGURES, _document)
 
 
-def main(argv=None) -> None:
-    """Command line: write the report of the folder OUT holding data.json and print the report.md path."""
-    report_main("stories_report", "TinyStories", write_report, argv)
-
-
 if __name__ == "__main__":
-    main()
+    report_main("stories_report", "TinyStories", write_report)

@@ -411,10 +411,5 @@ def write_report(out_dir: str | Path) -> Path:
     return write_from_data(out_dir, summarize, FIGURES, _document)
 
 
-def main(argv=None) -> None:
-    """``python -m ntpflow.experiments.toy_report OUT``."""
-    report_main("toy_report", "toy", write_report, argv)
-
-
 if __name__ == "__main__":
-    main()
+    report_main("toy_report", "toy", write_report)
