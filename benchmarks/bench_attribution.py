@@ -625,6 +625,9 @@ def profile_section(args, tokens, mask) -> list[str]:
         (influence, "site_vjp", "risk VJPs: batched backward"),  # older ntpflow
         (attribution.SitePasses, "run", lambda top: "site passes (decomposition + risk VJPs)"
          if top == "track" else f"{ctx(top)}: site passes"),  # ntpflow >= shared site passes
+        (attribution.SitePasses, "run_many", "decomposition: reverse mode, per bucket"),  # tracker v2
+        (attribution, "own_cotangents", lambda top: f"{ctx(top)}: own-position cotangents"),
+        (attribution, "Primals", "forward mode: cached ordinary forward (Primals)"),
         (attribution, "_cotangent_pass", lambda top: f"{ctx(top)}: ∂L/∂r and myopic ∂L_i/∂r_i passes"),
         (attribution, "vjp_rows", lambda top: f"{ctx(top)}: VJP backwards"),
         (attribution, "resid_cotangents", lambda top: f"{ctx(top)}: ∂L/∂r and myopic ∂L_i/∂r_i passes"),

@@ -11,7 +11,8 @@ with L = Σ_j L_j the training loss (``lm_loss``: mean over counted positions of
 
 How it is computed: ∇L − ∇L^{sg(k,i)} = (∂r^k_i/∂θ)ᵀ ∂L/∂r^k_i, a vector–Jacobian product of the site's residual.
 The ordinary backward gives ∂L/∂r^k; the own-position cotangent ∂L_i/∂r^k_i comes from a short backward through
-the blocks above k at query i alone (``own_cotangent``; in a myopic model, or at the last layer, it equals ∂L/∂r^k_i).
+the blocks above k at query i alone (``reverse_mode.own_cotangents``; in a myopic model, or at the last layer, it
+equals ∂L/∂r^k_i).
 The VJPs themselves run by the hand-written reverse mode of ``ntpflow.reverse_mode`` on one cached ordinary forward
 (positions ≤ i, the site's own block for query i alone), in the model's own regime.
 """
@@ -23,8 +24,8 @@ import torch
 
 from .forward_mode import Primals
 from .loss import lm_loss
-from .model import GPT, _last
-from .reverse_mode import site_vjps
+from .model import GPT
+from .reverse_mode import own_cotangents, site_vjps
 from .sites import Site
 
 
@@ -105,43 +106,32 @@ def sites_vjp(model: GPT, tokens: torch.Tensor, requests: Sequence[tuple[Site, t
     return out
 
 
-def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, sites: Sequence[Site]):
+def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, sites: Sequence[Site],
+                    primals: Primals):
     """(full gradient [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i, filled at the sites' positions},
     detached residuals), cotangents [batch, pos, d_model]: one forward and backward in the model's own regime,
-    plus ``own_cotangents`` where a later loss can reach r^k_i."""
+    plus ``reverse_mode.own_cotangents`` on ``primals`` (the cached ordinary forward) where a later loss can reach
+    r^k_i."""
     params = list(model.parameters())
     layers = sorted({s.layer for s in sites})
     logits, resid = model.run_with_resid(tokens)
     loss = lm_loss(logits, tokens, loss_mask)
-    grads = torch.autograd.grad(loss, params + [resid[k] for k in layers], allow_unused=True)
+    grads = torch.autograd.grad(loss, params + [resid[k] for k in layers] + [logits], allow_unused=True)
     full = flat_grads(grads[:len(params)], params)
     c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
+    d_logits = grads[-1]  # [batch, pos, vocab]
     resid = [r.detach() for r in resid]
     if model.myopic != "none" or all(k == model.cfg.n_layer for k in layers):
         return full, c_all, c_all, resid  # a myopic loss, or any loss at the last layer, reaches r^k_i only from i
     c_own = {k: torch.zeros_like(resid[k]) for k in layers}
-    for s in sites:
-        c_own[s.layer][:, s.pos] = own_cotangent(model, tokens, loss_mask, logits.detach(), resid, s)
+    for k in layers:
+        if k == model.cfg.n_layer:
+            c_own[k] = c_all[k]
+            continue
+        pos = torch.tensor(sorted({s.pos for s in sites if s.layer == k}), device=tokens.device)
+        for chunk in pos.split(16):  # bounds the [rows, batch, vocab] cotangents
+            c_own[k][:, chunk] = own_cotangents(primals, k, chunk, d_logits[:, chunk].transpose(0, 1)).transpose(0, 1)
     return full, c_all, c_own, resid
-
-
-def own_cotangent(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, logits: torch.Tensor,
-                  resid: Sequence[torch.Tensor], site: Site) -> torch.Tensor:
-    """∂L_i/∂r^k_i [batch, d_model] in the ordinary regime, from a backward through blocks k.. at query i alone.
-
-    By causality r^b_j (j < i) does not depend on r^k_i, so those residuals enter as constants (the full forward's
-    ``resid``, detached) and only position i is live; the other positions' logits (``logits``, detached) keep the
-    loss's normalisation. This is the myopic ("kv") gradient at i without a second full pass.
-    """
-    k, i = site.layer, site.pos
-    live = resid[k][:, i].clone().requires_grad_()
-    groups = model._groups(i + 1)
-    x = live[:, None]
-    for b in range(k, model.cfg.n_layer):
-        x = model.blocks[b](torch.cat([resid[b][:, :i], x], 1), groups, "none", last_only=True)
-    out = model.unembed(x, _last(groups))  # [batch, 1, vocab]
-    loss = lm_loss(torch.cat([logits[:, :i], out, logits[:, i + 1:]], 1), tokens, loss_mask)
-    return torch.autograd.grad(loss, live)[0]
 
 
 def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, layers: Sequence[int]):
@@ -151,7 +141,7 @@ def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor |
     cotangents [batch, pos, d_model].
     """
     sites = [Site(k, i) for k in layers for i in range(tokens.shape[1])]
-    return _cotangent_pass(model, tokens, loss_mask, sites)[:3]
+    return _cotangent_pass(model, tokens, loss_mask, sites, Primals(model, tokens))[:3]
 
 
 class SitePasses:
@@ -170,8 +160,8 @@ class SitePasses:
         self.model, self.tokens = model, tokens
         self.params = list(model.parameters())
         self.n_params = sum(p.numel() for p in self.params)
-        self.full, self.c_all, self.c_own, self.resid = _cotangent_pass(model, tokens, loss_mask, sites)
         self.primals = Primals(model, tokens[:, :max(s.pos for s in sites) + 1])
+        self.full, self.c_all, self.c_own, self.resid = _cotangent_pass(model, tokens, loss_mask, sites, self.primals)
 
     def has_pre_cached(self, site: Site) -> bool:
         """False where pre-caching is structurally zero: a myopic model, or the last layer (only ln_final reads it)."""

@@ -278,3 +278,55 @@ def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic:
     grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all * n1))
     grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
     return d_mid + _ln_back(n1, c["ln1"]["rsigma"][:, upto], _weight(pr, pre + "ln1.weight", n_pos), dx1_live)
+
+
+def own_cotangents(pr: Primals, layer: int, qpos: torch.Tensor, d_logits: torch.Tensor) -> torch.Tensor:
+    """Own-position cotangents ∂L_i/∂resid[layer][:, i] [m, batch, d_model] in the ordinary regime, i = qpos[r].
+
+    d_logits [m, batch, vocab]: ∂L/∂logits at each row's position (the ordinary backward's). By causality the
+    residuals at positions < i do not depend on r^k_i, so only position i is live: the final LayerNorm and tied
+    unembedding at i, then blocks n_layer−1 … layer for query i alone, whose keys and values are live at i only.
+    """
+    model = pr.model
+    with torch.no_grad():
+        x = _gather(pr.resid[-1], qpos)  # [m, B, d]
+        mu = x.mean(-1, keepdim=True)
+        rsigma = 1 / (x - mu).pow(2).mean(-1, keepdim=True).add(pr.eps).sqrt()
+        d_y = _matmul_rows(d_logits, _weight_rows(pr, "wte", qpos))
+        d_r = _ln_back((x - mu) * rsigma, rsigma, _unsqueeze_rows(_weight_rows(pr, "ln_final.weight", qpos)), d_y)
+        for b in reversed(range(layer, model.cfg.n_layer)):
+            d_r = _own_block_back(pr, b, qpos, d_r)
+    return d_r
+
+
+def _unsqueeze_rows(w: torch.Tensor) -> torch.Tensor:
+    """A LayerNorm weight [d] (shared) or [m, d] (per row) shaped to broadcast against [m, B, d]."""
+    return w[:, None] if w.dim() == 2 else w
+
+
+def _own_block_back(pr: Primals, b: int, qpos: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
+    """Input cotangent of block b at each row's query alone, with only that position live (its own key and value):
+    d_out [m, B, d] at the block's output -> [m, B, d] at its input, both at qpos."""
+    c, pre = pr.blocks[b], f"blocks.{b}."
+    m, bsz, d = d_out.shape
+    heads = pr.n_head
+    dh = d // heads
+    n_pos = int(qpos.max()) + 1
+    da = _matmul_rows(d_out, _weight_rows(pr, pre + "mlp.c_proj.weight", qpos)) * _gather(c["gelu_slope"], qpos)
+    dx2 = _matmul_rows(da, _weight_rows(pr, pre + "mlp.c_fc.weight", qpos))
+    w2 = _unsqueeze_rows(_weight_rows(pr, pre + "ln2.weight", qpos))
+    d_mid = d_out + _ln_back(_gather(c["ln2"]["n"], qpos), _gather(c["ln2"]["rsigma"], qpos), w2, dx2)
+    dz = _matmul_rows(d_mid, _weight_rows(pr, pre + "attn.c_proj.weight", qpos)).view(m, bsz, heads, dh)
+    q = _gather_heads(c["q"], qpos)  # [m, B, H, dh]
+    k, v = c["k"][:, :, :n_pos], c["v"][:, :, :n_pos]
+    att = _gather_heads(c["att"][..., :n_pos], qpos)  # [m, B, H, P]
+    datt = torch.einsum("mbhe,bhpe->mbhp", dz, v)
+    ds = att * (datt - (att * datt).sum(-1, keepdim=True)) / math.sqrt(dh)
+    diag = (torch.arange(n_pos, device=qpos.device) == qpos[:, None]).to(ds.dtype)[:, None, None, :]  # [m,1,1,P]
+    dq = torch.einsum("mbhp,bhpe->mbhe", ds, k)
+    dk = (ds * diag).sum(-1, keepdim=True) * q  # the query's own key and value
+    dv = (att * diag).sum(-1, keepdim=True) * dz
+    dqkv = torch.cat([z.reshape(m, bsz, d) for z in (dq, dk, dv)], -1)  # [m, B, 3d]
+    dx1 = _matmul_rows(dqkv, _weight_rows(pr, pre + "attn.c_attn.weight", qpos))
+    w1 = _unsqueeze_rows(_weight_rows(pr, pre + "ln1.weight", qpos))
+    return d_mid + _ln_back(_gather(c["ln1"]["n"], qpos), _gather(c["ln1"]["rsigma"], qpos), w1, dx1)
