@@ -62,6 +62,11 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
     raise ValueError(f"influence tracking supports Adam and plain SGD, not {type(opt).__name__} with these options")
 
 
+def _projection_dtype(device: torch.device) -> torch.dtype:
+    """float64 for the probe projections, except on MPS (no float64 there)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 class InfluenceTracker:
     """Accumulates, before every optimizer step, the influence of each component on each probe.
 
@@ -81,6 +86,7 @@ class InfluenceTracker:
         FLOPs, 4 elsewhere, where few large kernels win); ``bucket_elements`` caps rows × batch × positions ×
         d_model of a bucket's largest intermediate (memory)."""
         self.bucket_width, self.bucket_elements = bucket_width, bucket_elements
+        self._dataset: torch.Tensor | None = None  # see use_dataset
         self.final_model = final_model.eval()
         self.probes = list(probes)
         self.sites = sorted({p.site for p in self.probes})
@@ -139,18 +145,46 @@ class InfluenceTracker:
                         m[j].copy_(state[key])
 
     # ---- one step ----
-    def risk_coefficients(self, resid: list[torch.Tensor], frozen: list[torch.Tensor],
+    def final_projections(self, tokens: torch.Tensor) -> torch.Tensor:
+        """⟨w, r*⟩ of every probe on ``tokens`` [batch, pos]: [batch, n_probes], r* from θ*'s ordinary forward, in
+        float64 (float32 on MPS) so that ⟨w, r⟩ − ⟨w, r*⟩ keeps the accuracy of (r − r*)·w."""
+        n_pos = max(s.pos for s in self.sites) + 1
+        with torch.no_grad():
+            frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
+        dtype = _projection_dtype(tokens.device)
+        return torch.stack([frozen[p.site.layer][:, p.site.pos].to(dtype) @ p.w.to(frozen[0].device, dtype)
+                            for p in self.probes], 1)
+
+    def use_dataset(self, tokens: torch.Tensor, chunk: int = 256) -> None:
+        """Register the fixed dataset a replay draws its batches from (tokens [n_examples, pos]): θ* is fixed, so
+        ``track(..., example_ids=...)`` then computes each example's ⟨w, r*⟩ once, for a whole chunk of ``chunk``
+        consecutive examples at a time (always the same chunks, so a resumed replay gets the same bits), instead of
+        one θ* forward per step. Memory: n_examples × n_probes numbers (not × parameters)."""
+        self._dataset, self._chunk = tokens, chunk
+        self._proj = tokens.new_zeros((len(tokens), len(self.probes)), dtype=_projection_dtype(tokens.device))
+        self._proj_done = torch.zeros(-(-len(tokens) // chunk), dtype=torch.bool)
+
+    def _cached_projections(self, example_ids: torch.Tensor) -> torch.Tensor:
+        """⟨w, r*⟩ [batch, n_probes] of the dataset's examples ``example_ids`` [batch], chunks filled on demand."""
+        for c in torch.unique(example_ids.cpu() // self._chunk).tolist():
+            if not self._proj_done[c]:
+                rows = slice(c * self._chunk, (c + 1) * self._chunk)
+                self._proj[rows] = self.final_projections(self._dataset[rows])
+                self._proj_done[c] = True
+        return self._proj[example_ids.to(self._proj.device)]
+
+    def risk_coefficients(self, resid: list[torch.Tensor], final_proj: torch.Tensor,
                           feature_types: dict[str, torch.Tensor] | None):
         """For every probe, type subset and mismatch: (probe, type, mismatch, R, a [batch]) with ``a[:, None] * w``
         the cotangent of R at the site: a = 2e/n, e = d (paper) or d − d̄ (centred) on the subset's rows, 0 elsewhere.
         The centred a is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0.
 
-        resid, frozen: lists of [batch, pos, d_model] for θ and θ*; feature_types: {probe name: int [batch, pos]}.
+        resid: list of [batch, pos, d_model] for θ; final_proj: ⟨w, r*⟩ [batch, n_probes] (``final_projections``);
+        feature_types: {probe name: int [batch, pos]}. d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype.
         """
         out = []
-        for p in self.probes:
-            w = p.w.to(resid[0])
-            diff = (resid[p.site.layer][:, p.site.pos] - frozen[p.site.layer][:, p.site.pos]) @ w  # [batch]
+        for j, p in enumerate(self.probes):
+            diff = resid[p.site.layer][:, p.site.pos].to(final_proj) @ p.w.to(final_proj) - final_proj[:, j]
             subsets = [(-1, torch.ones_like(diff, dtype=torch.bool))]
             types = None if feature_types is None else feature_types.get(p.name)
             if types is not None:
@@ -163,14 +197,15 @@ class InfluenceTracker:
                 d = torch.where(rows, diff, 0.0)
                 dc = torch.where(rows, diff - d.sum() / n, 0.0)
                 for mismatch, e in zip(MISMATCHES, (d, dc)):
-                    out.append((p, t, mismatch, (e.pow(2).sum() / n).item(), 2 * e / n))
+                    out.append((p, t, mismatch, (e.pow(2).sum() / n).item(), (2 * e / n).to(resid[0].dtype)))
         return out
 
     def track(self, model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-              loss_mask: torch.Tensor | None = None, feature_types: dict[str, torch.Tensor] | None = None
-              ) -> list[dict]:
+              loss_mask: torch.Tensor | None = None, feature_types: dict[str, torch.Tensor] | None = None,
+              example_ids: torch.Tensor | None = None) -> list[dict]:
         """Influence rows for this step (see class docstring). ``feature_types`` maps a probe name to int
         [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks.
+        ``example_ids`` [batch]: the batch's rows in the dataset given to ``use_dataset`` (θ* projections cached).
 
         How (docs/engine.md): one ordinary backward and one cached ordinary forward (``Primals``) serve everything.
         The decomposition gives each site's direct and pre-cached gradients explicitly (``SitePasses.run_many``:
@@ -187,9 +222,9 @@ class InfluenceTracker:
         passes = SitePasses(model, tokens, self.sites, loss_mask)  # backward, own cotangents, cached forward
         n_pos = max(s.pos for s in self.sites) + 1
         primals = passes.primals  # the ordinary forward over positions < n_pos, also for a myopic model
-        with torch.no_grad():
-            frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
-        risks = self.risk_coefficients(primals.resid, frozen, feature_types)
+        final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
+                      else self._cached_projections(example_ids))
+        risks = self.risk_coefficients(primals.resid, final_proj, feature_types)
         g_full, lr = passes.full, group["lr"]
         adam = kind == "adam"
         sgd = kind == "sgd" or self.sgd_rows

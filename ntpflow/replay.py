@@ -119,6 +119,7 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
     model = run.load_model("init", dev).train()
     opt = make_optimizer(model, cfg)
     tracker = InfluenceTracker(run.load_model("final", dev), [Probe(p.site, p.name, p.w.to(dev)) for p in probes])
+    tracker.use_dataset(data["tokens"])  # θ* projections once per example, not one θ* forward per step
     start, cums = _resume(out, model, opt, tracker, dev)
     advance = replay_stepper(run, model, opt, dev)  # a run group's member steps with its group
     block = block or cfg.ckpt_every
@@ -129,7 +130,8 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
                      desc=f"attribute {run.dir.name}", leave=False):
         i = order(step).to(dev)
         tokens, mask = data["tokens"][i], data["loss_mask"][i]
-        for r in tracker.track(model, opt, tokens, mask, None if types is None else {k: v[i] for k, v in types.items()}):
+        for r in tracker.track(model, opt, tokens, mask, None if types is None else {k: v[i] for k, v in types.items()},
+                               example_ids=i):
             key = tuple(r[k] for k in KEY)
             cums[key] += r["value"] if r["component"] != "risk" else 0.0
             r["cumulative"] = cums[key] if r["component"] != "risk" else r["value"]

@@ -252,6 +252,29 @@ def test_bucketed_tracker_matches_oracle_components(kw):
             assert b["value"] == pytest.approx(a["value"], rel=1e-9, abs=1e-15), a
 
 
+def test_cached_final_projections_equal_per_step_forward():
+    """With the replay's dataset registered, θ*'s projections come from a per-example cache filled a chunk at a time
+    on demand; the rows equal those of a θ* forward on the batch."""
+    model, final = tiny(seed=0), tiny(seed=1)
+    g = torch.Generator().manual_seed(2)
+    probes = [Probe(s, f"f{j}", torch.randn(D, generator=g, dtype=torch.float64))
+              for j, s in enumerate([Site(1, 3), Site(2, 5)])]
+    data, _ = batch(seed=9, n=20)
+    ids = torch.tensor([9, 1, 5, 3])
+    mask = torch.rand(len(ids), T, generator=g) > 0.2
+    cached, plain = InfluenceTracker(final, probes), InfluenceTracker(final, probes)
+    cached.use_dataset(data, chunk=8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = cached.track(model, opt, data[ids], mask, example_ids=ids)
+    assert cached._proj_done.tolist() == [True, True, False]
+    torch.testing.assert_close(cached._proj[:16], plain.final_projections(data[:16]), rtol=1e-13, atol=0)
+    b = plain.track(model, opt, data[ids], mask)
+    assert [(r["feature"], r["component"], r["optimizer"], r["mismatch"]) for r in a] == [
+        (r["feature"], r["component"], r["optimizer"], r["mismatch"]) for r in b]
+    for x, y in zip(a, b):
+        assert x["value"] == pytest.approx(y["value"], rel=1e-10, abs=1e-15)
+
+
 def test_risks_by_type_skip_empty_subsets():
     model, final = tiny(seed=0), tiny(seed=1)
     tokens, mask = batch()
