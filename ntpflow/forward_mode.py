@@ -136,13 +136,15 @@ class Primals:
 def _ln_tangent(c: dict, dp: _Params, p_w: torch.Tensor, name: str, dx: torch.Tensor, pos: slice) -> torch.Tensor:
     """Tangent of a LayerNorm output: dx [m, batch, P, d] at positions ``pos`` -> [m, batch, P, d]."""
     n, rsigma = c["n"][:, pos], c["rsigma"][:, pos]
-    dn = (dx - dx.mean(-1, keepdim=True) - n * (n * dx).mean(-1, keepdim=True)) * rsigma
     dw, db = dp.at(name + "weight", pos), dp.at(name + "bias", pos)
     if dp.groups is None:
         dw, db = dw[:, None, None], db[:, None, None]
     else:
         dw, db = dw[:, None], db[:, None]
-    return dn * p_w + n * dw + db
+    # ((ẋ − mean ẋ − n·mean(n·ẋ))/σ)·w + n·ẇ + ḃ, in place on one buffer
+    y = dx - dx.mean(-1, keepdim=True)
+    y.addcmul_(n, (n * dx).mean(-1, keepdim=True), value=-1).mul_(rsigma * p_w)
+    return y.addcmul_(n, dw).add_(db)
 
 
 def site_tangents(primals: Primals, layer: int, pos: "int | torch.Tensor", directions: torch.Tensor) -> torch.Tensor:
@@ -191,15 +193,21 @@ def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tenso
     upto = slice(0, pos + 1)
 
     def lin(name, x, dx):  # tangent of a linear layer at positions 0..pos: ẋWᵀ + xẆᵀ + ḃ
-        return (_lin(dx, p.at(name + "weight", upto), shared) + _lin(x, dp.at(name + "weight", upto), shared)
-                + _bias(dp.at(name + "bias", upto), shared, 1))
+        if not shared:
+            return (_lin(dx, p.at(name + "weight", upto), shared) + _lin(x, dp.at(name + "weight", upto), shared)
+                    + _bias(dp.at(name + "bias", upto), shared, 1))
+        y = dx @ p.at(name + "weight", upto).T  # [m, B, P, out], accumulated in place (no temporaries)
+        dw = dp.at(name + "weight", upto)  # [m, out, in]
+        y.view(len(dw), -1, y.shape[-1]).baddbmm_(x.reshape(1, -1, x.shape[-1]).expand(len(dw), -1, -1),
+                                                  dw.transpose(1, 2))
+        return y.add_(_bias(dp.at(name + "bias", upto), shared, 1))
 
     dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)
     dz = _attention_tangent(pr, c, lin(pre + "attn.c_attn.", c["ln1"]["y"][:, upto], dx1), upto)
-    dmid = dr + lin(pre + "attn.c_proj.", c["z"][:, upto], dz)
+    dmid = lin(pre + "attn.c_proj.", c["z"][:, upto], dz).add_(dr)
     dx2 = _ln_tangent(c["ln2"], dp, p.at(pre + "ln2.weight", upto), pre + "ln2.", dmid, upto)
-    dh = lin(pre + "mlp.c_fc.", c["ln2"]["y"][:, upto], dx2) * c["gelu_slope"][:, upto]
-    return dmid + lin(pre + "mlp.c_proj.", c["h"][:, upto], dh)
+    dh = lin(pre + "mlp.c_fc.", c["ln2"]["y"][:, upto], dx2).mul_(c["gelu_slope"][:, upto])
+    return lin(pre + "mlp.c_proj.", c["h"][:, upto], dh).add_(dmid)
 
 
 def _rows(t: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:

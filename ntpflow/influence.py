@@ -82,7 +82,7 @@ class InfluenceTracker:
                  bucket_width: int | None = None, bucket_elements: int = 2**25):
         """``sgd_rows=False`` drops the SGD rows of an Adam run. Sites of one layer are tracked together in buckets
         (one reverse-mode and one forward-mode call each, see ``buckets``): ``bucket_width`` is the widest spread of
-        positions in a bucket whose sites have blocks below their own (None: 1 on a CPU, where padding costs
+        positions in a bucket of sites above the embedding (None: 1 on a CPU, where padding costs
         FLOPs, 4 elsewhere, where few large kernels win); ``bucket_elements`` caps rows × batch × positions ×
         d_model of a bucket's largest intermediate (memory)."""
         self.bucket_width, self.bucket_elements = bucket_width, bucket_elements
@@ -105,16 +105,17 @@ class InfluenceTracker:
     def buckets(self, batch: int, device: torch.device) -> list[slice]:
         """Consecutive runs of ``self.sites`` (sorted by layer, then position) tracked in one call each.
 
-        A bucket holds sites of one layer; for layer ≥ 2 (blocks below the site's own, run over positions ≤ the
-        bucket's last, so a shorter prefix is padded) their positions span less than the bucket width; every bucket
-        keeps 4 rows per site × batch × positions × d_model within ``bucket_elements``.
+        A bucket holds sites of one layer; for layer ≥ 1 (the keys and values of the site's own block, and any blocks
+        below it, run over positions ≤ the bucket's last, so a shorter prefix is padded) their positions span less
+        than the bucket width; every bucket keeps 4 rows per site × batch × positions × d_model within
+        ``bucket_elements``.
         """
         width = self.bucket_width or (1 if torch.device(device).type == "cpu" else 4)
         d = self.final_model.cfg.d_model
         out, start = [], 0
         for j, s in enumerate(self.sites):
             first = self.sites[start]
-            if j > start and (s.layer != first.layer or (s.layer >= 2 and s.pos - first.pos >= width)
+            if j > start and (s.layer != first.layer or (s.layer >= 1 and s.pos - first.pos >= width)
                               or 4 * (j - start + 1) * batch * (s.pos + 1) * d > self.bucket_elements):
                 out.append(slice(start, j))
                 start = j

@@ -69,9 +69,12 @@ def _outer(dy: torch.Tensor, x: torch.Tensor):
     return term
 
 
-def _summed(y: torch.Tensor):
-    """Σ over batch and positions ``sel`` of y [m, B, P, d] -> a function of sel, [m, d]."""
-    return lambda sel: y[:, :, sel].sum((1, 2))
+def _summed(y: torch.Tensor, n: torch.Tensor | None = None):
+    """Σ over batch and positions ``sel`` of y [m, B, P, d] (times n [B, P, d] if given) -> a function of sel,
+    [m, d]."""
+    if n is None:
+        return lambda sel: y[:, :, sel].sum((1, 2))
+    return lambda sel: (y[:, :, sel] * n[:, sel]).sum((1, 2))
 
 
 def _weight(pr: Primals, name: str, n_pos: int) -> torch.Tensor:
@@ -99,7 +102,8 @@ def _matmul_rows(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def _ln_back(n: torch.Tensor, rsigma: torch.Tensor, w: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
     """Input cotangent of a LayerNorm y = n·w + b, n = (x − μ)/σ: dy [..., d] -> [..., d] (n, rsigma, w broadcast)."""
     dn = dy * w
-    return rsigma * (dn - dn.mean(-1, keepdim=True) - n * (dn * n).mean(-1, keepdim=True))
+    out = dn - dn.mean(-1, keepdim=True)
+    return out.addcmul_(n, (dn * n).mean(-1, keepdim=True), value=-1).mul_(rsigma)
 
 
 def _gather(x: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
@@ -223,7 +227,7 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
     dx1_live = dx1_of(live_k, live_v) + onehot[:, None, :, None] * dx1_q[:, :, None]
     dx1_all = dx1_live if (w_k is live_k) else dx1_of(w_k, w_v) + onehot[:, None, :, None] * dx1_q[:, :, None]
     n1, rs1 = c["ln1"]["n"][:, :n_pos], c["ln1"]["rsigma"][:, :n_pos]
-    grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all * n1))
+    grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all, n1))
     grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
     w1 = _weight(pr, pre + "ln1.weight", n_pos)
     return _ln_back(n1, rs1, w1, dx1_live) + onehot[:, None, :, None] * d_mid[:, :, None]
@@ -244,11 +248,11 @@ def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic:
     dh = d // heads
     upto = slice(0, n_pos)
     _linear_pos(grads, pre + "mlp.c_proj.", d_out, c["h"][:, upto], n_pos)
-    da = _matmul_pos(d_out, _weight(pr, pre + "mlp.c_proj.weight", n_pos)) * c["gelu_slope"][:, upto]
+    da = _matmul_pos(d_out, _weight(pr, pre + "mlp.c_proj.weight", n_pos)).mul_(c["gelu_slope"][:, upto])
     _linear_pos(grads, pre + "mlp.c_fc.", da, c["ln2"]["y"][:, upto], n_pos)
     dx2 = _matmul_pos(da, _weight(pr, pre + "mlp.c_fc.weight", n_pos))
     n2 = c["ln2"]["n"][:, upto]
-    grads.add_positions(grads.view[pre + "ln2.weight"], n_pos, _summed(dx2 * n2))
+    grads.add_positions(grads.view[pre + "ln2.weight"], n_pos, _summed(dx2, n2))
     grads.add_positions(grads.view[pre + "ln2.bias"], n_pos, _summed(dx2))
     d_mid = d_out + _ln_back(n2, c["ln2"]["rsigma"][:, upto], _weight(pr, pre + "ln2.weight", n_pos), dx2)
     _linear_pos(grads, pre + "attn.c_proj.", d_mid, c["z"][:, upto], n_pos)
@@ -275,7 +279,7 @@ def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic:
     dx1_all = _matmul_pos(dqkv, w_attn)
     dx1_live = dx1_all if w_s is live_s else _matmul_pos(dqkv_of(live_s, live_a), w_attn)
     n1 = c["ln1"]["n"][:, upto]
-    grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all * n1))
+    grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all, n1))
     grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
     return d_mid + _ln_back(n1, c["ln1"]["rsigma"][:, upto], _weight(pr, pre + "ln1.weight", n_pos), dx1_live)
 

@@ -224,6 +224,8 @@ def test_bucketed_tracker_matches_oracle_components(kw):
     tokens, mask = batch()
     wide = InfluenceTracker(final, probes, bucket_width=8)
     assert [len(wide.sites[b]) for b in wide.buckets(len(tokens), tokens.device)] == [1, 3, 3]
+    narrow = InfluenceTracker(final, probes, bucket_width=3)
+    assert [len(narrow.sites[b]) for b in narrow.buckets(len(tokens), tokens.device)] == [1, 1, 2, 1, 1, 1]
     capped = InfluenceTracker(final, probes, bucket_width=8, bucket_elements=4 * 2 * len(tokens) * 7 * D)
     assert [len(capped.sites[b]) for b in capped.buckets(len(tokens), tokens.device)] == [1, 2, 1, 2, 1]
     for tracker in (wide, capped):
