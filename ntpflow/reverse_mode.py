@@ -127,7 +127,8 @@ def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, my
     onehot = (torch.arange(n_pos, device=qpos.device) == qpos[:, None]).to(cot.dtype)  # [m, P]
     with torch.no_grad():
         if layer == 0:
-            d_r = onehot[:, None, :, None] * cot[:, :, None]
+            d_r = cot.new_zeros((m, cot.shape[1], n_pos, cot.shape[2]))
+            d_r[grads.rows, :, qpos] = cot
         else:
             d_r = _top_block_back(pr, grads, layer - 1, qpos, onehot, cot, myopic)
             for b in reversed(range(layer - 1)):
@@ -224,13 +225,21 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
 
         def dx1_of(sk, sv):
             return _matmul_pos(dkv_of(sk, sv), w_attn[..., d:, :])
-    dx1_live = dx1_of(live_k, live_v) + onehot[:, None, :, None] * dx1_q[:, :, None]
-    dx1_all = dx1_live if (w_k is live_k) else dx1_of(w_k, w_v) + onehot[:, None, :, None] * dx1_q[:, :, None]
+    rows = grads.rows
+    dx1_live = dx1_of(live_k, live_v)
+    dx1_live[rows, :, qpos] += dx1_q  # the query's own input, through W_q (one position per row)
+    if w_k is live_k:
+        dx1_all = dx1_live
+    else:
+        dx1_all = dx1_of(w_k, w_v)
+        dx1_all[rows, :, qpos] += dx1_q
     n1, rs1 = c["ln1"]["n"][:, :n_pos], c["ln1"]["rsigma"][:, :n_pos]
     grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all, n1))
     grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
     w1 = _weight(pr, pre + "ln1.weight", n_pos)
-    return _ln_back(n1, rs1, w1, dx1_live) + onehot[:, None, :, None] * d_mid[:, :, None]
+    d_r = _ln_back(n1, rs1, w1, dx1_live)
+    d_r[rows, :, qpos] += d_mid  # the residual path at the query
+    return d_r
 
 
 def _linear_pos(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, n_pos: int) -> None:
