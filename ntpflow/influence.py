@@ -262,11 +262,17 @@ class InfluenceTracker:
             if once:
                 tau = torch.cat([tau, tau_shared[k][:, :, pos].movedim(2, 0)], 1)
             for site, tau_site in zip(sites, tau):
-                for p in (p for p in self.probes if p.site == site):
-                    proj = tau_site @ p.w.to(tau_site)  # [m, batch]: ⟨w, J δ⟩ per example
-                    for q, t, m, _, a in risks:
-                        if q is p:
-                            rows += self._influence_rows(p, t, m, (proj @ a).tolist(), with_pre, sgd, adam, lr)
+                mine = [r for r in risks if r[0].site == site]  # the site's risks, probe by probe
+                if not mine:
+                    continue
+                probes = list(dict.fromkeys(r[0] for r in mine))
+                proj = tau_site @ torch.stack([p.w for p in probes], 1).to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
+                col = {id(p): j for j, p in enumerate(probes)}
+                coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
+                sel = torch.tensor([col[id(r[0])] for r in mine], device=proj.device)
+                values = (proj.index_select(2, sel) * coef).sum(1).T.tolist()  # [risks][m]: ∇R·δ per direction
+                for (p, t, m, _, _), v in zip(mine, values):
+                    rows += self._influence_rows(p, t, m, v, with_pre, sgd, adam, lr)
         self.step += 1
         return rows
 
