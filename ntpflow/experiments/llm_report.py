@@ -51,7 +51,7 @@ def _read(out: Path, name: str):
 # ------------------------------------------------------------------------------------------------------ statistics
 
 
-def _q_summary(r: dict, stats_mode: dict | None) -> dict:
+def _q_summary(r: dict) -> dict:
     """ln Q distribution, σ per group, the F ratio, tail make-up and the Fisher tests for one mode."""
     import numpy as np
     from scipy import stats as st
@@ -105,25 +105,20 @@ def _steer_summary(sj: dict) -> dict:
         per = {f: sum(s) / len(s) for f, s in zip(run["latents"], run["score"]) if s}
         hi = [per[f] for f in sj["high"] if f in per]
         lo = [per[f] for f in sj["low"] if f in per]
+        examples = {g: [[f, run["texts"][run["latents"].index(f)][0]] for f in sj[g][:3]] for g in ("high", "low")}
         out["runs"].append({"alpha": run["alpha"], "prompts": run["prompts"], "high": stats(hi), "low": stats(lo),
                             "baseline": stats(run["baseline"]), "diff": welch_ci(hi, lo),
-                            "examples": {"high": [[f, run["texts"][run["latents"].index(f)][0]]
-                                                  for f in sj["high"][:3]],
-                                         "low": [[f, run["texts"][run["latents"].index(f)][0]]
-                                                 for f in sj["low"][:3]],
-                                         "baseline": run["baseline_texts"][:1]}})
+                            "examples": {**examples, "baseline": run["baseline_texts"][:1]}})
     return out
 
 
 def _lens_summary(lj: dict) -> dict:
-    out = {"metrics": lj["metrics"], "ranks": lj["ranks"], "primary_rank": lj["primary_rank"],
-           "d_model": lj["d_model"], "n_contexts": lj["n_contexts"], "site": lj["site"], "target": lj["target"],
-           "correlation": {}}
-    for mode, c in lj["correlation"].items():
-        out["correlation"][mode] = c["rows"]
-    return out
+    keys = ("metrics", "ranks", "primary_rank", "d_model", "n_contexts", "site", "target")
+    return {**{k: lj[k] for k in keys}, "correlation": {mode: c["rows"] for mode, c in lj["correlation"].items()}}
 
 
+QVI_KEYS = ("spearman", "spearman_share", "spearman_centred", "spearman_share_centred", "spearman_full_horizon",
+            "final_layer", "n_layer", "rows", "n_sequences")
 _REUSED_TEXT = {("sae",): "Corpus and SAE (the scan was computed here)", ("sae", "scan"): "Corpus, SAE and scan"}
 
 
@@ -152,17 +147,12 @@ def summarize(out: Path) -> dict:
     for mode in MODES:
         r = _read(out, f"q_{mode}.json")
         if r is not None:
-            s["q"][mode] = _q_summary(r, st.get(mode))
+            s["q"][mode] = _q_summary(r)
     sj, lj, qj = _read(out, "steering.json"), _read(out, "lens.json"), _read(out, "q_vs_influence.json")
     s["steering"] = _steer_summary(sj) if sj else None
     s["lens"] = _lens_summary(lj) if lj else None
-    s["q_vs_influence"] = ({"spearman": qj["spearman"], "spearman_share": qj["spearman_share"],
-                            "spearman_centred": qj.get("spearman_centred"),
-                            "spearman_share_centred": qj.get("spearman_share_centred"),
-                            "spearman_full_horizon": qj.get("spearman_full_horizon"),
-                            "final_layer": qj.get("final_layer"), "n_layer": qj.get("n_layer"),
-                            "n": len(qj["rows"]), "rows": qj["rows"], "n_sequences": qj["n_sequences"],
-                            "toy_eval": qj.get("eval"), "toy_train": qj.get("train")} if qj else None)
+    s["q_vs_influence"] = ({**{k: qj.get(k) for k in QVI_KEYS}, "n": len(qj["rows"]), "toy_eval": qj.get("eval"),
+                            "toy_train": qj.get("train")} if qj else None)
     s = json_safe(s)
     s["claims"] = [c.to_dict() for c in llm_claims(s)]
     return s
@@ -419,8 +409,7 @@ def _blocks(s: dict) -> list:
                            ("ρ(Q, I_pre/I_direct), sites with H = 10", "spearman_full_horizon")):
             sp = qv.get(key)
             if sp:
-                rows.append([label, fmt_interval(sp, "rho"),
-                             fmt(sp["p"], 3), str(sp["n"])])
+                rows.append([label, fmt_interval(sp, "rho"), fmt(sp["p"], 3), str(sp["n"])])
         b.append(("table", ["statistic", "Spearman ρ [95% CI]", "p", "n"], rows, "qvi"))
         b.append(("fig", "q_vs_influence", "Each point a probe site × feature of the toy run."))
     else:

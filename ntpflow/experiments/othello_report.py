@@ -10,7 +10,6 @@ Sign convention: positive influence = the component moved the feature toward its
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 from . import figure_style as fs
@@ -27,6 +26,7 @@ from .report_kit import (
     settings_table,
     sites_text,
     slope,
+    stat_rows,
     stats,
     write_from_data,
 )
@@ -106,21 +106,12 @@ def summarize(data: dict) -> dict:
         return [{k: v for k, v in r.items() if k != "type"} if gap else r for r in rows if (r["type"] == "gap") == gap]
 
     # ---- integrated influence table
-    units = defaultdict(list)
-    site_means = defaultdict(list)
-    for r in data.get("influence") or []:
-        if r["component"] in COMPONENTS:
-            units[(r["component"], r["type"])].append(r["total"])
-            site_means[(r["layer"], r["pos"], r["component"], r["type"])].append(r["total"])
-    table = {}
-    for c in COMPONENTS:
-        for t in ("useful", "useless", "all"):
-            s = stats(units.get((c, t), ()))
-            table[f"{c}/{t}"] = {**s, "paper": list(PAPER_CI[(c, t)]) if (c, t) in PAPER_CI else None}
-    per_site = []
-    for (k, p, c, t), vals in sorted(site_means.items()):
-        if t in ("useful", "useless"):
-            per_site.append({"layer": k, "pos": p, "component": c, "type": t, **stats(vals)})
+    influence = [r for r in data.get("influence") or [] if r["component"] in COMPONENTS]
+    table = {f"{c}/{t}": {**stats(r["total"] for r in select(influence, component=c, type=t)),
+                          "paper": list(PAPER_CI[(c, t)]) if (c, t) in PAPER_CI else None}
+             for c in COMPONENTS for t in ("useful", "useless", "all")}
+    per_site = stat_rows([r for r in influence if r["type"] in ("useful", "useless")],
+                         ("layer", "pos", "component", "type"), "total")
 
     curves = [r for r in data.get("curves") or [] if r["type"] in ("useful", "useless")
               and r["component"] in COMPONENTS]

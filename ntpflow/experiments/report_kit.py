@@ -7,6 +7,7 @@ The figure style lives in ``figure_style``, the md/html/json renderer in ``rende
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from functools import cache
 from pathlib import Path
 
@@ -81,6 +82,14 @@ def r_stats(values) -> dict:
     vals = [max(-0.999999, min(0.999999, v)) for v in values if v is not None and math.isfinite(v)]
     z = stats(math.atanh(v) for v in vals)  # sd stays in z units
     return {**z, **{k: (None if z[k] is None else math.tanh(z[k])) for k in ("mean", "lo", "hi")}}
+
+
+def stat_rows(records, keys: tuple[str, ...], value: str) -> list[dict]:
+    """One row per distinct ``keys`` of ``records`` (sorted by them): the keys and the ``stats`` of the ``value``s."""
+    groups = defaultdict(list)
+    for r in records:
+        groups[tuple(r[k] for k in keys)].append(r[value])
+    return [{**dict(zip(keys, k)), **stats(v)} for k, v in sorted(groups.items())]
 
 
 def paired(a: dict, b: dict) -> dict:

@@ -31,6 +31,7 @@ from .report_kit import (
     select,
     settings_table,
     sites_text,
+    stat_rows,
     stats,
     write_from_data,
 )
@@ -147,15 +148,10 @@ def summarize(data: dict) -> dict:
             row["init"] = stats(mean_of(r_at.get((regimes[0], s, "init", k, f)) for k in layers) for s in seeds)
         per_feature.append(row)
 
-    prof = defaultdict(list)
-    for p in profiles:
-        if p["layer"] in layers:
-            key_rg = "init" if p["weights"] == "init" else p["regime"]
-            if p["weights"] == "init" and p["regime"] != (regimes[0] if regimes else None):
-                continue
-            prof[(p["group"], key_rg, p["layer"], p["pos"])].append(p["r"])
-    profile_rows = [{"group": g, "regime": rg, "layer": k, "pos": pos, **stats(v)}
-                    for (g, rg, k, pos), v in sorted(prof.items(), key=lambda x: (str(x[0][0]), x[0][1:]))]
+    init_rg = regimes[0] if regimes else None  # the untrained profile: of the first regime's step-0 weights
+    profile_rows = stat_rows([{**p, "regime": "init" if p["weights"] == "init" else p["regime"]} for p in profiles
+                              if p["layer"] in layers and (p["weights"] != "init" or p["regime"] == init_rg)],
+                             ("group", "regime", "layer", "pos"), "r")
 
     # ---- integrated influence per group and component (raw, and shares)
     tot = {}
@@ -197,12 +193,8 @@ def summarize(data: dict) -> dict:
         infl[g] = entry
 
     # ---- influence curves (mean over site × features of the group; stats over seeds)
-    cacc = defaultdict(list)
-    for r in curves:
-        if r["component"] in ALL_COMPONENTS:
-            cacc[(r["group"], r["regime"], r["component"], r["step"])].append(r["cumulative"])
-    curve_rows = [{"group": g, "regime": rg, "component": c, "step": st, **stats(v)}
-                  for (g, rg, c, st), v in sorted(cacc.items(), key=lambda x: (str(x[0][0]), x[0][1:]))]
+    curve_rows = stat_rows([r for r in curves if r["component"] in ALL_COMPONENTS],
+                           ("group", "regime", "component", "step"), "cumulative")
 
     samples = data.get("samples") or None
     summary = {

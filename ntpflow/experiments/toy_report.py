@@ -40,6 +40,7 @@ from .report_kit import (
     select,
     settings_table,
     sites_text,
+    stat_rows,
     stats,
     write_from_data,
 )
@@ -143,17 +144,16 @@ def summarize(data: dict) -> dict:
             infl.setdefault(t, {})[m] = row
 
     # ---- offset share of R(θ_0) and the balance check, per task × mismatch, useless vs useful sites
-    offset, balance = defaultdict(list), defaultdict(list)
+    balance = defaultdict(list)
     full_total = {(r["task"], r["seed"], r["layer"], r["pos"], r["feature"], r["mismatch"]): r["total"]
                   for r in influence if r["component"] == "full"}
     for r in mismatch:
-        where = "useful" if r["useful"] else "useless"
-        if r["mismatch"] == "paper":
-            offset[(r["task"], where, r["pos"])].append(r["offset_share_R0"])
         f = full_total.get((r["task"], r["seed"], r["layer"], r["pos"], r["feature"], r["mismatch"]))
         if f is not None:
+            where = "useful" if r["useful"] else "useless"
             balance[(r["task"], r["mismatch"], where)].append((f, r["R0_minus_RT_eval"], r["R0_eval"]))
-    offset_rows = [{"task": t, "where": w, "pos": i, **stats(v)} for (t, w, i), v in sorted(offset.items())]
+    offset_rows = stat_rows([{**r, "where": "useful" if r["useful"] else "useless"} for r in mismatch
+                             if r["mismatch"] == "paper"], ("task", "where", "pos"), "offset_share_R0")
     # per site × feature (vanilla, mean over tracked seeds): offset share, both decompositions and their balance
     cell = defaultdict(list)
     for r in influence:
