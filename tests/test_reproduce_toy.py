@@ -45,3 +45,23 @@ def test_rerun_reuses_runs_and_regenerates_same_report(smoke):
 def test_unknown_scale_is_a_clean_error(tmp_path, capsys):
     assert main(["reproduce", "toy", "--scale", "huge", "--out", str(tmp_path / "x")]) == 2
     assert "unknown scale" in capsys.readouterr().err
+    assert main(["reproduce", "toy", "--regimes", "vanilla,bogus", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown toy regime(s) ['bogus']" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_no_replays_skips_the_tracked_replays_and_a_rerun_adds_them(tmp_path):
+    out = tmp_path / "toy"
+    args = ["-q", "reproduce", "toy", "--scale", "smoke", "--tasks", "majority", "--regimes", "myopic,vanilla",
+            "--out", str(out), "--workers", "1"]
+    assert main([*args, "--no-replays"]) == 0
+    data = json.loads((out / "data.json").read_text())
+    assert sorted(r["regime"] for r in data["runs"]) == ["myopic", "vanilla"]
+    assert data["replays"] is False and data["influence"] == [] and data["tracked_seeds"] == []
+    assert not list((out / "runs").glob("*/attribution"))
+    claim_c = [c for c in json.loads((out / "summary.json").read_text())["claims"] if c["id"] == "c"]
+    assert claim_c and all(c["verdict"] == "not testable at this scale" for c in claim_c)
+    assert main(args) == 0  # the same command without the flag adds the replays to the finished runs
+    data = json.loads((out / "data.json").read_text())
+    assert data["replays"] is True and data["influence"]
+    replayed = sorted(p.parent.name for p in (out / "runs").glob("*/attribution"))
+    assert replayed == ["majority-myopic-s0", "majority-vanilla-s0"]  # smoke tracks every regime
