@@ -109,7 +109,7 @@ def sites_vjp(model: GPT, tokens: torch.Tensor, requests: Sequence[tuple[Site, t
 def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, sites: Sequence[Site],
                     primals: Primals):
     """(full gradient [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i, filled at the sites' positions},
-    detached residuals), cotangents [batch, pos, d_model]: one forward and backward in the model's own regime,
+    detached residuals, the per-parameter gradients as autograd returned them), cotangents [batch, pos, d_model]: one forward and backward in the model's own regime,
     plus ``reverse_mode.own_cotangents`` on ``primals`` (the cached ordinary forward) where a later loss can reach
     r^k_i."""
     params = list(model.parameters())
@@ -117,12 +117,14 @@ def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | 
     logits, resid = model.run_with_resid(tokens)
     loss = lm_loss(logits, tokens, loss_mask)
     grads = torch.autograd.grad(loss, params + [resid[k] for k in layers] + [logits], allow_unused=True)
-    full = flat_grads(grads[:len(params)], params)
+    param_grads = grads[:len(params)]
+    full = flat_grads(param_grads, params)
     c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
     d_logits = grads[-1]  # [batch, pos, vocab]
     resid = [r.detach() for r in resid]
     if model.myopic != "none" or all(k == model.cfg.n_layer for k in layers):
-        return full, c_all, c_all, resid  # a myopic loss, or any loss at the last layer, reaches r^k_i only from i
+        return full, c_all, c_all, resid, param_grads  # a myopic loss, or any loss at the last layer, reaches r^k_i
+        # only from i
     c_own = {k: torch.zeros_like(resid[k]) for k in layers}
     for k in layers:
         if k == model.cfg.n_layer:
@@ -131,7 +133,7 @@ def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | 
         pos = torch.tensor(sorted({s.pos for s in sites if s.layer == k}), device=tokens.device)
         for chunk in pos.split(16):  # bounds the [rows, batch, vocab] cotangents
             c_own[k][:, chunk] = own_cotangents(primals, k, chunk, d_logits[:, chunk].transpose(0, 1)).transpose(0, 1)
-    return full, c_all, c_own, resid
+    return full, c_all, c_own, resid, param_grads
 
 
 def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, layers: Sequence[int]):
@@ -161,7 +163,8 @@ class SitePasses:
         self.params = list(model.parameters())
         self.n_params = sum(p.numel() for p in self.params)
         self.primals = Primals(model, tokens[:, :max(s.pos for s in sites) + 1])
-        self.full, self.c_all, self.c_own, self.resid = _cotangent_pass(model, tokens, loss_mask, sites, self.primals)
+        self.full, self.c_all, self.c_own, self.resid, self.param_grads = _cotangent_pass(model, tokens, loss_mask,
+                                                                                          sites, self.primals)
 
     def has_pre_cached(self, site: Site) -> bool:
         """False where pre-caching is structurally zero: a myopic model, or the last layer (only ln_final reads it)."""

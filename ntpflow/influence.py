@@ -70,8 +70,9 @@ def _projection_dtype(device: torch.device) -> torch.dtype:
 class InfluenceTracker:
     """Accumulates, before every optimizer step, the influence of each component on each probe.
 
-    Call ``rows = tracker.track(model, opt, tokens, loss_mask, feature_types)`` *before* ``opt.step()``. It does
-    not change gradients, optimizer state or any RNG. Rows are tidy dicts:
+    Call ``rows = tracker.track(model, opt, tokens, loss_mask, feature_types)`` *before* the training step (then
+    ``tracker.optimizer_step(model, opt)`` takes that step on track's own gradient, bit for bit as
+    ``training.train_step``). ``track`` does not change gradients, optimizer state or any RNG. Rows are tidy dicts:
     ``{step, layer, pos, feature, feature_type, mismatch, component, optimizer, value}``; ``feature_type`` is -1
     for the whole batch, else the type whose rows the risk was restricted to (empty subsets are skipped);
     ``mismatch`` is ``"paper"`` (R) or ``"centred"`` (R_c, the batch variance of the projection difference);
@@ -87,6 +88,7 @@ class InfluenceTracker:
         d_model of a bucket's largest intermediate (memory)."""
         self.bucket_width, self.bucket_elements = bucket_width, bucket_elements
         self._dataset: torch.Tensor | None = None  # see use_dataset
+        self._last_grads: tuple | None = None  # (model, per-parameter gradients) of the last track(), see step
         self.final_model = final_model.eval()
         self.probes = list(probes)
         self.sites = sorted({p.site for p in self.probes})
@@ -226,6 +228,7 @@ class InfluenceTracker:
         final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
                       else self._cached_projections(example_ids))
         risks = self.risk_coefficients(primals.resid, final_proj, feature_types)
+        self._last_grads = (model, passes.param_grads)
         g_full, lr = passes.full, group["lr"]
         adam = kind == "adam"
         sgd = kind == "sgd" or self.sgd_rows
@@ -275,6 +278,19 @@ class InfluenceTracker:
                     rows += self._influence_rows(p, t, m, v, with_pre, sgd, adam, lr)
         self.step += 1
         return rows
+
+    def optimizer_step(self, model: GPT, opt: torch.optim.Optimizer) -> None:
+        """The training step of the batch just tracked, on the gradient of ``track``'s own ordinary backward instead
+        of a second forward and backward. That backward runs the same ops as ``training.train_step`` (the model's
+        forward in its own regime, ``lm_loss``, one backward), so the parameters come out bit for bit as there
+        (tests compare them; a replay checks its final weights). Leaves ``.grad`` set, as train_step does."""
+        if self._last_grads is None or self._last_grads[0] is not model:
+            raise RuntimeError("optimizer_step follows a track() of the same model and batch")
+        grads, self._last_grads = self._last_grads[1], None
+        opt.zero_grad(set_to_none=True)
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        opt.step()
 
     def _influence_rows(self, p, t, m, v, with_pre, sgd, adam, lr) -> list[dict]:
         """Rows from ∇R·δ for the site's directions [(g_dir, g_pre)?, (Δ_dir, Δ_pre)?, (g_full)?, (Δ_full)?]."""

@@ -122,6 +122,7 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
     tracker.use_dataset(data["tokens"])  # θ* projections once per example, not one θ* forward per step
     start, cums = _resume(out, model, opt, tracker, dev)
     advance = replay_stepper(run, model, opt, dev)  # a run group's member steps with its group
+    alone = not (run.dir / "group.json").exists()  # then track()'s backward is train_step's, bit for bit
     block = block or cfg.ckpt_every
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
     rows: list[dict] = []
@@ -136,7 +137,10 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
             cums[key] += r["value"] if r["component"] != "risk" else 0.0
             r["cumulative"] = cums[key] if r["component"] != "risk" else r["value"]
             rows.append(r)
-        advance(step, tokens, mask)
+        if alone:
+            tracker.optimizer_step(model, opt)
+        else:
+            advance(step, tokens, mask)
         if (step + 1) % block == 0 or step + 1 == cfg.steps:
             _write_part(out / "parts" / f"part_{block_start:06d}.parquet", rows)
             rows, block_start = [], step + 1

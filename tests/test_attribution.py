@@ -277,6 +277,28 @@ def test_cached_final_projections_equal_per_step_forward():
         assert x["value"] == pytest.approx(y["value"], rel=1e-10, abs=1e-15)
 
 
+@pytest.mark.parametrize("kw", REGIMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "vanilla")
+def test_optimizer_step_on_tracked_gradient_is_train_step_bit_for_bit(kw):
+    """track() + tracker.optimizer_step() (the replay's step, no second forward and backward) leaves the parameters
+    and the optimizer state bit for bit as train_step does, in every regime; float32 as in training."""
+    from ntpflow.training import train_step
+
+    cfg = GPTConfig(vocab_size=V, n_ctx=T, n_layer=2, n_head=2, d_model=D, **kw)
+    a, b, final = GPT(cfg, seed=0), GPT(cfg, seed=0), GPT(cfg, seed=1)
+    tracker = InfluenceTracker(final, [Probe(Site(1, 3), "f", torch.ones(D)), Probe(Site(2, 6), "g", torch.ones(D))])
+    opt_a, opt_b = (torch.optim.Adam(m.parameters(), lr=1e-2, fused=True) for m in (a, b))
+    for step in range(3):
+        tokens, mask = batch(seed=step)
+        train_step(a, opt_a, tokens, mask)
+        tracker.track(b, opt_b, tokens, mask)
+        tracker.optimizer_step(b, opt_b)
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+            assert all(torch.equal(x, opt_b.state[q][k]) for k, x in opt_a.state[p].items())
+    with pytest.raises(RuntimeError, match="follows a track"):
+        tracker.optimizer_step(b, opt_b)
+
+
 def test_risks_by_type_skip_empty_subsets():
     model, final = tiny(seed=0), tiny(seed=1)
     tokens, mask = batch()
