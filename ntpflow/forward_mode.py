@@ -75,9 +75,10 @@ class Primals:
         t = tokens.shape[1]
         self.shared = cfg.n_groups == 1
         self.groups = None if self.shared else model.groups[:t]
-        self.names = [n for n, _ in model.named_parameters()]
+        self.named = dict(model.named_parameters())  # by name, in model.parameters() order
+        self.names = list(self.named)
         with torch.no_grad():
-            p = _Params(dict(model.named_parameters()), self.groups, 0)
+            p = _Params(self.named, self.groups, 0)
             all_pos = slice(0, t)
             pos = torch.arange(t, device=tokens.device)
             if self.shared:
@@ -124,11 +125,11 @@ class Primals:
 
     def params(self) -> _Params:
         """The model's parameters by name."""
-        return _Params(dict(self.model.named_parameters()), self.groups, 0)
+        return _Params(self.named, self.groups, 0)
 
     def directions(self, flat: torch.Tensor) -> _Params:
         """Flat directions [m, n_params] -> per-parameter views [m, *param.shape], by name."""
-        params = list(self.model.parameters())
+        params = list(self.named.values())
         views = flat.split([p.numel() for p in params], dim=1)
         return _Params({n: v.view(len(flat), *p.shape) for n, v, p in zip(self.names, views, params)}, self.groups, 1)
 

@@ -32,7 +32,7 @@ class _Grads:
     """Rows of flat parameter gradients out [m, n_params] and, by name, views [m, G, *shape] into them."""
 
     def __init__(self, pr: Primals, m: int, like: torch.Tensor):
-        params = list(pr.model.parameters())
+        params = list(pr.named.values())
         self.out = like.new_zeros((m, sum(p.numel() for p in params)))
         views = self.out.split([p.numel() for p in params], dim=1)
         self.view = {n: v.view(m, *p.shape) for n, v, p in zip(pr.names, views, params)}
@@ -79,13 +79,13 @@ def _summed(y: torch.Tensor, n: torch.Tensor | None = None):
 
 def _weight(pr: Primals, name: str, n_pos: int) -> torch.Tensor:
     """A weight at positions 0..n_pos−1: [*shape] (shared) or [n_pos, *shape]."""
-    p = dict(pr.model.named_parameters())[name]
+    p = pr.named[name]
     return p[0] if pr.groups is None else p.index_select(0, pr.groups[:n_pos])
 
 
 def _weight_rows(pr: Primals, name: str, qpos: torch.Tensor) -> torch.Tensor:
     """A weight at each row's query position: [*shape] (shared) or [m, *shape]."""
-    p = dict(pr.model.named_parameters())[name]
+    p = pr.named[name]
     return p[0] if pr.groups is None else p.index_select(0, pr.groups[qpos])
 
 
