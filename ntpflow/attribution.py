@@ -130,7 +130,7 @@ def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | 
         if k == model.cfg.n_layer:
             c_own[k] = c_all[k]
             continue
-        pos = torch.tensor(sorted({s.pos for s in sites if s.layer == k}), device=tokens.device)
+        pos = torch.tensor(sorted({s.pos for s in sites if s.layer == k}))  # on the CPU (indices, no device sync)
         for chunk in pos.split(16):  # bounds the [rows, batch, vocab] cotangents
             c_own[k][:, chunk] = own_cotangents(primals, k, chunk, d_logits[:, chunk].transpose(0, 1)).transpose(0, 1)
     return full, c_all, c_own, resid, param_grads
@@ -179,7 +179,7 @@ class SitePasses:
         where ``has_pre_cached`` is False), from one call of the reverse mode (rows: the sites × their cotangents
         ∂L_i/∂r^k_i and ∂L/∂r^k_i − ∂L_i/∂r^k_i, each [batch, d_model])."""
         (k,) = {s.layer for s in sites}
-        pos = torch.tensor([s.pos for s in sites], device=self.tokens.device)
+        pos = torch.tensor([s.pos for s in sites])  # on the CPU (indices, no device sync)
         own = self.c_own[k][:, pos].transpose(0, 1)  # [n, batch, d]
         out = self.full.new_zeros((len(sites), 2, self.n_params))
         if self.has_pre_cached(sites[0]):

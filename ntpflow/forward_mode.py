@@ -151,12 +151,13 @@ def _ln_tangent(c: dict, dp: _Params, p_w: torch.Tensor, name: str, dx: torch.Te
 def site_tangents(primals: Primals, layer: int, pos: "int | torch.Tensor", directions: torch.Tensor) -> torch.Tensor:
     """Tangents of ``resid[layer][:, pos_j]`` along ``directions`` [m, n_params] -> [m, batch, d_model].
 
-    ``pos``: one query position for every direction, or long [m], one per direction (a bucket of sites of one
-    layer). Blocks below ``layer − 1`` run over positions ≤ max(pos) (by causality a position's tangent is that of
+    ``pos``: one query position for every direction, or long [m] on the CPU, one per direction (a bucket of sites
+    of one layer). Blocks below ``layer − 1`` run over positions ≤ max(pos) (by causality a position's tangent is that of
     its prefix), block ``layer − 1`` for each direction's query alone.
     """
-    qpos = torch.as_tensor(pos, device=directions.device).expand(len(directions))
-    n_pos = int(qpos.max()) + 1
+    qpos = torch.as_tensor(pos).expand(len(directions))
+    n_pos = int(qpos.max()) + 1  # pos given on the CPU: no device sync
+    qpos = qpos.to(directions.device)
     p, dp = primals.params(), primals.directions(directions)
     rows = torch.arange(len(directions), device=directions.device)
     with torch.no_grad():

@@ -242,10 +242,11 @@ class InfluenceTracker:
         shared_dirs = torch.stack(shared_dirs)
         tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
         rows = [self._row(p, t, m, "risk", "none", risk) for p, t, m, risk, _ in risks]
+        pending = []  # per site: (its risks, with_pre, influences [risks, directions]), read back at the end
         for bucket in self.buckets(len(tokens), tokens.device):  # sites of one layer together; bounds memory
             sites = self.sites[bucket]
             k, n = sites[0].layer, len(sites)
-            pos = torch.tensor([s.pos for s in sites], device=tokens.device)
+            pos = torch.tensor([s.pos for s in sites])  # on the CPU (indices, no device sync)
             parts = passes.run_many(sites)  # [n, 2, n_params]: direct, pre-cached
             with_pre = passes.has_pre_cached(sites[0])
             own = slice(None) if with_pre else slice(0, 1)  # pre-cached rows are exactly 0 when structurally absent
@@ -273,9 +274,15 @@ class InfluenceTracker:
                 col = {id(p): j for j, p in enumerate(probes)}
                 coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
                 sel = torch.tensor([col[id(r[0])] for r in mine], device=proj.device)
-                values = (proj.index_select(2, sel) * coef).sum(1).T.tolist()  # [risks][m]: ∇R·δ per direction
-                for (p, t, m, _, _), v in zip(mine, values):
-                    rows += self._influence_rows(p, t, m, v, with_pre, sgd, adam, lr)
+                pending.append((mine, with_pre, (proj.index_select(2, sel) * coef).sum(1).T))  # [risks, m]: ∇R·δ
+        values = torch.cat([v.flatten() for *_, v in pending]).tolist() if pending else []  # one device sync
+        start = 0
+        for mine, with_pre, v in pending:
+            n_dirs = v.shape[1]
+            for j, (p, t, m, _, _) in enumerate(mine):
+                at = start + j * n_dirs
+                rows += self._influence_rows(p, t, m, values[at:at + n_dirs], with_pre, sgd, adam, lr)
+            start += v.numel()
         self.step += 1
         return rows
 

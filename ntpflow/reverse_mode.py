@@ -119,10 +119,11 @@ def _gather_heads(x: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
 def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, myopic: str) -> torch.Tensor:
     """Rows (∂resid[layer][:, qpos[r]]/∂θ)ᵀ cot[r] in the regime ``myopic`` -> [m, n_params].
 
-    qpos: long [m], query positions (< the cached length); cot: [m, batch, d_model].
+    qpos: long [m] on the CPU, query positions (< the cached length); cot: [m, batch, d_model].
     """
     m = len(qpos)
-    n_pos = int(qpos.max()) + 1
+    n_pos = int(qpos.max()) + 1  # qpos on the CPU: no device sync
+    qpos = qpos.to(cot.device)
     grads = _Grads(pr, m, cot)
     onehot = (torch.arange(n_pos, device=qpos.device) == qpos[:, None]).to(cot.dtype)  # [m, P]
     with torch.no_grad():
@@ -296,11 +297,14 @@ def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic:
 def own_cotangents(pr: Primals, layer: int, qpos: torch.Tensor, d_logits: torch.Tensor) -> torch.Tensor:
     """Own-position cotangents ∂L_i/∂resid[layer][:, i] [m, batch, d_model] in the ordinary regime, i = qpos[r].
 
-    d_logits [m, batch, vocab]: ∂L/∂logits at each row's position (the ordinary backward's). By causality the
+    qpos: long [m] on the CPU; d_logits [m, batch, vocab]: ∂L/∂logits at each row's position (the ordinary
+    backward's). By causality the
     residuals at positions < i do not depend on r^k_i, so only position i is live: the final LayerNorm and tied
     unembedding at i, then blocks n_layer−1 … layer for query i alone, whose keys and values are live at i only.
     """
     model = pr.model
+    n_pos = int(qpos.max()) + 1  # qpos on the CPU: no device sync
+    qpos = qpos.to(d_logits.device)
     with torch.no_grad():
         x = _gather(pr.resid[-1], qpos)  # [m, B, d]
         mu = x.mean(-1, keepdim=True)
@@ -308,7 +312,7 @@ def own_cotangents(pr: Primals, layer: int, qpos: torch.Tensor, d_logits: torch.
         d_y = _matmul_rows(d_logits, _weight_rows(pr, "wte", qpos))
         d_r = _ln_back((x - mu) * rsigma, rsigma, _unsqueeze_rows(_weight_rows(pr, "ln_final.weight", qpos)), d_y)
         for b in reversed(range(layer, model.cfg.n_layer)):
-            d_r = _own_block_back(pr, b, qpos, d_r)
+            d_r = _own_block_back(pr, b, qpos, n_pos, d_r)
     return d_r
 
 
@@ -317,14 +321,13 @@ def _unsqueeze_rows(w: torch.Tensor) -> torch.Tensor:
     return w[:, None] if w.dim() == 2 else w
 
 
-def _own_block_back(pr: Primals, b: int, qpos: torch.Tensor, d_out: torch.Tensor) -> torch.Tensor:
+def _own_block_back(pr: Primals, b: int, qpos: torch.Tensor, n_pos: int, d_out: torch.Tensor) -> torch.Tensor:
     """Input cotangent of block b at each row's query alone, with only that position live (its own key and value):
-    d_out [m, B, d] at the block's output -> [m, B, d] at its input, both at qpos."""
+    d_out [m, B, d] at the block's output -> [m, B, d] at its input, both at qpos; n_pos = max(qpos) + 1."""
     c, pre = pr.blocks[b], f"blocks.{b}."
     m, bsz, d = d_out.shape
     heads = pr.n_head
     dh = d // heads
-    n_pos = int(qpos.max()) + 1
     da = _matmul_rows(d_out, _weight_rows(pr, pre + "mlp.c_proj.weight", qpos)) * _gather(c["gelu_slope"], qpos)
     dx2 = _matmul_rows(da, _weight_rows(pr, pre + "mlp.c_fc.weight", qpos))
     w2 = _unsqueeze_rows(_weight_rows(pr, pre + "ln2.weight", qpos))
