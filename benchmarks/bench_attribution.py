@@ -14,7 +14,9 @@ interleaved round-robin with the order rotating every round, after a warm-up; me
                Adam variants), what ``ntpflow attribute`` does: the training step on track()'s own gradient, whose
                ops are train_step's (bit for bit), so no second forward and backward. The "track() only" rows time
                track() alone (track() only / plain + 1 is the cost with a separate train_step).
-    adam_only  the same with ``InfluenceTracker(..., sgd_rows=False)`` (Adam rows only; ``--no-adam-only`` skips it)
+    tracked_cached  the same with θ*'s probe projections from a replay's per-example cache (``use_dataset``; the
+               warm-up fills it, as a replay's first epoch does), so no θ* forward per step
+    adam_only  the same as tracked with ``InfluenceTracker(..., sgd_rows=False)`` (Adam rows only; ``--no-adam-only`` skips it)
     reference  ``ReferenceTracker.track`` (below; our own code following the digest's description of the reference's
                ``probe_grads_adam``) + ``train_step``. Per step: 1 no-grad forward of θ*, 1 non-myopic forward with
                residuals, 1 logits forward; per probe 1 backward of its risk (the full-length ∇θR is stored); 1
@@ -327,6 +329,12 @@ def main_table(args, tokens, mask, lines):
     final = make_model(args.seed + 1000, args.device)[0]
     tracker = InfluenceTracker(final, probes, bucket_width=args.bucket_width)
     variants = {"plain": None, "tracked": None}
+    # the same tracker with θ*'s projections from a replay's per-example cache (use_dataset; filled by the warm-up)
+    ca_m, ca_o = make_model(args.seed, args.device)
+    cached_tracker = InfluenceTracker(final, probes, bucket_width=args.bucket_width)
+    cached_tracker.use_dataset(tokens)
+    ids = torch.arange(len(tokens), device=tokens.device)
+    variants["tracked_cached"] = None
     if not args.no_adam_only:
         ad_m, ad_o = make_model(args.seed, args.device)
         adam_tracker = InfluenceTracker(final, probes, sgd_rows=False, bucket_width=args.bucket_width)
@@ -344,6 +352,10 @@ def main_table(args, tokens, mask, lines):
         timer.times.setdefault("tracked: track() only", []).append(now() - t0)
         tracker.optimizer_step(tr_m, tr_o)
 
+    def cached_step():
+        cached_tracker.track(ca_m, ca_o, tokens, mask, example_ids=ids)
+        cached_tracker.optimizer_step(ca_m, ca_o)
+
     def adam_only_step():
         t0 = now()
         adam_tracker.track(ad_m, ad_o, tokens, mask)
@@ -357,7 +369,7 @@ def main_table(args, tokens, mask, lines):
         train_step(ref_m, ref_o, tokens, mask)
 
     # warm-up (allocator, Adam state); the reference code paths were warmed up by the agreement check
-    pairs = [(plain_m, plain_o), (tr_m, tr_o)] + ([(ref_m, ref_o)] if "reference" in variants else [])
+    pairs = [(plain_m, plain_o), (tr_m, tr_o), (ca_m, ca_o)] + ([(ref_m, ref_o)] if "reference" in variants else [])
     pairs += [(ad_m, ad_o)] if "adam_only" in variants else []
     for m, o in pairs:
         for _ in range(3):
@@ -369,6 +381,8 @@ def main_table(args, tokens, mask, lines):
             trk.track(m, o, tokens, mask)
             print(f"  warm-up {name} step: {now() - t0:.1f} s", flush=True)
             trk.optimizer_step(m, o)
+        cached_tracker.track(ca_m, ca_o, tokens, mask, example_ids=ids)
+        cached_tracker.optimizer_step(ca_m, ca_o)
 
     timer = Timer()
     names = list(variants)
@@ -385,6 +399,8 @@ def main_table(args, tokens, mask, lines):
                         timer.run("plain", lambda: train_step(plain_m, plain_o, tokens, mask))
                 elif name == "tracked":
                     timer.run("tracked", tracked_step)
+                elif name == "tracked_cached":
+                    timer.run("tracked_cached", cached_step)
                 elif name == "adam_only":
                     timer.run("adam_only", adam_only_step)
                 else:
@@ -785,14 +801,16 @@ def main(argv=None) -> int:
     med = {n: timer.median_ms(n) for n in timer.times}
     plain = med["plain"]
     table = lines + ["", "| variant | timed steps | median ms | min ms | / plain |", "|---|---:|---:|---:|---:|"]
-    for n in ("plain", "tracked", "tracked: track() only", "adam_only", "adam_only: track() only", "reference",
-              "reference: tracking only"):
+    for n in ("plain", "tracked", "tracked: track() only", "tracked_cached", "adam_only", "adam_only: track() only",
+              "reference", "reference: tracking only"):
         if n in med:
             table.append(f"| {n} | {len(timer.times[n])} | {med[n]:.1f} | {min(timer.times[n]) * 1e3:.1f} | "
                          f"{med[n] / plain:.1f}x |")
     ratio = med["tracked"] / plain
     table += ["", "| ratio | value | target |", "|---|---:|---|",
               f"| tracked / plain (all rows) | {ratio:.1f}x | <= {TARGET:.0f}x: {'PASS' if ratio <= TARGET else 'FAIL'} |"]
+    table.append(f"| tracked_cached / plain (all rows, θ* projections cached as in a replay) | "
+                 f"{med['tracked_cached'] / plain:.1f}x | (info) |")
     if "adam_only" in med:
         adam_ratio = med["adam_only"] / plain
         table.append(f"| adam_only / plain (Adam rows only) | {adam_ratio:.1f}x | <= {ADAM_TARGET:.0f}x: "
