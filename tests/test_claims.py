@@ -17,7 +17,7 @@ from ntpflow.experiments.claims import (
     interval_contains,
 )
 from ntpflow.experiments.figure_style import ci_label, clip
-from ntpflow.experiments.render import to_html, to_markdown, write_documents
+from ntpflow.experiments.render import read_blocks, to_html, to_markdown, write_documents
 
 
 def ci(lo, hi):
@@ -82,6 +82,41 @@ def test_renderer_writes_claims_captions_and_figures(tmp_path):
     assert md == to_markdown(blocks)
     assert "![gap](figures/gap.png)" in md and "*Figure 1. The gap by layer, n = 16.*" in md
     assert "Full report: [toy/report.html](toy/report.html)" in md
+
+
+def test_template_markup_reads_as_blocks():
+    text = """# Title
+
+A paragraph
+on two lines.
+
+## Claims
+
+[claims]
+
+![gap] The gap
+by layer.
+
+| a | b | {#t}
+["x | y", "two\\nlines"]
+"""
+    assert read_blocks(text, ["c"]) == [("h1", "Title"), ("p", "A paragraph on two lines."), ("h2", "Claims"),
+                                        ("claims", ["c"], False), ("fig", "gap", "The gap by layer."),
+                                        ("table", ["a", "b"], [["x | y", "two\nlines"]], "t")]
+
+
+def test_templates_ship_with_the_package():
+    import tomllib
+    from fnmatch import fnmatch
+    from importlib.resources import files
+    from pathlib import Path
+
+    folder = files("ntpflow.experiments") / "templates"
+    names = {"toy.md.j2", "_macros.j2"}
+    assert names <= {p.name for p in folder.iterdir()}
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["ntpflow.experiments"]
+    assert all(any(fnmatch(f"templates/{n}", g) for g in globs) for n in names)
 
 
 def test_style_words_and_clipping():

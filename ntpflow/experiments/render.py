@@ -1,5 +1,14 @@
-"""The one renderer of every report: a list of blocks (claims, figures, tables, text) -> report.md, report.html and
-summary.json.
+"""The one renderer of every report: an experiment's template -> a list of blocks (claims, figures, tables, text) ->
+report.md, report.html and summary.json.
+
+Each experiment's text (headings, paragraphs, captions, table headers) is a Jinja template,
+``templates/<experiment>.md.j2``; :func:`template_blocks` renders it and reads the result as blocks, one a paragraph
+(lines up to a blank line, joined by spaces):
+
+- ``# text`` / ``## text``: headings; ``![name] caption``: a figure; ``[claims]``: the claims table;
+- ``| head | head |`` (optionally followed by `` {#html_id}``), then one JSON list of cells a line (the ``row``
+  filter): a table;
+- anything else: a paragraph.
 
 Blocks are tuples:
 
@@ -20,11 +29,55 @@ from __future__ import annotations
 import base64
 import html
 import json
+import re
+from functools import cache
 from pathlib import Path
 
 from ..io import atomic_write
 
 CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
+
+
+TABLE_HEAD = re.compile(r"\| (.*) \|(?: \{#([\w-]+)\})?")
+
+
+@cache
+def _environment():
+    import jinja2
+
+    from . import report_kit as kit
+
+    env = jinja2.Environment(loader=jinja2.PackageLoader("ntpflow.experiments", "templates"), trim_blocks=True,
+                             lstrip_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False)
+    env.filters.update(fmt=kit.fmt, fmt_g=kit.fmt_g, fmt_ci=kit.fmt_ci, fmt_interval=kit.fmt_interval,
+                       fmt_sigma=kit.fmt_sigma, row=lambda cells: json.dumps([str(c) for c in cells],
+                                                                             ensure_ascii=False))
+    return env
+
+
+def _block(chunk: str, claims) -> tuple:
+    lines = [line.strip() for line in chunk.splitlines()]
+    if head := TABLE_HEAD.fullmatch(lines[0]):
+        return "table", head[1].split(" | "), [json.loads(line) for line in lines[1:]], head[2]
+    text = " ".join(lines)
+    if text == "[claims]":
+        return "claims", claims, False
+    if text.startswith("!["):
+        name, _, caption = text[2:].partition("] ")
+        return "fig", name, caption
+    level = len(text) - len(text.lstrip("#"))
+    return (f"h{level}", text[level + 1:]) if level else ("p", text)
+
+
+def read_blocks(text: str, claims=()) -> list[tuple]:
+    """The blocks of a rendered template's ``text``; ``[claims]`` becomes the claims table of ``claims`` (dicts of
+    ``Claim.to_dict()``)."""
+    return [_block(chunk, claims) for chunk in re.split(r"\n\s*\n", text.strip())]
+
+
+def template_blocks(experiment: str, claims, **context) -> list[tuple]:
+    """The blocks of ``templates/<experiment>.md.j2`` rendered with ``context`` (see :func:`read_blocks`)."""
+    return read_blocks(_environment().get_template(f"{experiment}.md.j2").render(**context), claims)
 
 
 def _claim_rows(claims, show_experiment: bool) -> tuple[list[str], list[list[str]]]:

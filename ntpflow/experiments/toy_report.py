@@ -27,18 +27,16 @@ from pathlib import Path
 from ..config import REGIMES, TrainConfig
 from . import figure_style as fs
 from .claim_registry import CLAIM_LAYERS, CLAIM_POSITIONS, GATE_ACC, GATE_GAP, toy_claims
+from .render import template_blocks
 from .report_kit import (
     COMPONENT_LABELS,
     COMPONENTS,
-    fmt_ci,
-    fmt_g,
     mean_of,
     paired,
     plain_number,
     r_stats,
     report_main,
     select,
-    settings_table,
     sites_text,
     stat_rows,
     stats,
@@ -331,79 +329,8 @@ FIGURES = {"probe_majority": _fig_probe("majority"), "probe_cond_majority": _fig
 
 
 def _document(summary: dict, figures) -> list[tuple]:
-    n = summary["n_seeds"]
-    b = [("h1", f"Toy tasks: majority and conditioned majority (scale {summary['scale']})"),
-         ("p", f"{n} seed(s); regimes {', '.join(summary['regimes'])}; tracked (vanilla) seeds "
-               f"{', '.join(map(str, summary['tracked_seeds']))}. {summary['ci']}. {fs.SIGN} Influence unit: "
-               f"{INFLUENCE_UNIT}. resid[k] is the output of block k−1; logits at p predict token p+1. Every number "
-               "is also in summary.json."),
-         ("h2", "Settings"),
-         settings_table(summary["settings"]),
-         ("h2", "Claims"),
-         ("claims", summary["claims"], False),
-         ("p", "Rules were fixed before the numbers were seen. A claim whose preconditions fail is 'not testable at "
-               "this scale': its model did not learn the task, so the claim says nothing about it. Claim (c) extends "
-               "the paper's Othello influence finding to the toy tasks; the paper reports toy results as probe "
-               "quality only."),
-         ("h2", "Did the models learn their tasks?")]
-    if "task_success" in figures:
-        b.append(("fig", "task_success", "Eval loss minus the task's exact optimal loss (left; the Bayes entropy of "
-                                         "the next token, computed by enumerating every input) and first-output "
-                                         "accuracy (right), per regime. Dashed: the gates that vanilla must pass on "
-                                         "every seed."))
-    rows = []
-    for t, by in summary["task_success"].items():
-        for g, v in by.items():
-            rows.append([t, g, fmt_ci(v["eval_loss"]), fmt_ci(v["loss_gap"]), fmt_ci(v["first_acc"]),
-                         str(v["eval_loss"]["n"])])
-    b.append(("table", ["task", "regime", "eval loss", "gap to optimum", "first-output accuracy (CI clipped to [0, 1])",
-                        "n"], rows, None))
-    for t in summary["tasks"]:
-        name = f"probe_{t}"
-        if name in figures:
-            b += [("h2", f"Probe quality: {TASK_TITLES[t]}"),
-                  ("fig", name, "Test Pearson r of linear probes per position, one panel per residual layer; final "
-                                "weights per regime, dashed grey: the untrained model. Bands: 95% t-CI over seeds in "
-                                "Fisher z. Grey shading: positions where the feature is NTP-useful.")]
-        pg = summary["probe_gain"].get(t)
-        if pg:
-            b.append(("table", ["regime", "untrained r", "final r", "gain", "Δ gain vs vanilla (paired)"],
-                      [[g, fmt_ci(v["init"]), fmt_ci(v["final"]), fmt_ci(v["gain"]),
-                        fmt_ci(pg["vs_vanilla"].get(g)) if g != "vanilla" else "—"]
-                       for g, v in pg["per_regime"].items()], None))
-    b.append(("h2", "Influence: the centred and the paper's mismatch"))
-    b.append(("p", "d_b = ⟨w, r_θ − r_θ*⟩ is example b's probe-projection difference from the final model at the "
-                   "site. The paper's R = mean_b d_b² mixes two things: the mean offset mean(d)² and the batch "
-                   "variance R_c = var_b d. Only R_c says whether the feature varies across examples like the final "
-                   "one; an influence on the offset moves every example alike. Both are integrated exactly from the "
-                   "same passes."))
-    for name, caption in (("offset_share", "Offset share of R at step 0, per tracked position (held-out batch)."),
-                          ("influence_bars", "Integrated Adam influence per component at NTP-useless sites below "
-                                             "the last layer, for R_c (left, decides claim c) and the paper's R."),
-                          ("influence_curves", "Cumulative Adam influence over training at the NTP-useless sites (vanilla), for "
-                                               "R_c (left) and the paper's R (right).")):
-        if name in figures:
-            b.append(("fig", name, caption))
-    if summary["balance"]:
-        b.append(("p", "Balance: the integrated first-order influence (full) against the mismatch actually removed, "
-                       "R(θ_0) − R(θ_T), on a held-out batch; a first-order sum that overshoots the change means "
-                       "that higher-order terms along the path matter."))
-        b.append(("table", ["task", "mismatch", "sites", "R at step 0", "Σ influence (full)", "removed"],
-                  [[r["task"], r["mismatch"], r["where"], fmt_g(r["R0"]), fmt_g(r["influence"]), fmt_g(r["removed"])]
-                   for r in summary["balance"]], None))
-    if summary["sites_detail"]:
-        b.append(("p", "Per tracked site × feature (vanilla, mean over the tracked seeds): the offset share of R at "
-                       "step 0, the integrated influence of direct / pre-cached / shared for each mismatch, and each "
-                       "one's balance (Σ full influence → mismatch removed on held-out data)."))
-        b.append(("table", ["task", "site", "feature", "useful", "offset share", "R_c: direct / pre / shared",
-                            "R_c balance", "R: direct / pre / shared", "R balance"],
-                  [[r["task"], f"⟨{r['layer']}, {r['pos']}⟩", r["feature"], "yes" if r["useful"] else "no",
-                    fmt_g(r["offset_share"]),
-                    *(x for m in MISMATCHES for x in (
-                        " / ".join(fmt_g(r[f"{m}_{c}"]) for c in COMPONENTS),
-                        f"{fmt_g(r[f'{m}_full'])} → {fmt_g(r[f'{m}_removed'])}"))]
-                   for r in summary["sites_detail"]], None))
-    return b
+    return template_blocks("toy", summary["claims"], s=summary, figures=figures, sign=fs.SIGN, unit=INFLUENCE_UNIT,
+                           titles=TASK_TITLES)
 
 
 def write_report(out_dir: str | Path) -> Path:
