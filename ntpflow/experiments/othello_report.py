@@ -14,16 +14,13 @@ from pathlib import Path
 
 from . import figure_style as fs
 from .claim_registry import PAPER_CI, othello_claims
+from .render import template_blocks
 from .report_kit import (
     finite,
-    fmt,
-    fmt_ci,
-    fmt_g,
     mean_of,
     plain_number,
     report_main,
     select,
-    settings_table,
     sites_text,
     slope,
     stat_rows,
@@ -331,130 +328,9 @@ FIGURES = {"training": _fig_training, "probe_by_layer": _fig_probe_by_layer, "pr
 
 
 def _document(summary: dict, figures) -> list[tuple]:
-    sc = summary["scale"]
-    cfg = summary["config"]
-    b = [("h1", "OthelloGPT: useful and useless squares (docs/paper.md#othello, claim 3)")]
-    size = (f"{cfg.get('n_layer')} layers, d_model {cfg.get('d_model')}, {cfg.get('n_head')} heads, "
-            f"{summary['n_params']} parameters; {cfg.get('steps')} steps at batch {cfg.get('batch_size')}, lr "
-            f"{cfg.get('lr')}, {cfg.get('n_train')} training games, {cfg.get('n_eval')} eval games; seed "
-            f"{summary['seed']}")
-    if sc == "paper":
-        scale_text = f"Scale: paper ({size})."
-    else:
-        scale_text = (f"Scale: {sc} ({size}). This is NOT the paper's setting (6 layers, d_model 256, batch 1024, "
-                      "5000 steps); absolute numbers are not comparable with the paper and the verdicts describe this "
-                      "small run only.")
-    b.append(("p", (f"{scale_text} One training run, so every interval is over squares (probe quality) or over "
-                    f"square × position × layer units (influence), not over seeds. {SIGN} Every number below is also "
-                    "in summary.json.")))
-
-    b.append(("h2", "Scale and settings"))
-    b.append(settings_table(summary["settings"]))
-    t, st = summary["timings"], summary["step_times"]
-    if t:
-        parts = [f"{k} {v:.0f} s" for k, v in sorted(t.items())]
-        extra = []
-        if "train_s_per_step" in st:
-            extra.append(f"training {st['train_s_per_step']:.3g} s/step (incl. evaluations)")
-        if "tracked_s_per_step" in st:
-            extra.append(f"tracked replay {st['tracked_s_per_step']:.3g} s/step")
-        b.append(("p", "Measured wall time of the stages that ran (this machine): " + ", ".join(parts)
-                  + (". Per step: " + "; ".join(extra) if extra else "") + "."))
-
-    b.append(("h2", "Claims"))
-    b.append(("claims", [c.to_dict() for c in othello_claims(summary)], False))
-    b.append(("p", "Each rule's text and the code that applies it come from the same Claim "
-                   "(claim_registry.othello_claims); a claim whose preconditions fail at this scale is 'not testable "
-                   "at this scale'."))
-
-    b.append(("h2", "Legal-move accuracy"))
-    r = summary["run"]
-    b.append(("p", (f"Final legal-move accuracy of the argmax prediction on the eval games: "
-                    f"{fmt(r.get('legal_acc'))} (share of the 60 predictions per game whose argmax is a legal next "
-                    f"token, averaged over games); first move {fmt(r.get('first_acc'))}; eval loss "
-                    f"{fmt(r.get('eval_loss'))} nats/token.")))
-    b.append(("fig", "training",
-                  "Legal-move accuracy and first-move accuracy over training (eval games) and the loss."))
-
-    b.append(("h2", "Probe quality"))
-    b.append(("p", ("Ridge probes (alpha 1, Pearson r of the ternary square value) and a 3-way least-squares "
-                    "linear classifier (ridge on the one-hot class empty/own/opponent, argmax) per layer × position, "
-                    "fitted on the first 70% of the eval games and scored on the last 30%. 'useless' / 'useful': the "
-                    "test rows where the square is an NTP-useless / NTP-useful stone (per example). The step-0 "
-                    "(untrained) model is the baseline in every probe figure.")))
-    b.append(("fig", "probe_by_layer",
-                  "Probe quality by layer for all, useless and useful squares; solid: trained, dashed: step 0. "
-                  "Bands: 95% t-CI over the 64 squares of each square's mean over positions, clipped to the "
-                  "metric's range ([−1, 1] for r, [0, 1] for accuracy)."))
-    b.append(("fig", "probe_by_move",
-                  "Probe quality by move index for each layer (all squares, mean over the 64 squares); solid: "
-                  "trained, dotted: step 0."))
-    rows = []
-    for k in summary["layers"]:
-        cells = [str(k)]
-        for metric in METRICS:
-            for typ in PROBE_TYPES:
-                for w in ("final", "init"):
-                    s = next((x for x in summary["probe_by_layer"] if x["metric"] == metric and x["type"] == typ
-                              and x["weights"] == w and x["layer"] == k), None)
-                    cells.append(fmt(s["mean"]) if s else "n/a")
-        rows.append(cells)
-    header = ["layer"] + [f"{'r' if m == 'r' else 'acc'} {t} {'trained' if w == 'final' else 'step 0'}"
-                          for m in METRICS for t in PROBE_TYPES for w in ("final", "init")]
-    b.append(("table", header, rows, None))
-
-    b.append(("h2", "Fig. 3: the useful − useless gap"))
-    b.append(("fig", "gap",
-                  "Gap r(useful) − r(useless) (top) and accuracy(useful) − accuracy(useless) (bottom), by layer (left; "
-                  "mean over positions, 95% t-CI over squares; dashed: step 0) and by move index (right; one line per layer "
-                  "≥ 1; dashed: step 0 averaged over layers ≥ 1)."))
-    rows = []
-    for g in summary["gap_by_layer"]:
-        rows.append([METRICS[g["metric"]], "trained" if g["weights"] == "final" else "step 0", str(g["layer"]),
-                     fmt_ci(g), str(g["n"])])
-    b.append(("table", ["metric", "weights", "layer", "gap (95% CI over squares)", "n squares"], rows, None))
-    rows = [[k.split("/")[0], k.split("/")[1], fmt_ci(v["per_layer"], fmt_g), fmt_ci(v["per_move"], fmt_g),
-             fmt_ci(v["mean_layers_ge1"])] for k, v in summary["gap_slopes"].items()]
-    b.append(("table", ["metric", "weights", "slope per layer", "slope per move", "mean gap, layers ≥ 1"], rows,
-              None))
-
-    b.append(("h2", "Integrated influence"))
-    b.append(("p", (f"Integrated Adam influence (sum over all {cfg.get('steps')} training steps) of each gradient "
-                    "component on the tracked central squares, with the risk of each square restricted to the batch "
-                    "rows where it is useful / useless (per-type risks, as the reference). Unit of the CI: one "
-                    "square × position × layer whose type occurred in training (tracked sites: "
-                    f"{sites_text(summary['sites'])}). Value unit: {INFLUENCE_UNIT}. {SIGN} The paper's intervals "
-                    "(docs/paper.md#numbers, unit unknown) are beside ours; only signs and which CIs exclude 0 are "
-                    "comparable, not magnitudes.")))
-    rows = []
-    for c in COMPONENTS:
-        u, s = summary["influence"][f"{c}/useful"], summary["influence"][f"{c}/useless"]
-        pu, ps = PAPER_CI[(c, "useful")], PAPER_CI[(c, "useless")]
-        rows.append([COMPONENT_LABELS[c], fmt_ci(u, fmt_g), f"[{pu[0]}, {pu[1]}]", fmt_ci(s, fmt_g),
-                     f"[{ps[0]}, {ps[1]}]", f"{u['n']} / {s['n']}"])
-    b.append(("table", ["component (+ = toward final value)", "useful (ours)", "useful (paper)", "useless (ours)",
-                        "useless (paper)", "n units useful / useless"], rows, "influence"))
-    b.append(("fig", "influence_bars",
-                  f"Integrated influence by component and square type: ours (left) and the paper's (right). "
-                  f"{SIGN}"))
-    b.append(("fig", "influence_curves", f"Cumulative influence over training, mean over units, by component. {SIGN}"))
-    rows = [[str(r["layer"]), str(r["pos"]), COMPONENT_LABELS[r["component"]], r["type"], fmt_ci(r, fmt_g), str(r["n"])]
-            for r in summary["influence_by_site"]]
-    if rows:
-        b.append(("p", "Per tracked site (95% t-CI over the squares of that site):"))
-        b.append(("table", ["layer", "position", "component", "type", "integrated influence", "n squares"], rows,
-                  None))
-    sn = summary["sanity"]
-    if sn["adam_full"]["n"]:
-        full, removed = sn["adam_full"]["mean"], sn["R0_minus_RT_eval"]["mean"]
-        ratio = f"{full / removed:.3g}" if finite(full) and finite(removed) and removed != 0 else "n/a"
-        b.append(("p", ("Sanity check (whole-batch risks, per tracked square): mean integrated full Adam influence "
-                        f"{fmt_ci(sn['adam_full'], fmt_g)} vs mean mismatch actually removed on held-out games "
-                        f"R(θ0) − R(θT) {fmt_ci(sn['R0_minus_RT_eval'], fmt_g)}; ratio {ratio}. The two agree only to "
-                        "first order in the step size (docs/paper.md#influence): a ratio far from 1 means the per-step "
-                        "linearisation misses curvature, and the integrated influences then indicate the direction "
-                        "of each component's push more reliably than its size.")))
-    return b
+    return template_blocks("othello", [c.to_dict() for c in othello_claims(summary)], s=summary, sign=SIGN,
+                           unit=INFLUENCE_UNIT, metrics=METRICS, types=PROBE_TYPES, components=COMPONENTS,
+                           labels=COMPONENT_LABELS, paper_ci=PAPER_CI)
 
 
 # ---------------------------------------------------------------------------------------------------- entry point

@@ -6,7 +6,7 @@ Each experiment's text (headings, paragraphs, captions, table headers) is a Jinj
 (lines up to a blank line, joined by spaces):
 
 - ``# text`` / ``## text``: headings; ``![name] caption``: a figure; ``[claims]``: the claims table;
-- ``| head | head |`` (optionally followed by `` {#html_id}``), then one JSON list of cells a line (the ``row``
+- ``| head | head |`` (optionally followed by `` #html_id``), then one JSON list of cells a line (the ``row``
   filter): a table;
 - anything else: a paragraph.
 
@@ -38,7 +38,7 @@ from ..io import atomic_write
 CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
 
 
-TABLE_HEAD = re.compile(r"\| (.*) \|(?: \{#([\w-]+)\})?")
+TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")
 
 
 @cache
@@ -48,10 +48,12 @@ def _environment():
     from . import report_kit as kit
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("ntpflow.experiments", "templates"), trim_blocks=True,
-                             lstrip_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False)
-    env.filters.update(fmt=kit.fmt, fmt_g=kit.fmt_g, fmt_ci=kit.fmt_ci, fmt_interval=kit.fmt_interval,
-                       fmt_sigma=kit.fmt_sigma, row=lambda cells: json.dumps([str(c) for c in cells],
-                                                                             ensure_ascii=False))
+                             lstrip_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
+                             extensions=["jinja2.ext.do"])
+    env.filters.update(fmt=kit.fmt, fmt_g=kit.fmt_g, fmt_ci=kit.fmt_ci, fmt_ci_g=lambda s: kit.fmt_ci(s, kit.fmt_g),
+                       fmt_interval=kit.fmt_interval, fmt_sigma=kit.fmt_sigma, sites=kit.sites_text, where=kit.select,
+                       row=lambda cells: json.dumps([str(c) for c in cells], ensure_ascii=False))
+    env.tests["finite"] = kit.finite
     return env
 
 
