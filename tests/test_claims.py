@@ -112,7 +112,7 @@ def test_templates_ship_with_the_package():
     from pathlib import Path
 
     folder = files("ntpflow.experiments") / "templates"
-    names = {"toy.md.j2", "othello.md.j2", "_macros.j2"}
+    names = {"toy.md.j2", "othello.md.j2", "stories.md.j2", "_macros.j2"}
     assert names <= {p.name for p in folder.iterdir()}
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     globs = pyproject["tool"]["setuptools"]["package-data"]["ntpflow.experiments"]

@@ -1,6 +1,6 @@
 """Shared pieces of the experiment reports: statistics, number formatting, tables and the report pipeline.
 
-The figure style lives in ``figure_style``, the md/html/json renderer in ``render`` and every claim with its rule in
+The figure style lives in ``figure_style``, the renderer (templates -> md/html/json) in ``render`` and every claim with its rule in
 ``claim_registry``.
 """
 
@@ -11,12 +11,14 @@ from collections import defaultdict
 from functools import cache
 from pathlib import Path
 
+from ..config import TrainConfig
 from ..io import read_json
 from . import figure_style
 from .render import write_documents
 
 COMPONENTS = ("direct", "pre_cached", "shared")
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
+TRAIN_KEYS = ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_train", "n_eval")
 
 
 def _t_central(t: float, df: int) -> float:
@@ -195,12 +197,6 @@ def select(rows, order: str | None = None, **where) -> list[dict]:
     return sorted(sel, key=lambda r: r[order]) if order else sel
 
 
-def settings_table(settings) -> tuple:
-    """The "this run against the paper" table block of ``settings`` rows {setting, this_run, paper, differs}."""
-    return ("table", ["setting", "this run", "paper", "differs"],
-            [[s["setting"], s["this_run"], s["paper"], "yes" if s["differs"] else ""] for s in settings], None)
-
-
 def write_from_data(out_dir: str | Path, summarize, figures: dict, document) -> Path:
     """The report pipeline of an experiment folder: ``summary = summarize(data)`` from ``data.json`` (or, when only
     ``summary.json`` is there, as for the committed results under docs/results, the stored summary itself), the
@@ -238,6 +234,13 @@ def plain_number(v) -> str:
     if isinstance(v, float) and v == int(v) and abs(v) >= 1:
         return str(int(v))
     return str(v)
+
+
+def train_settings(train: dict, paper: dict) -> list[dict]:
+    """Setting rows {setting, this_run, paper} of the training settings (:data:`TRAIN_KEYS`): this run's value
+    (TrainConfig's default where ``train`` lacks it) and the ``paper``'s."""
+    defaults = TrainConfig().to_dict()
+    return [{"setting": k, "this_run": plain_number(train.get(k, defaults[k])), "paper": paper[k]} for k in TRAIN_KEYS]
 
 
 def sites_text(sites) -> str:

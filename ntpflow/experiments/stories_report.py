@@ -18,21 +18,18 @@ from pathlib import Path
 
 from . import figure_style as fs
 from .claim_registry import PAPER_LOSS, stories_claims
+from .render import template_blocks
 from .report_kit import (
     COMPONENT_LABELS,
     COMPONENTS,
-    fmt,
-    fmt_ci,
-    fmt_g,
     mean_of,
     paired,
-    plain_number,
     report_main,
     select,
-    settings_table,
     sites_text,
     stat_rows,
     stats,
+    train_settings,
     write_from_data,
 )
 
@@ -43,13 +40,11 @@ GROUP_LABELS = {"tags": "POS tags (10)", "deps": "dependency labels (10)", "posi
                 "syntax": "syntax: tags + deps (20)"}
 ALL_COMPONENTS = COMPONENTS + ("full",)
 REGIME_COLORS = {"vanilla": "#0072B2", "myopic": "#D55E00", "init": "#7F7F7F"}
-SIGN = fs.SIGN
 INFLUENCE_UNIT = "squared probe units (first-order reduction of the batch-mean squared probe mismatch)"
 PAPER_SETTINGS = {"corpus": "TinyStoriesV2-GPT4 (hub)", "tokenizer": "TinyStories-1M (GPT-Neo BPE, 50,257)",
                   "seeds": "10", "steps": "1000", "batch_size": "256", "lr": "0.001", "n_layer": "4",
                   "d_model": "128", "n_head": "4", "n_train": "300000", "n_eval": "30000",
                   "sites": "layers 1–4 × positions 30–39"}
-SETTING_KEYS = ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_train", "n_eval")
 
 
 # ---------------------------------------------------------------------------------------------------- summary
@@ -63,12 +58,6 @@ def _corpus_text(corpus) -> str:
 
 
 def _settings(data: dict, seeds) -> list[dict]:
-    from dataclasses import fields
-
-    from ..config import TrainConfig
-
-    defaults = {f.name: f.default for f in fields(TrainConfig)}
-    train = data.get("train") or {}
     tok = data.get("tokenizer") or {}
     tok_text = (f"{tok.get('name') or 'hub'} (hub)" if tok.get("source") == "hub"
                 else f"byte-level BPE trained offline on the training split, {tok.get('vocab_size')} tokens")
@@ -77,10 +66,8 @@ def _settings(data: dict, seeds) -> list[dict]:
             {"setting": "tokenizer", "this_run": tok_text, "paper": PAPER_SETTINGS["tokenizer"]},
             {"setting": "seeds", "this_run": f"{len(seeds)} ({', '.join(str(s) for s in seeds)})",
              "paper": PAPER_SETTINGS["seeds"]}]
-    for k in SETTING_KEYS:
-        rows.append({"setting": k, "this_run": plain_number(train.get(k, defaults.get(k))), "paper": PAPER_SETTINGS[k]})
-    rows.append({"setting": "sites", "this_run": sites_text(data.get("sites") or []),
-                 "paper": PAPER_SETTINGS["sites"]})
+    rows += train_settings(data.get("train") or {}, PAPER_SETTINGS)
+    rows.append({"setting": "sites", "this_run": sites_text(data.get("sites") or []), "paper": PAPER_SETTINGS["sites"]})
     for r in rows:
         r["differs"] = r["setting"] != "scale" and r["this_run"].split(" (")[0] != r["paper"].split(" (")[0]
     return rows
@@ -201,7 +188,7 @@ def summarize(data: dict) -> dict:
         "scale": data.get("scale"), "corpus": _corpus_text(data.get("corpus")), "tokenizer": data.get("tokenizer") or {},
         "seeds": seeds, "n_seeds": len(seeds), "regimes": regimes, "sites": data.get("sites") or [],
         "train": data.get("train") or {}, "layers": layers, "feature_groups": groups,
-        "settings": _settings(data, seeds), "sign_convention": SIGN, "influence_unit": INFLUENCE_UNIT,
+        "settings": _settings(data, seeds), "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
         "ci": "two-sided 95% Student-t interval over seeds; lo/hi are null when n < 2",
         "loss": loss, "probe_quality": probe_quality, "probe_per_feature": per_feature,
         "probe_profiles": profile_rows, "influence": infl, "influence_curves": curve_rows,
@@ -212,11 +199,6 @@ def summarize(data: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- figures
-
-
-def _ci_text(n, capital=False):
-    text = f"whiskers: {fs.ci_label(n, 'seeds')}"
-    return text[0].upper() + text[1:] if capital else text
 
 
 def _fig_loss(summary):
@@ -268,8 +250,8 @@ def _fig_probe_groups(summary):
                      for rg in summary["regimes"]])
     ax.set_xticks(range(len(groups)), [GROUP_LABELS[g] for g in groups])
     ax.set_ylabel("probe test Pearson r\n(mean over features, layers 1–L, positions 1–63)")
-    fs.finish(fig, f"Probe quality per feature group ({_ci_text(summary['n_seeds'])}, clipped to [−1, 1])",
-              ncol=1 + len(summary["regimes"]))
+    fs.finish(fig, f"Probe quality per feature group (whiskers: {fs.ci_label(summary['n_seeds'], 'seeds')}, clipped "
+                   "to [−1, 1])", ncol=1 + len(summary["regimes"]))
     return fig
 
 
@@ -287,8 +269,8 @@ def _fig_influence_shares(summary):
         ax.set_xticks(range(len(groups)), [GROUP_LABELS[g].split(" (")[0] for g in groups])
         ax.set_title(rg)
     axes[0][0].set_ylabel("influence share\ncomponent / (|direct| + |pre-cached| + |shared|)")
-    fs.finish(fig, f"Integrated Adam influence per component at the tracked sites ({_ci_text(summary['n_seeds'])}, "
-                   f"clipped to [−1, 1])\n{SIGN}", ncol=len(COMPONENTS))
+    fs.finish(fig, "Integrated Adam influence per component at the tracked sites (whiskers: "
+                   f"{fs.ci_label(summary['n_seeds'], 'seeds')}, clipped to [−1, 1])\n{fs.SIGN}", ncol=len(COMPONENTS))
     return fig
 
 
@@ -350,7 +332,7 @@ def _fig_influence_curves(summary):
                          label=COMPONENT_LABELS[c])
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fs.finish(fig, "Cumulative Adam influence (mean over tracked sites × the group's features; bands: "
-                   f"{fs.ci_label(summary['n_seeds'], 'seeds')})\n{SIGN}", ncol=len(ALL_COMPONENTS))
+                   f"{fs.ci_label(summary['n_seeds'], 'seeds')})\n{fs.SIGN}", ncol=len(ALL_COMPONENTS))
     return fig
 
 
@@ -361,143 +343,13 @@ FIGURES = {"loss": _fig_loss, "probe_groups": _fig_probe_groups, "probe_profiles
 # ---------------------------------------------------------------------------------------------------- document
 
 
-def _data_note(summary) -> str:
-    tok = summary["tokenizer"]
-    corpus = _corpus_text(summary["corpus"])
-    train = summary["train"]
-    if corpus.startswith("generated"):
-        what = ("the project's generated story grammar (a stand-in for tests; its text is far simpler than "
-                "TinyStories, so nothing here says anything about the paper)")
-    elif corpus == "hf" or corpus.startswith("hf:"):
-        what = "TinyStoriesV2-GPT4 from the Hugging Face hub, as the paper"
-    else:
-        n_tr = train.get("n_train")
-        tokens = f"about {n_tr * 64 / 1000:.0f}k" if isinstance(n_tr, int) else "far fewer"
-        what = (f"a local TinyStories sample ({corpus}; one 64-token window per story "
-                f"gives {tokens} training tokens against the paper's 300,000 windows = 19.2M tokens, so the model is "
-                "much less trained and sees its windows more than once)")
-    tok_text = (f"the hub tokenizer {tok.get('name') or ''}" if tok.get("source") == "hub" else
-                f"a byte-level BPE with {tok.get('vocab_size')} tokens trained offline on the training split (the "
-                "hub's TinyStories-1M tokenizer, 50,257 ids, was unreachable), so per-token losses are on another "
-                "scale than the paper's")
-    steps, bs = train.get("steps"), train.get("batch_size")
-    seen = f"{steps} steps × {bs} = {steps * bs:,}" if isinstance(steps, int) and isinstance(bs, int) else "?"
-    return (f"Data: {what}; {train.get('n_train', '?')} training and {train.get('n_eval', '?')} held-out windows "
-            f"of 64 tokens; {seen} windows seen in training (paper: 1000 steps × 256 = 256,000). "
-            f"Tokenizer: {tok_text}. Absolute losses are therefore not comparable with the paper; "
-            "the vanilla–myopic gap is.")
-
-
 def _document(summary: dict, figures) -> list[tuple]:
-    n = summary["n_seeds"]
-    if n >= 2:
-        ci_note = "Intervals: two-sided 95% Student-t intervals over seeds (the seed is the unit of replication)."
-    elif n == 1:
-        ci_note = "Only 1 seed: means only, no intervals; every claim is 'not testable at this scale'."
-    else:
-        ci_note = "No runs in data.json: nothing to report; every claim is 'not testable at this scale'."
-    b = [("h1", "TinyStories: pre-caching, syntax and story position (docs/paper.md#tinystories, claim 4)"),
-         ("p", (f"Scale {summary['scale']!s}, {n} seed(s), regimes: {', '.join(summary['regimes']) or 'none'}. "
-                f"{ci_note} {SIGN} Layer k = resid[k], the output of block k−1 (after k blocks; 0 = embeddings); "
-                "positions are window positions (no BOS; the logits at p predict token p+1). Every number below is "
-                "also in summary.json.")),
-         ("p", _data_note(summary))]
-
-    b.append(("h2", "Scale and settings"))
-    b.append(("p", "This run against the paper's setting; rows marked 'yes' differ from the paper."))
-    b.append(settings_table([{**s, "this_run": _corpus_text(s["this_run"])} if s["setting"] == "corpus" else s
-                             for s in summary["settings"]]))
-
-    b.append(("h2", "Claims"))
-    b.append(("claims", [c.to_dict() for c in stories_claims(summary)], False))
-    b.append(("p", ("Decision rules (fixed before looking at the numbers; the verdicts are whatever the numbers give). "
-                   "Influence shares put features of different scales on one footing: per tracked site × feature, "
-                   "component / (|direct| + |pre-cached| + |shared|).")))
-
-    b.append(("h2", "Held-out loss"))
-    b.append(("fig", "loss",
-                  "Held-out (eval-window) loss per regime: bars = mean, whiskers = sd over seeds, dots = seeds; hatched: "
-                  "the paper's 2.53 ± 0.10 (vanilla) and 3.29 ± 0.02 (myopic), reported without saying train or eval."))
-    lo = summary["loss"]
-    rows = []
-    for rg, v in lo["per_regime"].items():
-        e, t = v["eval_loss"], v["train_loss"]
-        rows.append([rg, f"{fmt(e['mean'])} ± {fmt(e['sd'])}", fmt_ci(e), f"{fmt(t['mean'])} ± {fmt(t['sd'])}",
-                     f"{PAPER_LOSS[rg][0]:.2f} ± {PAPER_LOSS[rg][1]:.2f}", str(e["n"])])
-    if rows:
-        b.append(("table", ["regime", "eval loss (mean ± sd)", "eval loss 95% CI", "last train-batch loss (mean ± sd)",
-                            "paper (mean ± sd)", "n"], rows, None))
-    if lo.get("myopic_minus_vanilla"):
-        b.append(("p", (f"Paired myopic − vanilla eval loss: {fmt_ci(lo['myopic_minus_vanilla'])} nats/token "
-                       "(paper: +0.76).")))
-    _samples_blocks(b, summary)
-
-    b.append(("h2", "Probe quality"))
-    b.append(("fig", "probe_groups",
-                  "Test Pearson r of ridge probes (fit on the first 70% of the eval windows, tested on the rest), "
-                  "averaged over the group's features, layers 1–L and positions 1–63; grey: the untrained model "
-                  "(step-0 weights) as the baseline. " + _ci_text(n, capital=True) + "."))
-    b.append(("fig", "probe_profiles", "The same along the window, one panel per group and layer."))
-    rows = []
-    for g in GROUPS:
-        e = summary["probe_quality"].get(g)
-        if not e:
-            continue
-        rows.append([GROUP_LABELS[g], fmt_ci(e.get("init")),
-                     *(fmt_ci(e["per_regime"][rg]["final"]) if rg in e["per_regime"] else "n/a" for rg in REGIMES),
-                     fmt_ci(e.get("vanilla_minus_myopic"))])
-    if rows:
-        b.append(("table", ["group", "untrained", "vanilla", "myopic", "vanilla − myopic (paired)"], rows, None))
-    rows = [[r["feature"], r["group"], fmt(r.get("init", {}).get("mean")),
-             *(fmt(r[rg]["mean"]) if rg in r else "n/a" for rg in REGIMES)] for r in summary["probe_per_feature"]]
-    if rows:
-        b.append(("p", "Per feature (mean over seeds of the mean over layers 1–L and positions 1–63):"))
-        b.append(("table", ["feature", "group", "untrained", "vanilla", "myopic"], rows, None))
-
-    b.append(("h2", "Integrated influence"))
-    b.append(("fig", "influence_shares",
-                  "Integrated Adam influence per component as a share of |direct| + |pre-cached| + |shared| "
-                  "per tracked site × feature, averaged over the group (a share lies in [−1, 1]). "
-                  + _ci_text(n, capital=True) + f", clipped to [−1, 1]. {SIGN}"))
-    b.append(("fig", "influence_curves",
-                  "Cumulative influence over training, raw (mean over tracked sites × features of the group; "
-                  "position is dominated by pos_int, measured in tokens)."))
-    rows = []
-    for g in GROUPS:
-        e = summary["influence"].get(g)
-        if not e:
-            continue
-        for rg, v in e["per_regime"].items():
-            rows.append([GROUP_LABELS[g], rg, *(fmt_ci(v["share"][c]) for c in COMPONENTS),
-                         *(fmt_ci(v["raw"][c], fmt_g) for c in ALL_COMPONENTS),
-                         fmt_ci(v["raw"]["mismatch_removed"], fmt_g), str(e["n_site_features"])])
-    if rows:
-        b.append(("p", (f"Shares are dimensionless; raw values in {INFLUENCE_UNIT}, per feature's own units. 'R0 − RT' is "
-                       "the mismatch actually removed on held-out windows, which the full influence should roughly "
-                       f"match (first order). {SIGN} In a myopic run the pre-cached part is zero by construction "
-                       "(other positions' keys and values get no gradient).")))
-        b.append(("table", ["group", "regime", "share direct", "share pre-cached", "share shared", "raw direct",
-                            "raw pre-cached", "raw shared", "raw full", "R0 − RT", "site × features"], rows, None))
-    else:
-        b.append(("p", "No influence data."))
-    return b
-
-
-def _samples_blocks(b, summary):
-    s = summary.get("samples")
-    b.append(("h2", "Sampled continuations"))
-    if not s or not s.get("prompts"):
-        b.append(("p", "No samples in data.json."))
-        return
-    spec = s["spec"]
-    b.append(("p", (f"The first {spec['prompt_len']} tokens of held-out stories, continued by {spec['n_new']} tokens "
-                    f"from each regime's seed-{s['seed_model']} model (temperature {spec['temperature']}, top-k "
-                    f"{spec['top_k']}; prompt j draws from torch.Generator seed {spec['seed']} + j, the same for "
-                    "both regimes; beyond 64 tokens the context is cropped to the last 64). 'reference' is how the "
-                    "story really goes on.")))
-    regimes = [rg for rg in REGIMES if rg in s.get("regimes", [])]
-    rows = [[p["prompt"], p["reference"], *(p["continuations"].get(rg, "") for rg in regimes)] for p in s["prompts"]]
-    b.append(("table", ["prompt", "reference", *regimes], rows, "samples"))
+    settings = [{**r, "this_run": _corpus_text(r["this_run"])} if r["setting"] == "corpus" else r
+                for r in summary["settings"]]
+    return template_blocks("stories", [c.to_dict() for c in stories_claims(summary)], s=summary, settings=settings,
+                           corpus=_corpus_text(summary["corpus"]), ci_label=fs.ci_label(summary["n_seeds"], "seeds"),
+                           sign=fs.SIGN, unit=INFLUENCE_UNIT, regimes=REGIMES, groups=GROUPS, group_labels=GROUP_LABELS,
+                           components=COMPONENTS, all_components=ALL_COMPONENTS, paper_loss=PAPER_LOSS)
 
 
 # ---------------------------------------------------------------------------------------------------- entry point

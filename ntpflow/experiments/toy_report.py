@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from ..config import REGIMES, TrainConfig
+from ..config import REGIMES
 from . import figure_style as fs
 from .claim_registry import CLAIM_LAYERS, CLAIM_POSITIONS, GATE_ACC, GATE_GAP, toy_claims
 from .render import template_blocks
@@ -40,6 +40,7 @@ from .report_kit import (
     sites_text,
     stat_rows,
     stats,
+    train_settings,
     write_from_data,
 )
 
@@ -196,14 +197,12 @@ def summarize(data: dict) -> dict:
 
 
 def _settings(data: dict, n_seeds: int) -> list[dict]:
-    defaults = TrainConfig().to_dict()
-    train, per_task = data.get("train") or {}, data.get("task_train") or {}
+    per_task = data.get("task_train") or {}
     rows = [{"setting": "seeds", "this_run": str(n_seeds), "paper": PAPER_SETTINGS["seeds"]}]
-    for k in ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_train", "n_eval"):
-        vals = {t: v[k] for t, v in per_task.items() if k in v}
-        this = ", ".join(f"{t} {plain_number(v)}" for t, v in vals.items()) if vals else \
-            plain_number(train.get(k, defaults[k]))
-        rows.append({"setting": k, "this_run": this, "paper": PAPER_SETTINGS[k]})
+    for r in train_settings(data.get("train") or {}, PAPER_SETTINGS):  # per task where they differ
+        if vals := {t: v[r["setting"]] for t, v in per_task.items() if r["setting"] in v}:
+            r["this_run"] = ", ".join(f"{t} {plain_number(v)}" for t, v in vals.items())
+        rows.append(r)
     rows.append({"setting": "tracked sites", "this_run": sites_text(data.get("sites") or []),
                  "paper": "layers 1–2 × positions 2–19"})
     for r in rows:
