@@ -111,8 +111,10 @@ def test_templates_ship_with_the_package():
     from importlib.resources import files
     from pathlib import Path
 
+    from ntpflow.experiments import EXPERIMENTS
+
     folder = files("ntpflow.experiments") / "templates"
-    names = {"toy.md.j2", "othello.md.j2", "stories.md.j2", "_macros.j2"}
+    names = {f"{name}.md.j2" for name in EXPERIMENTS} | {"_macros.j2"}
     assert names <= {p.name for p in folder.iterdir()}
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     globs = pyproject["tool"]["setuptools"]["package-data"]["ntpflow.experiments"]

@@ -1,18 +1,9 @@
 """Report of the pretrained-LLM reproduction (docs/paper.md#q, #gemma; claims 5–6 of #claims) from the files of
-``ntpflow.experiments.llm.run_llm``.
+``ntpflow.experiments.llm.run_llm`` (docs/outputs.md): figures/, summary.json, report.md and report.html.
 
-``write_report(out)`` reads ``meta.json``, ``quality.json``, ``q_<mode>.json``, ``stats.json``, and (when present)
-``steering.json``, ``lens.json``, ``q_vs_influence.json``; it writes
-
-- ``figures/{lnq_hist,q_tails,steering,lens,q_vs_influence}.{png,svg}``,
-- ``summary.json``: every number the report shows and ``claims``, a list of ``{claim, paper, measured, rule,
-  verdict}`` with verdict one of reproduced / not reproduced / inconclusive,
-- ``report.md`` and ``report.html`` (self-contained).
-
-Statistics: sigma(ln Q) is given as the midpoint +- half-width of the chi-square 95% CI (the paper's statistic); the
-formal/other comparison uses the F-distribution 95% CI of sigma_formal / sigma_other; steering compares per-latent
-mean code scores with a Welch 95% CI of the difference; correlations are Spearman's rho with a Fisher-z 95% CI
-(se 1.03 / sqrt(n - 3)). All writes are atomic.
+Statistics: σ(ln Q) as the midpoint ± half-width of its χ² 95% CI (the paper's statistic); formal against other by
+the F-distribution 95% CI of σ_formal / σ_other; steering by a Welch 95% CI of the difference of the per-latent mean
+code scores; correlations as Spearman's ρ with a Fisher-z 95% CI (se 1.03 / sqrt(n − 3)).
 """
 
 from __future__ import annotations
@@ -27,21 +18,24 @@ from .report_kit import (
     draw_figures,
     finite,
     fmt,
-    fmt_ci,
     fmt_interval,
-    fmt_sigma,
     report_main,
     sd_ratio_ci,
     stats,
     stored_summary,
     welch_ci,
 )
-from .render import write_documents
+from .render import template_blocks, write_documents
 
 MODES = ("reconstruction", "error-preserving")
 DOMAINS = ("stories", "code", "math")
 DOMAIN_COLORS = {"stories": "#0072B2", "code": "#D55E00", "math": "#009E73"}
 GROUP_COLORS = {"formal": "#D55E00", "other": "#0072B2", "high": "#CC79A7", "low": "#56B4E9", "baseline": "#7F7F7F"}
+QVI_KEYS = ("spearman", "spearman_share", "spearman_centred", "spearman_share_centred", "spearman_full_horizon",
+            "final_layer", "n_layer", "rows", "n_sequences")
+LENS_KEYS = ("metrics", "ranks", "primary_rank", "d_model", "n_contexts", "site", "target")
+SETUP_KEYS = ("model", "hook", "n_contexts", "ctx_len", "n_train_tokens", "n_eval_tokens")
+
 
 def _read(out: Path, name: str):
     p = out / name
@@ -76,17 +70,11 @@ def _q_summary(r: dict) -> dict:
     n = len(lq)
     n_tail = max(1, round(0.1 * n)) if n else 0
     order = np.argsort(lq)
-    tails = {"low": order[:n_tail], "high": order[n - n_tail:] if n_tail else order[:0]}
-    make = {}
-    for name, idx in tails.items():
-        make[name] = {d: (sum(doms[i] == d for i in idx) / len(idx) if len(idx) else None) for d in DOMAINS}
-    make["all"] = {d: (sum(x == d for x in doms) / n if n else None) for d in DOMAINS}
-    out["tails"] = make
+    groups = {"low": order[:n_tail], "high": order[n - n_tail:n], "all": order}
+    out["tails"] = {g: {d: (sum(doms[i] == d for i in idx) / len(idx) if len(idx) else None) for d in DOMAINS}
+                    for g, idx in groups.items()}
     out["n_tail"] = n_tail
-    in_tail = np.zeros(n, bool)
-    if n_tail:
-        in_tail[tails["low"]] = True
-        in_tail[tails["high"]] = True
+    in_tail = np.isin(np.arange(n), np.concatenate([groups["low"], groups["high"]]))
     a, b = int((in_tail & formal).sum()), int((in_tail & ~formal).sum())
     c, d = int((~in_tail & formal).sum()), int((~in_tail & ~formal).sum())
     fisher = {"tail_formal": a, "tail_other": b, "rest_formal": c, "rest_other": d,
@@ -112,16 +100,6 @@ def _steer_summary(sj: dict) -> dict:
     return out
 
 
-def _lens_summary(lj: dict) -> dict:
-    keys = ("metrics", "ranks", "primary_rank", "d_model", "n_contexts", "site", "target")
-    return {**{k: lj[k] for k in keys}, "correlation": {mode: c["rows"] for mode, c in lj["correlation"].items()}}
-
-
-QVI_KEYS = ("spearman", "spearman_share", "spearman_centred", "spearman_share_centred", "spearman_full_horizon",
-            "final_layer", "n_layer", "rows", "n_sequences")
-_REUSED_TEXT = {("sae",): "Corpus and SAE (the scan was computed here)", ("sae", "scan"): "Corpus, SAE and scan"}
-
-
 def summarize(out: Path) -> dict:
     """Every number of the report and the claims, from the files in ``out`` (no writes)."""
     meta = _read(out, "meta.json") or {}
@@ -130,10 +108,9 @@ def summarize(out: Path) -> dict:
     reused = meta.get("reused_stages", ["sae", "scan"] if meta.get("reuse") else [])  # older runs: both
     s: dict = {"scale": meta.get("scale"), "settings": meta.get("settings"), "reuse": meta.get("reuse"),
                "reused_stages": reused, "timing": _read(out, "timing.json")}
-    s["setup"] = {"model": quality.get("model"), "hook": quality.get("hook"), "n_contexts": quality.get("n_contexts"),
-                  "ctx_len": quality.get("ctx_len"), "n_train_tokens": quality.get("n_train_tokens"),
-                  "n_eval_tokens": quality.get("n_eval_tokens"), "sae": (quality.get("sae") or {}).get("config")
-                  or {k: v for k, v in (quality.get("sae") or {}).items() if k != "final_losses"}}
+    sae = quality.get("sae") or {}
+    s["setup"] = {**{k: quality.get(k) for k in SETUP_KEYS},
+                  "sae": sae.get("config") or {k: v for k, v in sae.items() if k != "final_losses"}}
     if (out / "contexts.pt").exists():
         import torch
 
@@ -143,14 +120,11 @@ def summarize(out: Path) -> dict:
     qsec = quality.get("seconds") or {}
     orig = {"sae": (qsec.get("activations") or 0) + (qsec.get("training") or 0) or None, "scan": st.get("seconds")}
     s["original_seconds"] = {k: v for k, v in orig.items() if k in reused}
-    s["q"] = {}
-    for mode in MODES:
-        r = _read(out, f"q_{mode}.json")
-        if r is not None:
-            s["q"][mode] = _q_summary(r)
+    s["q"] = {mode: _q_summary(r) for mode in MODES if (r := _read(out, f"q_{mode}.json")) is not None}
     sj, lj, qj = _read(out, "steering.json"), _read(out, "lens.json"), _read(out, "q_vs_influence.json")
     s["steering"] = _steer_summary(sj) if sj else None
-    s["lens"] = _lens_summary(lj) if lj else None
+    s["lens"] = ({**{k: lj[k] for k in LENS_KEYS}, "correlation": {m: c["rows"] for m, c in lj["correlation"].items()}}
+                 if lj else None)
     s["q_vs_influence"] = ({**{k: qj.get(k) for k in QVI_KEYS}, "n": len(qj["rows"]), "toy_eval": qj.get("eval"),
                             "toy_train": qj.get("train")} if qj else None)
     s = json_safe(s)
@@ -304,124 +278,8 @@ FIGURES = {"lnq_hist": _fig_hist, "q_tails": _fig_tails, "steering": _fig_steeri
 # --------------------------------------------------------------------------------------------------------- document
 
 
-def _blocks(s: dict) -> list:
-    su = s["setup"]
-    sae = su.get("sae") or {}
-    b: list = [("h1", f"Pretrained LLM: Q(w), domains, steering, look-ahead ({s.get('scale')} scale)")]
-    per = su.get("contexts_per_domain") or {}
-    b.append(("p", f"Model {su.get('model')}, site {su.get('hook')}. SAE: "
-                   + ", ".join(f"{k} {v}" for k, v in sae.items() if k in ("d_sae", "architecture", "k", "steps",
-                                                                           "batch_size", "release", "sae_id"))
-                   + f". Corpus: {su.get('n_contexts')} windows of {su.get('ctx_len')} tokens ("
-                   + ", ".join(f"{d} {per.get(d, '?')}" for d in DOMAINS) + "); "
-                   f"SAE trained on {su.get('n_train_tokens')} tokens, evaluated on {su.get('n_eval_tokens')}."
-                   + (f" {_REUSED_TEXT[tuple(s['reused_stages'])]} reused from {s['reuse']}."
-                      if s.get("reused_stages") else "")))
-    if s.get("scale") == "smoke":
-        b.append(("p", "Smoke scale: a tiny random model; this checks the pipeline, not the science."))
-    b.append(("p", ("Domain labels: a latent's domain is where its top-activating contexts come from (stories, "
-                   "code or math windows of the corpus); formal = code + math hold more than half of them. The paper "
-                   "instead asks an LLM about Neuronpedia explanations (code/math or syntax/structure), over ~14.6k "
-                   "latents; here far fewer latents are scored, so the CIs are an order of magnitude wider.")))
-    b.append(("h2", "Claims"))
-    b.append(("claims", [c.to_dict() for c in llm_claims(s)], False))
-    b.append(("h2", "SAE quality"))
-    rows = []
-    for split in ("train", "eval"):
-        q = s["sae_quality"].get(split) or {}
-        rows.append([split, fmt(q.get("explained_variance")), fmt(q.get("l0"), 1),
-                     f"{q.get('n_dead')} ({fmt(q.get('dead_fraction'), 3)})", str(q.get("n_tokens"))])
-    b.append(("table", ["split", "explained variance", "L0", "dead latents (share)", "tokens"], rows, "sae"))
-    b.append(("h2", "Distribution of ln Q"))
-    rows = []
-    for mode, q in s["q"].items():
-        ls = q.get("lnq_stats") or {}
-        sf, so, ra = q["sigma_formal"], q["sigma_other"], q["sigma_ratio"]
-        rows.append([mode, str(q["n_scored"]), str(q["n_included"]), fmt(ls.get("median"), 2),
-                     fmt_sigma(sf), fmt_sigma(so), fmt_interval(ra, "ratio")])
-    rows.append(["paper (gemma-2-2b)", "16384", "~14565", "n/a", "1.63 ± 0.03", "1.23 ± 0.02", "1.33"])
-    b.append(("table", ["mode", "scored", "included (KL > cutoff)", "median ln Q", "σ(ln Q) formal (95% CI)",
-                        "σ(ln Q) other (95% CI)", "σ ratio formal/other [95% CI]"], rows, "sigma"))
-    b.append(("fig", "lnq_hist", ("Histogram of ln Q of the included latents, formal (code + math > half of "
-                                 "the top examples) vs other, per ablation mode.")))
-    b.append(("h2", "Domain make-up of the Q tails"))
-    rows = []
-    for mode, q in s["q"].items():
-        for g in ("low", "all", "high"):
-            rows.append([mode, g] + [fmt(q["tails"][g][d], 2) for d in DOMAINS])
-    b.append(("table", ["mode", "group", *DOMAINS], rows, "tails"))
-    b.append(("fig", "q_tails", "Domain of the latents in the lowest and highest 10% of ln Q and overall."))
-    st = s.get("steering")
-    b.append(("h2", "Steering"))
-    if st:
-        b.append(("p", (f"Top/bottom {len(st['high'])} included latents by Q (reconstruction mode); vector = alpha · "
-                       f"{fmt(st['resid_norm'], 1)} (mean residual norm) · unit decoder row, added once at every "
-                       "position; greedy continuations (the CI of 'no steering' is over prompts, the others over "
-                       "latents); code score = share of non-whitespace characters that are ASCII punctuation or "
-                       "letters of Python keywords.")))
-        rows = [[str(r["alpha"]), fmt_ci(r["high"]), fmt_ci(r["low"]), fmt_ci(r["baseline"]),
-                 fmt_interval(r["diff"], "diff", 3)] for r in st["runs"]]
-        b.append(("table", ["alpha", "high-Q", "low-Q", "no steering", "high − low (Welch 95% CI)"], rows,
-                  "steering"))
-        ex = st["runs"][0]["examples"]
-        rows = [[g, str(f), repr(t)[:120]] for g in ("high", "low") for f, t in ex[g]]
-        rows += [["none", "-", repr(t)[:120]] for t in ex["baseline"]]
-        b.append(("table", ["group", "latent", "continuation of the empty prompt (first alpha)"], rows, "steer-ex"))
-        b.append(("fig", "steering", "Code score of steered continuations, mean over latents with 95% t-CI."))
-    else:
-        b.append(("p", "Not run."))
-    ln = s.get("lens")
-    b.append(("h2", "Look-ahead lens"))
-    if ln:
-        b.append(("p", (f"Ridge least-squares maps from {ln['site']} at position t to {ln['target']}, fitted on "
-                       f"{ln['n_contexts']} contexts (80/20 split by context), at the SAE's own site (the reference "
-                       "uses the residual one block earlier). Overlap = cos(E_f, P_r E_f) with E_f the encoder "
-                       "column and P_r the projector on the top-r right singular vectors of A.")))
-        rows = [[str(m["k"]), fmt(m["top1"]), fmt(m["model_top1"]), fmt(m["agree"]), fmt(m["r2"])]
-                for m in ln["metrics"]]
-        b.append(("table", ["k", "lens top-1", "model top-1 at t+k−1", "agreement", "R² (hidden)"], rows, "lens"))
-        rows = [[mode, str(r["k"]), str(r["r"]), fmt_interval(r, "rho"),
-                 fmt(r["p"], 3), str(r["n"])] for mode, rr in ln["correlation"].items() for r in rr]
-        b.append(("table", ["mode", "k", "r", "Spearman ρ(Q, overlap) [95% CI]", "p", "n"], rows, "lens-corr"))
-        b.append(("fig", "lens", ("Left: held-out accuracy of the lenses. Right: Spearman correlation of Q with "
-                                 "the overlap, per k and rank r.")))
-    else:
-        b.append(("p", "Not run."))
-    qv = s.get("q_vs_influence")
-    b.append(("h2", "Beyond the paper: Q vs influence on a toy model"))
-    if qv:
-        tt = qv.get("toy_train") or {}
-        b.append(("p", (f"Majority task, vanilla, {tt.get('n_layer')} layers, d_model {tt.get('d_model')}, "
-                       f"{tt.get('steps')} steps (eval {qv.get('toy_eval')}); {qv['n']} probe sites × features; Q "
-                       f"from {qv['n_sequences']} eval sequences.")))
-        fl = qv.get("final_layer") or {}
-        b.append(("p", (f"Correlations over the sites before the last block's output (layer < {qv.get('n_layer')}). "
-                       f"At the last residual ({fl.get('n')} probes) nothing later reads the position, so Q and "
-                       f"I_pre-cached are 0 by construction: measured max |Q| = {fmt(fl.get('max_abs_q'), 4)}, max "
-                       f"|I_pre-cached| = {fmt(fl.get('max_abs_pre_cached'), 4)}. Sites late in the sequence have "
-                       "fewer than 10 future predictions (H < 10), which lowers their Q; the last row keeps only "
-                       "sites with H = 10.")))
-        rows = []
-        for label, key in (("ρ(Q, I_pre/I_direct)", "spearman"),
-                           ("ρ(Q, I_pre/(|I_pre|+|I_direct|))", "spearman_share"),
-                           ("ρ(Q, I_pre/I_direct), centred mismatch R_c", "spearman_centred"),
-                           ("ρ(Q, I_pre/(|I_pre|+|I_direct|)), centred mismatch R_c", "spearman_share_centred"),
-                           ("ρ(Q, I_pre/I_direct), sites with H = 10", "spearman_full_horizon")):
-            sp = qv.get(key)
-            if sp:
-                rows.append([label, fmt_interval(sp, "rho"), fmt(sp["p"], 3), str(sp["n"])])
-        b.append(("table", ["statistic", "Spearman ρ [95% CI]", "p", "n"], rows, "qvi"))
-        b.append(("fig", "q_vs_influence", "Each point a probe site × feature of the toy run."))
-    else:
-        b.append(("p", "Not run."))
-    if s.get("timing"):
-        b.append(("h2", "Run time"))
-        rows = [[k, fmt(v, 0)] for k, v in s["timing"].items()]
-        orig = s.get("original_seconds") or {}
-        rows = [r for r in rows if r[0] not in s.get("reused_stages", [])]
-        rows += [[f"{k} (in the reused run)", fmt(v, 0)] for k, v in orig.items() if v is not None]
-        b.append(("table", ["stage", "seconds"], rows, "timing"))
-    return b
+def _document(s: dict, figures) -> list[tuple]:
+    return template_blocks("llm", [c.to_dict() for c in llm_claims(s)], s=s, domains=DOMAINS)
 
 
 def write_report(out: str | Path) -> Path:
@@ -434,7 +292,7 @@ def write_report(out: str | Path) -> Path:
     else:
         raise FileNotFoundError(f"no llm results in {out} (missing quality.json); run run_llm first")
     pngs = draw_figures(s, out / "figures", FIGURES)
-    write_documents(out, _blocks(s), pngs, s)
+    write_documents(out, _document(s, pngs), pngs, s)
     return out / "report.html"
 
 

@@ -53,6 +53,7 @@ def _environment():
     env.filters.update(fmt=kit.fmt, fmt_g=kit.fmt_g, fmt_ci=kit.fmt_ci, fmt_ci_g=lambda s: kit.fmt_ci(s, kit.fmt_g),
                        fmt_interval=kit.fmt_interval, fmt_sigma=kit.fmt_sigma, sites=kit.sites_text, where=kit.select,
                        pick=lambda mapping, keys, default=None: [mapping.get(k, default) for k in keys],
+                       repr=repr,
                        row=lambda cells: json.dumps([str(c) for c in cells], ensure_ascii=False))
     env.tests["finite"] = kit.finite
     return env

@@ -1,7 +1,7 @@
 """Shared pieces of the experiment reports: statistics, number formatting, tables and the report pipeline.
 
-The figure style lives in ``figure_style``, the renderer (templates -> md/html/json) in ``render`` and every claim with its rule in
-``claim_registry``.
+The figure style lives in ``figure_style``, the renderer (templates -> md/html/json) in ``render`` and every claim
+with its rule in ``claim_registry``.
 """
 
 from __future__ import annotations
