@@ -2,8 +2,8 @@
 report.md, report.html and summary.json.
 
 Each experiment's text (headings, paragraphs, captions, table headers) is a Jinja template,
-``templates/<experiment>.md.j2``; :func:`template_blocks` renders it and reads the result as blocks, one a paragraph
-(lines up to a blank line, joined by spaces):
+``templates/<experiment>.md.j2``; :func:`template_blocks` renders it and reads the result as blocks, separated by
+blank lines (the lines of a heading, paragraph or caption are joined by spaces):
 
 - ``# text`` / ``## text``: headings; ``![name] caption``: a figure; ``[claims]``: the claims table;
 - ``| head | head |`` (optionally followed by `` #html_id``), then one JSON list of cells a line (the ``row``
@@ -30,19 +30,16 @@ import base64
 import html
 import json
 import re
-from functools import cache
 from pathlib import Path
 
 from ..io import atomic_write
 
 CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
+TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")  # "| a | b |", optionally " #html_id"
 
 
-TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")
-
-
-@cache
 def _environment():
+    """The templates' Jinja environment, with report_kit's number formats as filters."""
     import jinja2
 
     from . import report_kit as kit
@@ -52,14 +49,14 @@ def _environment():
                              extensions=["jinja2.ext.do"])
     env.filters.update(fmt=kit.fmt, fmt_g=kit.fmt_g, fmt_ci=kit.fmt_ci, fmt_ci_g=lambda s: kit.fmt_ci(s, kit.fmt_g),
                        fmt_interval=kit.fmt_interval, fmt_sigma=kit.fmt_sigma, sites=kit.sites_text, where=kit.select,
-                       pick=lambda mapping, keys, default=None: [mapping.get(k, default) for k in keys],
-                       repr=repr,
+                       pick=lambda mapping, keys, default=None: [mapping.get(k, default) for k in keys], repr=repr,
                        row=lambda cells: json.dumps([str(c) for c in cells], ensure_ascii=False))
     env.tests["finite"] = kit.finite
     return env
 
 
 def _block(chunk: str, claims) -> tuple:
+    """The block of one chunk of rendered template text (see the module's docstring)."""
     lines = [line.strip() for line in chunk.splitlines()]
     if head := TABLE_HEAD.fullmatch(lines[0]):
         return "table", head[1].split(" | "), [json.loads(line) for line in lines[1:]], head[2]
