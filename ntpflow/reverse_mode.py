@@ -37,11 +37,8 @@ class _Grads:
         views = self.out.split([p.numel() for p in params], dim=1)
         self.view = {n: v.view(m, *p.shape) for n, v, p in zip(pr.names, views, params)}
         self.groups = pr.groups  # None (one group) or [T] group index per position
+        self.cfg_groups = pr.model.cfg.groups  # the same, a tuple
         self.rows = torch.arange(m, device=like.device)
-
-    def row_groups(self, qpos: torch.Tensor) -> torch.Tensor:
-        """Group index of each row's query position [m]."""
-        return torch.zeros_like(qpos) if self.groups is None else self.groups[qpos]
 
     def add_rows(self, view: torch.Tensor, g: torch.Tensor, qpos: torch.Tensor) -> None:
         """Add g [m, *shape] into each row's copy at the group of its query position; view [m, G, *shape]."""
@@ -56,9 +53,9 @@ class _Grads:
         if self.groups is None:
             view[:, 0] += term(slice(0, n_pos))
             return
-        g = self.groups[:n_pos]
-        for group in torch.unique(g).tolist():
-            view[:, group] += term((g == group).nonzero().squeeze(1))
+        for group in sorted(set(self.cfg_groups[:n_pos])):  # from the config: no device sync
+            sel = torch.tensor([p for p in range(n_pos) if self.cfg_groups[p] == group], device=self.rows.device)
+            view[:, group] += term(sel)
 
 
 def _outer(dy: torch.Tensor, x: torch.Tensor):
