@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 import re
 
 import pytest
@@ -70,7 +71,8 @@ def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_O
                                     curves.append({**key, **site, "step": s, "component": c,
                                                    "cumulative": v * s / steps})
                             mismatch.append({**key, **site, "useful": useful, "R0_eval": 2.0 if m == "paper" else 0.5,
-                                             "R0_minus_RT_eval": 0.4, "offset_share_R0": 0.75})
+                                             "R0_minus_RT_eval": 0.4,
+                                             "offset_share_R0": 0.7 + 0.02 * seed + 0.01 * TRACKED[task].index(f)})
     return {"scale": "synthetic", "seeds": list(seeds), "sites": SITES, "tracked_seeds": list(seeds),
             "train": {"d_model": 32, "n_train": 1024, "n_eval": 256}, "task_train": {t: {"steps": steps} for t in tasks},
             "tracked": {t: TRACKED[t] for t in tasks}, "runs": runs, "probes": probes, "influence": influence,
@@ -141,6 +143,13 @@ def test_summary_numbers_and_verdicts(good):
     bal = {(r["task"], r["mismatch"], r["where"]): r for r in s["balance"]}
     assert bal["majority", "centred", "useless"]["influence"] == pytest.approx(sum(INFL_OK.values()), abs=1e-9)
     assert bal["majority", "paper", "useless"]["removed"] == pytest.approx(0.4)
+    for r in s["offset_share"]:  # mean over the features of each seed, then a t-interval over the 3 seeds
+        feats = len(TRACKED[r["task"]])
+        assert r["n"] == 3 and r["mean"] == pytest.approx(0.72 + 0.01 * (feats - 1) / 2, abs=1e-12)
+        per_seed = [0.7 + 0.02 * sd + 0.01 * (feats - 1) / 2 for sd in range(3)]
+        half = 4.302652729911275 * statistics.stdev(per_seed) / math.sqrt(3)  # t(0.975, 2)
+        # report_kit's t quantile is a series approximation, good to ~1e-11 here
+        assert (r["lo"], r["hi"]) == pytest.approx((r["mean"] - half, r["mean"] + half), abs=1e-9)
 
 
 def test_regenerate_is_identical(good):

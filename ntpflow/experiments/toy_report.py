@@ -151,8 +151,9 @@ def summarize(data: dict) -> dict:
         if f is not None:
             where = "useful" if r["useful"] else "useless"
             balance[(r["task"], r["mismatch"], where)].append((f, r["R0_minus_RT_eval"], r["R0_eval"]))
-    offset_rows = stat_rows([{**r, "where": "useful" if r["useful"] else "useless"} for r in mismatch
-                             if r["mismatch"] == "paper"], ("task", "where", "pos"), "offset_share_R0")
+    per_seed = stat_rows([{**r, "where": "useful" if r["useful"] else "useless"} for r in mismatch
+                          if r["mismatch"] == "paper"], ("task", "where", "pos", "seed"), "offset_share_R0")
+    offset_rows = stat_rows(per_seed, ("task", "where", "pos"), "mean")  # mean over features, then CI over seeds
     # per site × feature (vanilla, mean over tracked seeds): offset share, both decompositions and their balance
     cell = defaultdict(list)
     for r in influence:
