@@ -25,8 +25,6 @@ import torch.nn.functional as F
 
 from .model import GPT
 
-_GELU_C = math.sqrt(2 / math.pi)
-
 
 class _Params:
     """A model's parameters (or a batch of m parameter directions) by name, with each position's group copy."""
@@ -103,6 +101,8 @@ class Primals:
 
     def _linear(self, p: _Params, name: str, x: torch.Tensor) -> torch.Tensor:
         s = slice(0, x.shape[1])
+        if self.shared:
+            return F.linear(x, p.at(name + "weight", s), p.at(name + "bias", s))
         return _lin(x, p.at(name + "weight", s), self.shared) + _bias(p.at(name + "bias", s), self.shared, 0)
 
     def _block(self, p: _Params, pre: str, r: torch.Tensor) -> dict:
@@ -117,9 +117,9 @@ class Primals:
         mid = r + self._linear(p, pre + "attn.c_proj.", z)
         c.update(q=q, k=k, v=v, att=att, z=z, mid=mid, ln2=self._ln(p, pre + "ln2.", mid))
         a = self._linear(p, pre + "mlp.c_fc.", c["ln2"]["y"])
-        th = torch.tanh(_GELU_C * (a + 0.044715 * a.pow(3)))
-        c["h"] = 0.5 * a * (1 + th)
-        c["gelu_slope"] = 0.5 * (1 + th) + 0.5 * a * (1 - th * th) * _GELU_C * (1 + 3 * 0.044715 * a * a)
+        c["h"] = F.gelu(a, approximate="tanh")
+        # GELU'(a) in one fused kernel: the backward of GELU with an upstream gradient of 1
+        c["gelu_slope"] = torch.ops.aten.gelu_backward(a.new_ones(()).expand_as(a), a, approximate="tanh")
         c["out"] = mid + self._linear(p, pre + "mlp.c_proj.", c["h"])
         return c
 
