@@ -186,7 +186,11 @@ def _embed_tangent(pr: Primals, dp: _Params, pos: int) -> torch.Tensor:
     tok = pr.tokens[:, :pos + 1]
     positions = torch.arange(pos + 1, device=tok.device)
     g = torch.zeros_like(positions) if pr.groups is None else pr.groups[:pos + 1]
-    return dp.flat["wte"][:, g[None, :], tok] + dp.flat["wpe"][:, g, positions][:, None]
+    wte = dp.flat["wte"]  # [m, G, V, d]
+    m, n_rows, d = len(wte), wte.shape[1] * wte.shape[2], wte.shape[3]
+    rows = (torch.arange(m, device=tok.device)[:, None] * n_rows + (g * wte.shape[2] + tok).reshape(1, -1))
+    out = wte.reshape(m * n_rows, d).index_select(0, rows.reshape(-1)).view(m, *tok.shape, d)  # one gather
+    return out.add_(dp.flat["wpe"][:, g, positions][:, None])
 
 
 def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, pos: int) -> torch.Tensor:
