@@ -32,6 +32,8 @@ REPRODUCE_EXAMPLES = """
 examples (times measured on a 2-core CPU):
   ntpflow reproduce toy --scale smoke                          # ~1 min: the pipeline, not the science
   ntpflow reproduce toy --scale small --out results/toy-small  # ~30 min
+  ntpflow reproduce toy --scale medium --tasks cond_majority --regimes vanilla --no-replays
+                                                               # gates first (~1-1.5 h), replays later
   ntpflow reproduce othello --scale small
   ntpflow reproduce stories --scale small --corpus PATH        # ~40 min; PATH: your TinyStories folder
   ntpflow reproduce llm --scale small                          # under an hour
