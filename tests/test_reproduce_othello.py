@@ -66,6 +66,12 @@ def test_smoke_files_and_schema(smoke):
     # the balance check: one entry per tracked site x square (of the paper's R; the centred R_c has its own)
     sanity = [(r["layer"], r["pos"], r["square"]) for r in data["sanity"]]
     assert sorted(sanity) == sorted({(s.layer, s.pos, q) for s in scale.sites for q in scale.squares})
+    # R_c beside R: centred influence per unit, and the held-out records per site x square x mismatch
+    units = {(r["layer"], r["pos"], r["square"], r["type"], r["component"]) for r in data["influence_centred"]}
+    assert units == set(tot)
+    held_out = sorted((r["layer"], r["pos"], r["square"], r["mismatch"]) for r in data["mismatch"])
+    assert held_out == sorted((s, p, q, m) for s, p, q in sanity for m in ("centred", "paper"))
+    assert all(0.0 <= r["offset_share_R0"] <= 1.0 for r in data["mismatch"])
 
     summary = json.loads((smoke / "summary.json").read_text())
     assert all(math.isfinite(x) for x in all_numbers(summary))
@@ -76,6 +82,9 @@ def test_smoke_files_and_schema(smoke):
     assert 'id="claims"' in html and 'id="influence"' in html
     md = (smoke / "report.md").read_text()
     assert "NOT the paper's setting" in md and "positive = the component moved the feature toward its final value" in md
+    assert "| layer | position | squares' type | offset share of R₀ | R_c: direct / pre-cached / shared |" in md
+    assert len(summary["mismatch_by_site"]) == len(scale.sites) * 3 and summary["centred_recorded"]
+    assert "not recorded in this run" not in md
 
 
 def test_second_call_does_not_redo_stages(smoke):
@@ -240,6 +249,65 @@ def test_report_statistics_on_hand_made_data(tmp_path):
     assert "| direct |" in text and "[2.85, 12.38]" in text and "NOT the paper's setting" in text
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [c["verdict"] for c in summary["claims"]] == ["reproduced", "reproduced", "not reproduced", "inconclusive"]
+
+
+def _with_centred(data):
+    """``data`` as written since R_c exists: whole-batch ("all") rows of two squares at site (1, 10) for both
+    mismatches, centred rows of the useful type, and the held-out records per square x mismatch."""
+    paper = {"direct": (2.0, 4.0), "pre_cached": (1.0, 1.0), "shared": (-1.0, 1.0)}
+    centred = {"direct": (0.5, 1.5), "pre_cached": (-0.2, -0.4), "shared": (0.1, 0.3)}
+    out = {**data, "influence": list(data["influence"]), "influence_centred": [], "mismatch": []}
+    for key, vals in (("influence", paper), ("influence_centred", centred)):
+        for j, sq in enumerate(("sq_C3", "sq_D4")):
+            parts = {**{c: v[j] for c, v in vals.items()}, "full": sum(v[j] for v in vals.values())}
+            out[key] += [{"layer": 1, "pos": 10, "square": sq, "type": "all", "component": c, "total": x,
+                          "n_steps": 5} for c, x in parts.items()]
+    out["influence_centred"] += [{"layer": 1, "pos": 10, "square": "sq_C3", "type": "useful", "component": c,
+                                  "total": x, "n_steps": 5}
+                                 for c, x in {"direct": 0.25, "pre_cached": 0.0, "shared": 0.5, "full": 0.75}.items()]
+    for m, r0, removed in (("paper", (5.0, 6.0), (3.0, 5.0)), ("centred", (1.0, 2.4), (0.5, 1.5))):
+        out["mismatch"] += [{"layer": 1, "pos": 10, "square": sq, "mismatch": m, "R0_eval": r0[j],
+                             "R0_minus_RT_eval": removed[j], "offset_share_R0": (0.8, 0.6)[j]}
+                            for j, sq in enumerate(("sq_C3", "sq_D4"))]
+    return out
+
+
+def test_report_mismatch_table_on_hand_made_data(tmp_path):
+    s = summarize(_with_centred(_hand_data()))
+    assert s["centred_recorded"] is True
+    rows = {(r["layer"], r["pos"], r["type"]): r for r in s["mismatch_by_site"]}
+    assert set(rows) == {(1, p, t) for p in (10, 11, 12) for t in ("useful", "useless")} | {(1, 10, "all")}
+    a = rows[1, 10, "all"]  # means over the two squares
+    expect = {"paper_direct": 3.0, "paper_pre_cached": 1.0, "paper_shared": 0.0, "paper_full": 4.0,
+              "paper_removed": 4.0, "centred_direct": 1.0, "centred_pre_cached": -0.3, "centred_shared": 0.2,
+              "centred_full": 0.9, "centred_removed": 1.0, "offset_share": 0.7}
+    assert a == pytest.approx({"layer": 1, "pos": 10, "type": "all", **expect})
+    u = rows[1, 10, "useful"]  # per-type risks: no held-out numbers
+    assert (u["paper_direct"], u["paper_full"], u["centred_direct"], u["centred_full"]) == (2.0, 3.0, 0.25, 0.75)
+    assert u["offset_share"] is None and u["paper_removed"] is None and u["centred_removed"] is None
+    assert rows[1, 11, "useful"]["centred_direct"] is None
+    # the figures and claims stay on the paper's R
+    assert s["influence"]["direct/useful"] == summarize(_hand_data())["influence"]["direct/useful"]
+    (tmp_path / "data.json").write_text(json.dumps(_with_centred(_hand_data())))
+    text = write_report(tmp_path).read_text()
+    assert "## The paper's mismatch R and the centred R_c" in text and "docs/experiments/toy.md" in text
+    assert "| 1 | 10 | all | 0.7 | 1 / -0.3 / 0.2 | 0.9 → 1 | 3 / 1 / 0 | 4 → 4 |" in text
+    assert "| 1 | 10 | useful | n/a | 0.25 / 0 / 0.5 | 0.75 → n/a | 2 / 0 / 1 | 3 → n/a |" in text
+    assert "not recorded in this run" not in text
+
+
+def test_report_mismatch_table_on_data_before_centred(tmp_path):
+    old = {**_hand_data(), "sanity": [{"layer": 1, "pos": 10, "square": "sq_C3", "R0_minus_RT_eval": 3.0,
+                                       "adam_full": 2.0}]}  # no influence_centred, no mismatch records
+    s = summarize(old)
+    assert s["centred_recorded"] is False
+    a = next(r for r in s["mismatch_by_site"] if r["type"] == "all")  # from the sanity rows: the paper's R only
+    assert a["paper_removed"] == 3.0 and a["offset_share"] is None and a["centred_removed"] is None
+    (tmp_path / "data.json").write_text(json.dumps(old))
+    text = write_report(tmp_path).read_text()
+    assert "R_c: not recorded in this run" in text
+    nr = "not recorded in this run"
+    assert f"| 1 | 10 | useful | n/a | {nr} | {nr} | 2 / 0 / 1 | 3 → n/a |" in text
 
 
 def test_report_missing_data_is_not_testable(tmp_path):

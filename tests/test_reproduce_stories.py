@@ -62,6 +62,13 @@ def test_smoke_files_schema_and_claims(smoke):
     removed = [(r["regime"], r["layer"], r["pos"], r["feature"]) for r in data["influence"]
                if r["component"] == "mismatch_removed"]  # one per run x site x feature (the paper's R only)
     assert len(removed) == len(set(removed)) == 2 * len(data["sites"]) * len({r["feature"] for r in data["influence"]})
+    # R_c beside R: centred influence per run x site x feature x component, held-out records per mismatch as well
+    paper = {(r["regime"], r["layer"], r["pos"], r["feature"], r["component"]) for r in data["influence"]
+             if r["component"] != "mismatch_removed"}
+    assert {(r["regime"], r["layer"], r["pos"], r["feature"], r["component"])
+            for r in data["influence_centred"]} == paper
+    held_out = sorted((r["regime"], r["layer"], r["pos"], r["feature"], r["mismatch"]) for r in data["mismatch"])
+    assert held_out == sorted((*x, m) for x in removed for m in ("centred", "paper"))
     # myopic runs have no pre-cached gradient: the component is zero by construction
     pre = [r["total"] for r in data["influence"] if r["regime"] == "myopic" and r["component"] == "pre_cached"]
     assert pre and max(abs(x) for x in pre) < 1e-9
@@ -75,6 +82,8 @@ def test_smoke_files_schema_and_claims(smoke):
     assert 'id="claims"' in html and 'id="samples"' in html
     md = (out / "report.md").read_text()
     assert "2.53" in md and "3.29" in md and "generated story grammar" in md
+    assert "| regime | layer | feature | offset share of R₀ | R_c: direct / pre-cached / shared |" in md
+    assert summary["centred_recorded"] and "not recorded in this run" not in md
 
 
 @needs_extra
@@ -193,6 +202,60 @@ def test_report_statistics_on_hand_made_data():
     assert s["influence"]["position"]["per_regime"]["myopic"]["share"]["pre_cached"]["mean"] == pytest.approx(0.0)
     assert _verdicts(s) == ["reproduced"] * 4
     assert all(math.isfinite(x) for x in all_numbers(s))
+
+
+def _with_centred(data):
+    """``data`` as written since R_c exists: centred influence and held-out records per run × site × feature."""
+    out = {**data, "influence_centred": [], "mismatch": []}
+    for rg in ("vanilla", "myopic"):
+        for s in SEEDS:
+            for f in [f for feats in GROUPS.values() for f in feats]:
+                site = {"regime": rg, "seed": s, "layer": 1, "pos": 2, "feature": f}
+                parts = {"direct": 0.1 * (s + 1), "pre_cached": 0.2 if rg == "vanilla" else 0.0, "shared": -0.1}
+                parts["full"] = sum(parts.values())
+                out["influence_centred"] += [{**site, "group": "x", "component": c, "total": v}
+                                             for c, v in parts.items()]
+                out["mismatch"] += [{**site, "mismatch": "paper", "R0_eval": 2.0, "R0_minus_RT_eval": 1.0 + s,
+                                     "offset_share_R0": 0.5 + 0.1 * s},
+                                    {**site, "mismatch": "centred", "R0_eval": 1.0, "R0_minus_RT_eval": 0.5,
+                                     "offset_share_R0": 0.5 + 0.1 * s}]
+    return out
+
+
+def test_report_mismatch_table_on_hand_made_data(tmp_path):
+    s = R.summarize(_with_centred(_hand_data()))
+    assert s["centred_recorded"] is True
+    rows = {(r["regime"], r["layer"], r["feature"]): r for r in s["mismatch_by_site"]}
+    assert len(rows) == 2 * 6  # regimes × features at the one tracked layer
+    # means over the seeds 0, 1, 2 (the paper's parts: 3 + e, 0.5 + e, 1.5 + e with Σ e = 0)
+    expect = {"centred_direct": 0.2, "centred_pre_cached": 0.2, "centred_shared": -0.1, "centred_full": 0.3,
+              "centred_removed": 0.5, "paper_direct": 3.0, "paper_pre_cached": 0.5, "paper_shared": 1.5,
+              "paper_full": 5.0, "paper_removed": 2.0, "offset_share": 0.6}
+    assert rows["vanilla", 1, "tag_NN"] == pytest.approx({"regime": "vanilla", "layer": 1, "feature": "tag_NN",
+                                                          **expect})
+    assert rows["myopic", 1, "pos_int"]["paper_direct"] == pytest.approx(50.0)
+    assert rows["myopic", 1, "pos_int"]["centred_pre_cached"] == 0.0
+    assert _verdicts(s) == ["reproduced"] * 4  # the claims stay on the paper's R
+    (tmp_path / "data.json").write_text(json.dumps(_with_centred(_hand_data())))
+    text = R.write_report(tmp_path).read_text()
+    assert "## The paper's mismatch R and the centred R_c" in text and "docs/experiments/toy.md" in text
+    assert "| vanilla | 1 | tag_NN | 0.6 | 0.2 / 0.2 / -0.1 | 0.3 → 0.5 | 3 / 0.5 / 1.5 | 5 → 2 |" in text
+    assert "not recorded in this run" not in text
+
+
+def test_report_mismatch_table_on_data_before_centred(tmp_path):
+    old = _hand_data()  # no influence_centred and no mismatch records; the paper's R removed as an influence row
+    old["influence"] += [{"regime": "vanilla", "seed": s, "layer": 1, "pos": 2, "feature": "tag_NN", "group": "tags",
+                          "component": "mismatch_removed", "total": 1.0 + s} for s in SEEDS]
+    s = R.summarize(old)
+    assert s["centred_recorded"] is False
+    r = next(r for r in s["mismatch_by_site"] if (r["regime"], r["feature"]) == ("vanilla", "tag_NN"))
+    assert r["paper_removed"] == pytest.approx(2.0) and r["offset_share"] is None and r["centred_full"] is None
+    (tmp_path / "data.json").write_text(json.dumps(old))
+    text = R.write_report(tmp_path).read_text()
+    assert "R_c: not recorded in this run" in text
+    nr = "not recorded in this run"
+    assert f"| vanilla | 1 | tag_NN | n/a | {nr} | {nr} | 3 / 0.5 / 1.5 | 5 → 2 |" in text
 
 
 def test_report_verdicts_flip_with_the_data():

@@ -186,6 +186,7 @@ def _num(x, digits: int = 6):
 
 def gather(scale: OthelloScale, out: Path) -> dict:
     """Collect the finished stages of ``out/run`` into the data.json dict (schema: ``othello_report``)."""
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     from ..probes import ProbeSet
@@ -219,15 +220,22 @@ def gather(scale: OthelloScale, out: Path) -> dict:
                                    "values": [_num(v) for v in arr[layer, pos].tolist()]})
         feature_names = list(ps.feature_names)
 
-    # ---- influence: integrated (= summed) Adam influence per (layer, pos, square, type, component)
-    table = pq.read_table(run.dir / "attribution" / "influence.parquet",
-                          columns=["step", "layer", "pos", "feature", "feature_type", "component", "value"],
-                          filters=[("optimizer", "==", "adam"), ("mismatch", "==", "paper")])  # risk rows: "none"
-    totals = table.group_by(["layer", "pos", "feature", "feature_type", "component"]).aggregate(
+    # ---- influence: integrated (= summed) Adam influence per (layer, pos, square, type, component), for the paper's
+    # R (figures, claims) and the centred R_c (influence_centred); risk rows have mismatch "none"
+    full_table = pq.read_table(run.dir / "attribution" / "influence.parquet",
+                               columns=["step", "layer", "pos", "feature", "feature_type", "mismatch", "component",
+                                        "value"], filters=[("optimizer", "==", "adam")])
+    totals = full_table.group_by(["layer", "pos", "feature", "feature_type", "mismatch", "component"]).aggregate(
         [("value", "sum"), ("value", "count")]).to_pylist()
-    influence = [{"layer": r["layer"], "pos": r["pos"], "square": r["feature"],
-                  "type": TYPE_NAMES.get(r["feature_type"], str(r["feature_type"])), "component": r["component"],
-                  "total": _num(r["value_sum"], 12), "n_steps": r["value_count"]} for r in totals]
+    by_mismatch = {"paper": [], "centred": []}
+    for r in totals:
+        if r["mismatch"] in by_mismatch:
+            by_mismatch[r["mismatch"]].append(
+                {"layer": r["layer"], "pos": r["pos"], "square": r["feature"],
+                 "type": TYPE_NAMES.get(r["feature_type"], str(r["feature_type"])), "component": r["component"],
+                 "total": _num(r["value_sum"], 12), "n_steps": r["value_count"]})
+    influence = by_mismatch["paper"]
+    table = full_table.filter(pc.equal(full_table["mismatch"], "paper"))
     # curves: mean over units (layer x pos x square with that type) of the cumulative influence, every curve_every
     units = {}
     for r in influence:
@@ -243,15 +251,17 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         if (r["step"] + 1) % scale.curve_every == 0 or r["step"] == last:
             curves.append({"step": r["step"] + 1, "type": tname, "component": r["component"],
                            "mean_cumulative": _num(acc[key] / len(units[key]), 12)})
-    sanity = []
+    sanity, mismatch = [], []
     summ = run.dir / "attribution" / "summary.json"
     if summ.exists():
-        for p in read_json(summ)["probes"]:
-            if p.get("mismatch", "paper") != "paper":  # the figures use the paper's R (one entry per mismatch)
-                continue
-            sanity.append({"layer": p["layer"], "pos": p["pos"], "square": p["feature"],
-                           "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 12),
-                           "adam_full": _num(p.get("adam_full", math.nan), 12)})
+        for p in read_json(summ)["probes"]:  # one entry per tracked site x square x mismatch
+            site = {"layer": p["layer"], "pos": p["pos"], "square": p["feature"]}
+            mismatch.append({**site, "mismatch": p.get("mismatch", "paper"),
+                             **{k: _num(p.get(k, math.nan), 12)
+                                for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")}})
+            if p.get("mismatch", "paper") == "paper":  # the sanity check and figures use the paper's R
+                sanity.append({**site, "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 12),
+                               "adam_full": _num(p.get("adam_full", math.nan), 12)})
     timings = read_json(out / "timings.json") if (out / "timings.json").exists() else {}
     return {
         "scale": scale.name, "scale_note": scale.note, "seed": cfg.seed, "train": scale.train,
@@ -260,6 +270,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         "feature_names": feature_names,
         "run": {k: v for k, v in done.items() if k != "step"}, "eval_curve": eval_curve, "train_curve": train_curve,
         "probes": probes, "influence": influence, "curves": curves, "sanity": sanity,
+        "influence_centred": by_mismatch["centred"], "mismatch": mismatch,
         "timings": timings,
     }
 

@@ -18,6 +18,7 @@ from .render import template_blocks
 from .report_kit import (
     finite,
     mean_of,
+    mismatch_summary,
     plain_number,
     report_main,
     select,
@@ -110,6 +111,13 @@ def summarize(data: dict) -> dict:
     per_site = stat_rows([r for r in influence if r["type"] in ("useful", "useless")],
                          ("layer", "pos", "component", "type"), "total")
 
+    # ---- R_c and R per site × square type, mean over the tracked squares; held-out numbers (R removed, offset share)
+    # are of whole-batch ("all") risks only; before R_c, the records are data.json's sanity rows
+    records = data.get("mismatch") or [{**r, "mismatch": "paper"} for r in data.get("sanity") or []]
+    by_mismatch = mismatch_summary([r for r in influence if r["type"] in PROBE_TYPES], [
+        r for r in data.get("influence_centred") or [] if r["type"] in PROBE_TYPES],
+        [{**r, "type": "all"} for r in records], ("layer", "pos", "type"))
+
     curves = [r for r in data.get("curves") or [] if r["type"] in ("useful", "useless")
               and r["component"] in COMPONENTS]
     sanity = data.get("sanity") or []
@@ -140,6 +148,7 @@ def summarize(data: dict) -> dict:
         "probe_grid": split(grid, False), "gap_by_layer": split(by_layer, True), "gap_by_pos": split(by_pos, True),
         "gap_grid": split(grid, True), "gap_slopes": gap_slopes,
         "influence": table, "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
+        **by_mismatch,
     }
     summary["claims"] = [c.to_dict() for c in othello_claims(summary)]
     return summary

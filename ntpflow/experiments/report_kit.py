@@ -17,6 +17,7 @@ from . import figure_style
 from .render import write_documents
 
 COMPONENTS = ("direct", "pre_cached", "shared")
+MISMATCHES = ("centred", "paper")  # R_c = var_b d_b and the paper's R = mean_b d_b² (docs/experiments/toy.md)
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
 TRAIN_KEYS = ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_train", "n_eval")
 
@@ -92,6 +93,28 @@ def stat_rows(records, keys: tuple[str, ...], value: str) -> list[dict]:
     for r in records:
         groups[tuple(r[k] for k in keys)].append(r[value])
     return [{**dict(zip(keys, k)), **stats(v)} for k, v in sorted(groups.items())]
+
+
+def mismatch_summary(paper: list[dict], centred: list[dict] | None, records: list[dict], keys: tuple[str, ...]) -> dict:
+    """R_c beside R: ``{"mismatch_by_site": rows, "centred_recorded": whether there are centred rows}``. One row per
+    distinct ``keys`` of the influence rows of each mismatch (``paper``, ``centred``: with ``component`` and
+    ``total``) and of ``records`` (per mismatch: ``R0_minus_RT_eval``, ``offset_share_R0``; docs/outputs.md), sorted
+    by them: the keys and the means over the group's rows of ``{mismatch}_{component}`` (direct, pre_cached, shared,
+    full), ``{mismatch}_removed`` (held-out R(θ_0) − R(θ_T)) and ``offset_share`` (of R at step 0, from the paper's
+    records); None where the group has no finite value."""
+    cell = defaultdict(list)
+    for m, rows in (("paper", paper), ("centred", centred or [])):
+        for r in rows:
+            if r["component"] in (*COMPONENTS, "full"):
+                cell[tuple(r[k] for k in keys), f"{m}_{r['component']}"].append(r["total"])
+    for r in records:
+        key = tuple(r[k] for k in keys)
+        cell[key, f"{r['mismatch']}_removed"].append(r["R0_minus_RT_eval"])
+        if r["mismatch"] == "paper":
+            cell[key, "offset_share"].append(r.get("offset_share_R0"))
+    columns = [f"{m}_{c}" for m in MISMATCHES for c in (*COMPONENTS, "full", "removed")] + ["offset_share"]
+    return {"mismatch_by_site": [{**dict(zip(keys, key)), **{c: mean_of(cell.get((key, c), ())) for c in columns}}
+                                 for key in sorted({key for key, _ in cell})], "centred_recorded": bool(centred)}
 
 
 def paired(a: dict, b: dict) -> dict:

@@ -267,7 +267,7 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
 
     group_of = {FEATURE_NAMES[i]: g for g, idx in FEATURE_GROUPS.items() for i in idx}
     tracked_pos = sorted({s.pos for s in scale.sites})
-    runs, probes, profiles, influence, curves = [], [], [], [], []
+    runs, probes, profiles, influence, curves, influence_centred, mismatch = [], [], [], [], [], [], []
     tokenizer = None
     for cfg in configs:
         rd = out / "runs" / run_dir_name(cfg)
@@ -297,28 +297,30 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                         profiles.append({**key, "weights": weights, "layer": layer, "pos": p, "group": g,
                                          "r": _mean(_finite(r[layer, p, c].item()) for c in cols)})
         table = pq.read_table(rd / "attribution" / "influence.parquet")
-        table = table.filter(pc.and_(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)),
-                                     pc.equal(table["mismatch"], "paper")))
-        rows = table.select(["step", "layer", "pos", "feature", "component", "cumulative"]).to_pylist()
+        table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
+        rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
         cacc = defaultdict(list)
         for r in rows:
             g = group_of.get(r["feature"], "other")
-            if r["step"] == last:
-                influence.append({**key, "layer": r["layer"], "pos": r["pos"], "feature": r["feature"], "group": g,
-                                  "component": r["component"], "total": r["cumulative"]})
-            if r["step"] % scale.curve_every == 0 or r["step"] == last:
+            if r["step"] == last and r["mismatch"] in ("paper", "centred"):  # the figures and claims: the paper's R
+                (influence if r["mismatch"] == "paper" else influence_centred).append(
+                    {**key, "layer": r["layer"], "pos": r["pos"], "feature": r["feature"], "group": g,
+                     "component": r["component"], "total": r["cumulative"]})
+            if r["mismatch"] == "paper" and (r["step"] % scale.curve_every == 0 or r["step"] == last):
                 cacc[(r["step"], g, r["component"])].append(r["cumulative"])
         for (step, g, c), vals in sorted(cacc.items()):
             curves.append({**key, "step": step + 1, "group": g, "component": c, "cumulative": _mean(vals)})
         summ = rd / "attribution" / "summary.json"
         if summ.exists():
-            for p in read_json(summ)["probes"]:
+            for p in read_json(summ)["probes"]:  # one entry per site x feature x mismatch
+                site = {**key, "layer": p["layer"], "pos": p["pos"], "feature": p["feature"]}
+                mismatch.append({**site, "mismatch": p.get("mismatch", "paper"),
+                                 **{k: _finite(p.get(k)) for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")}})
                 if p.get("mismatch", "paper") != "paper":  # the influence rows above are the paper's R
                     continue
-                influence.append({**key, "layer": p["layer"], "pos": p["pos"], "feature": p["feature"],
-                                  "group": group_of.get(p["feature"], "other"), "component": "mismatch_removed",
-                                  "total": _finite(p.get("R0_minus_RT_eval"))})
+                influence.append({**site, "group": group_of.get(p["feature"], "other"),
+                                  "component": "mismatch_removed", "total": _finite(p.get("R0_minus_RT_eval"))})
     samples_path = out / "samples.json"
     samples = read_json(samples_path) if samples_path.exists() else None
     first = configs[0]
@@ -330,7 +332,7 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                           "name": tokenizer.get("name") if tokenizer else None},
             "feature_groups": {g: [FEATURE_NAMES[i] for i in idx] for g, idx in FEATURE_GROUPS.items()},
             "runs": runs, "probes": probes, "profiles": profiles, "influence": influence, "curves": curves,
-            "samples": samples}
+            "influence_centred": influence_centred, "mismatch": mismatch, "samples": samples}
 
 
 def _mean(values):

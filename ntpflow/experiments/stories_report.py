@@ -23,6 +23,7 @@ from .report_kit import (
     COMPONENT_LABELS,
     COMPONENTS,
     mean_of,
+    mismatch_summary,
     paired,
     report_main,
     select,
@@ -82,9 +83,8 @@ def summarize(data: dict) -> dict:
     seeds = sorted({r["seed"] for r in records} | set(data.get("seeds") or []))
     n_layer = data.get("n_layer") or max([p["layer"] for p in probes] or [0])
     layers = list(range(1, n_layer + 1))
-    raw_groups = data.get("feature_groups") or {}
-    groups = {g: raw_groups[g] for g in [*(g for g in PLOT_GROUPS if g in raw_groups), *sorted(set(raw_groups) -
-                                                                                               set(PLOT_GROUPS))]}
+    raw = data.get("feature_groups") or {}
+    groups = {g: raw[g] for g in [*(g for g in PLOT_GROUPS if g in raw), *sorted(set(raw) - set(PLOT_GROUPS))]}
     if "tags" in groups and "deps" in groups:  # the 20 syntactic features together, for claims b and c
         groups["syntax"] = list(groups["tags"]) + list(groups["deps"])
 
@@ -179,6 +179,11 @@ def summarize(data: dict) -> dict:
             }
         infl[g] = entry
 
+    # ---- R_c and R per regime × layer × feature, mean over its tracked positions and seeds (old: mismatch_removed)
+    records = data.get("mismatch") or [{**r, "mismatch": "paper", "R0_minus_RT_eval": r["total"]} for r in influence
+                                       if r["component"] == "mismatch_removed"]
+    by_mismatch = mismatch_summary(influence, data.get("influence_centred"), records, ("regime", "layer", "feature"))
+
     # ---- influence curves (mean over site × features of the group; stats over seeds)
     curve_rows = stat_rows([r for r in curves if r["component"] in ALL_COMPONENTS],
                            ("group", "regime", "component", "step"), "cumulative")
@@ -191,7 +196,7 @@ def summarize(data: dict) -> dict:
         "settings": _settings(data, seeds), "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
         "ci": "two-sided 95% Student-t interval over seeds; lo/hi are null when n < 2",
         "loss": loss, "probe_quality": probe_quality, "probe_per_feature": per_feature,
-        "probe_profiles": profile_rows, "influence": infl, "influence_curves": curve_rows,
+        "probe_profiles": profile_rows, "influence": infl, "influence_curves": curve_rows, **by_mismatch,
         "samples": samples,
     }
     summary["claims"] = [c.to_dict() for c in stories_claims(summary)]
