@@ -132,7 +132,8 @@ def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | 
             continue
         pos = torch.tensor(sorted({s.pos for s in sites if s.layer == k}))  # on the CPU (indices, no device sync)
         for chunk in pos.split(16):  # bounds the [rows, batch, vocab] cotangents
-            c_own[k][:, chunk] = own_cotangents(primals, k, chunk, d_logits[:, chunk].transpose(0, 1)).transpose(0, 1)
+            at = chunk.to(tokens.device)
+            c_own[k][:, at] = own_cotangents(primals, k, chunk, d_logits[:, at].transpose(0, 1)).transpose(0, 1)
     return full, c_all, c_own, resid, param_grads
 
 
@@ -180,10 +181,11 @@ class SitePasses:
         ∂L_i/∂r^k_i and ∂L/∂r^k_i − ∂L_i/∂r^k_i, each [batch, d_model])."""
         (k,) = {s.layer for s in sites}
         pos = torch.tensor([s.pos for s in sites])  # on the CPU (indices, no device sync)
-        own = self.c_own[k][:, pos].transpose(0, 1)  # [n, batch, d]
+        at = pos.to(self.tokens.device)
+        own = self.c_own[k][:, at].transpose(0, 1)  # [n, batch, d]
         out = self.full.new_zeros((len(sites), 2, self.n_params))
         if self.has_pre_cached(sites[0]):
-            cots = torch.stack([own, self.c_all[k][:, pos].transpose(0, 1) - own], 1).flatten(0, 1)
+            cots = torch.stack([own, self.c_all[k][:, at].transpose(0, 1) - own], 1).flatten(0, 1)
             out.view(-1, self.n_params)[:] = site_vjps(self.primals, k, pos.repeat_interleave(2), cots,
                                                        self.model.myopic)
         else:

@@ -264,7 +264,7 @@ class InfluenceTracker:
             tau = site_tangents(primals, k, pos.repeat_interleave(m_dirs), dirs.flatten(0, 1))
             tau = tau.view(n, m_dirs, *tau.shape[1:])  # [n, m, batch, d]
             if once:
-                tau = torch.cat([tau, tau_shared[k][:, :, pos].movedim(2, 0)], 1)
+                tau = torch.cat([tau, tau_shared[k][:, :, pos.to(tau.device)].movedim(2, 0)], 1)
             for site, tau_site in zip(sites, tau):
                 mine = [r for r in risks if r[0].site == site]  # the site's risks, probe by probe
                 if not mine:
