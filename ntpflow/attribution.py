@@ -195,6 +195,7 @@ class SitePasses:
 
 def decompose(
     model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None,
+    bucket_width: int | None = None,
 ) -> dict[Site, Components]:
     """Split the training gradient at each site into direct, pre-cached and shared parts (module docstring).
 
@@ -202,14 +203,24 @@ def decompose(
         model: a GPT in any regime (vanilla, myopic, untied, split). Its ``.grad`` fields are not touched.
         tokens: [batch, pos]; loss_mask: bool [batch, pos] or None (see ``per_position_loss``).
         sites: residual sites ⟨layer, pos⟩, layer in 0..n_layer.
+        bucket_width: sites of one layer whose positions span less than this share one reverse-mode call (None: 1
+            on a CPU, where a shorter prefix padded to the longest costs FLOPs, 4 elsewhere).
     Returns:
         {site: Components}, each gradient a flat vector [n_params] in ``model.parameters()`` order.
     """
     sites = list(dict.fromkeys(sites))
     passes = SitePasses(model, tokens, sites, loss_mask)
+    width = bucket_width or (1 if tokens.device.type == "cpu" else 4)
     out = {}
     for k in sorted({s.layer for s in sites}):
-        layer = [s for s in sites if s.layer == k]
-        for s, (direct, pre) in zip(layer, passes.run_many(layer)):
-            out[s] = Components(direct=direct, pre_cached=pre, shared=passes.full - direct - pre, full=passes.full)
+        layer = sorted(s for s in sites if s.layer == k)
+        buckets = [[layer[0]]]
+        for s in layer[1:]:
+            if s.pos - buckets[-1][0].pos < width:
+                buckets[-1].append(s)
+            else:
+                buckets.append([s])
+        for bucket in buckets:
+            for s, (direct, pre) in zip(bucket, passes.run_many(bucket)):
+                out[s] = Components(direct=direct, pre_cached=pre, shared=passes.full - direct - pre, full=passes.full)
     return out

@@ -78,6 +78,19 @@ def test_decompose_matches_oracle(kw):
         assert any(parts[s].pre_cached.abs().max() > 1e-6 for s in sites if s.layer < 2)
 
 
+@pytest.mark.parametrize("kw", REGIMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "vanilla")
+def test_decompose_one_bucket_per_layer_matches_oracle(kw):
+    """All sites of a layer in one reverse-mode call (positions 0..T−1 mixed, padded to the longest prefix)."""
+    model = tiny(**kw)
+    tokens, mask = batch()
+    sites = [Site(k, p) for k in range(3) for p in (T - 1, 0, 4, 2)]
+    parts = decompose(model, tokens, sites, mask, bucket_width=T)
+    for s in sites:
+        ref = oracle(model, tokens, s, mask)
+        for name, value in parts[s].as_dict().items():
+            assert (value - ref[name]).abs().max() < 1e-10 * ref["full"].abs().max(), (s, name)
+
+
 @pytest.mark.parametrize("kw", [{}, {"myopic": "resid"}, {"position_groups": "untied"},
                                 {"position_groups": split_groups(T, 3)}],
                          ids=["vanilla", "myopic=resid", "untied", "split"])
