@@ -60,6 +60,8 @@ def test_no_replays_skips_the_tracked_replays_and_a_rerun_adds_them(tmp_path):
     assert not list((out / "runs").glob("*/attribution"))
     claim_c = [c for c in json.loads((out / "summary.json").read_text())["claims"] if c["id"] == "c"]
     assert claim_c and all(c["verdict"] == "not testable at this scale" for c in claim_c)
+    md = (out / "report.md").read_text()
+    assert "tracked (vanilla) seeds none." in md and "| tracked sites | none (replays skipped) |" in md
     assert main(args) == 0  # the same command without the flag adds the replays to the finished runs
     data = json.loads((out / "data.json").read_text())
     assert data["replays"] is True and data["influence"]

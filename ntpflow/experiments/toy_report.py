@@ -185,7 +185,7 @@ def summarize(data: dict) -> dict:
 
     summary = {"scale": data.get("scale"), "seeds": seeds, "n_seeds": len(seeds), "tasks": tasks,
                "regimes": regimes, "sites": data.get("sites") or [], "n_layer": n_layer,
-               "tracked_seeds": data.get("tracked_seeds") or seeds, "train": data.get("train") or {},
+               "tracked_seeds": data.get("tracked_seeds", seeds), "train": data.get("train") or {},
                "task_train": data.get("task_train") or {}, "settings": _settings(data, len(seeds)),
                "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
                "ci": "two-sided 95% Student-t interval over seeds (Pearson r: in Fisher z); null when n < 2",
@@ -204,7 +204,8 @@ def _settings(data: dict, n_seeds: int) -> list[dict]:
         if vals := {t: v[r["setting"]] for t, v in per_task.items() if r["setting"] in v}:
             r["this_run"] = ", ".join(f"{t} {plain_number(v)}" for t, v in vals.items())
         rows.append(r)
-    rows.append({"setting": "tracked sites", "this_run": sites_text(data.get("sites") or []),
+    tracked = sites_text(data.get("sites") or []) if data.get("replays", True) else "none (replays skipped)"
+    rows.append({"setting": "tracked sites", "this_run": tracked,
                  "paper": "layers 1–2 × positions 2–19"})
     for r in rows:
         r["differs"] = r["this_run"] != r["paper"]
