@@ -7,18 +7,23 @@
 #
 #   scripts/paper_gpu.sh [WORK_DIR]            the paper scale on the default device (CUDA when available)
 #   scripts/paper_gpu.sh --smoke [WORK_DIR]    the same code path at smoke size on the CPU (minutes); no copy to docs/
+#   scripts/paper_gpu.sh --no-replays [WORK_DIR]   train and probe only (the gates and probe claims; a few minutes on
+#                                                  a GPU); rerun without the flag to add the tracked replays
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-scale=paper device=auto
-if [[ "${1:-}" == "--smoke" ]]; then
-  scale=paper-smoke device=cpu
-  export CUDA_VISIBLE_DEVICES=""  # train on the CPU too
+scale=paper device=auto extra=()
+while [[ "${1:-}" == --* ]]; do
+  case "$1" in
+    --smoke) scale=paper-smoke device=cpu; export CUDA_VISIBLE_DEVICES="" ;;  # train on the CPU too
+    --no-replays) extra+=(--no-replays) ;;
+    *) echo "paper_gpu.sh: unknown option $1" >&2; exit 2 ;;
+  esac
   shift
-fi
+done
 work=${1:-results/toy-$scale}
 start=$(date +%s)
-HF_HUB_OFFLINE=1 "$PYTHON" -m ntpflow -q reproduce toy --scale "$scale" --out "$work" --device "$device"
+HF_HUB_OFFLINE=1 "$PYTHON" -m ntpflow -q reproduce toy --scale "$scale" --out "$work" --device "$device" "${extra[@]}"
 if [[ "$scale" == paper ]]; then
   mkdir -p docs/results/toy-paper/figures
   cp "$work"/report.md "$work"/summary.json docs/results/toy-paper/

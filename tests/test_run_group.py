@@ -198,12 +198,19 @@ def test_bad_groups_are_clean_errors_and_write_nothing(tmp_path):
 
 
 def test_paper_script_smoke(tmp_path):
-    """``scripts/paper_gpu.sh --smoke``: the paper scale's code path (run groups, tracked vanilla replays, report)."""
+    """``scripts/paper_gpu.sh --smoke``: the paper scale's code path (run groups, tracked vanilla replays, report),
+    first with ``--no-replays`` (train and probe only), then again without it, which adds the replays."""
     env = {**os.environ, "PYTHON": sys.executable}
-    res = subprocess.run(["bash", str(ROOT / "scripts" / "paper_gpu.sh"), "--smoke", str(tmp_path / "w")], cwd=ROOT,
-                         env=env, capture_output=True, text=True, timeout=1800)
-    assert res.returncode == 0, res.stderr[-2000:]
-    data = json.loads((tmp_path / "w" / "data.json").read_text())
+
+    def script(*args):
+        res = subprocess.run(["bash", str(ROOT / "scripts" / "paper_gpu.sh"), "--smoke", *args, str(tmp_path / "w")],
+                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads((tmp_path / "w" / "data.json").read_text())
+
+    data = script("--no-replays")
+    assert len(data["runs"]) == 16 and data["influence"] == [] and not list((tmp_path / "w").glob("runs/*/attribution"))
+    data = script()
     assert len(data["runs"]) == 16  # 2 tasks x 4 regimes x 2 seeds
     assert {r["regime"] for r in data["influence"]} == {"vanilla"}
     assert {(r["task"], r["seed"]) for r in data["influence"]} == {(t, s) for t in ("majority", "cond_majority")
