@@ -73,7 +73,7 @@ def test_decompose_matches_oracle(kw):
         total = parts[s].direct + parts[s].pre_cached + parts[s].shared
         torch.testing.assert_close(total, ref["full"], rtol=0, atol=1e-12)
         if kw.get("myopic") or s.layer == 2:
-            assert parts[s].pre_cached.abs().max() == 0  # exactly zero
+            assert parts[s].pre_cached.abs().max() == 0  # exact: no later position reads r_i here: set to 0, not computed
     if not kw.get("myopic"):
         assert any(parts[s].pre_cached.abs().max() > 1e-6 for s in sites if s.layer < 2)
 
@@ -152,9 +152,9 @@ def test_decompose_leaves_state_untouched():
     rng = torch.get_rng_state()
     before = [p.detach().clone() for p in model.parameters()]
     decompose(model, tokens, [Site(1, 3)], mask)
-    assert torch.equal(torch.get_rng_state(), rng)
+    assert torch.equal(torch.get_rng_state(), rng)  # exact: RNG state bytes: decompose draws no random numbers
     for p, b in zip(model.parameters(), before):
-        assert torch.equal(p, b) and torch.all(p.grad == 0.5)
+        assert torch.equal(p, b) and torch.all(p.grad == 0.5)  # exact: decompose must not touch weights or .grad (copies compared)
 
 
 def _risk_grad(model, final, probe, tokens, mismatch="paper"):
@@ -193,7 +193,7 @@ def test_influence_of_full_step_is_real_step(opt_name, kw, sgd_rows):
         assert {r["optimizer"] for r in rows} == expected_optimizers
         if step:  # tracking leaves the optimizer state alone
             for k, v in opt.state[next(model.parameters())].items():
-                assert torch.equal(v, opt_state[k])
+                assert torch.equal(v, opt_state[k])  # exact: track() must not write the optimizer state (a copy compared)
         loss = lm_loss(model(tokens), tokens, mask)
         opt.zero_grad()
         loss.backward()
@@ -306,8 +306,8 @@ def test_optimizer_step_on_tracked_gradient_is_train_step_bit_for_bit(kw):
         tracker.track(b, opt_b, tokens, mask)
         tracker.optimizer_step(b, opt_b)
         for p, q in zip(a.parameters(), b.parameters()):
-            assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
-            assert all(torch.equal(x, opt_b.state[q][k]) for k, x in opt_a.state[p].items())
+            assert torch.equal(p, q) and torch.equal(p.grad, q.grad)  # exact: the same ops in one process: optimizer_step is train_step
+            assert all(torch.equal(x, opt_b.state[q][k]) for k, x in opt_a.state[p].items())  # exact: as above
     with pytest.raises(RuntimeError, match="follows a track"):
         tracker.optimizer_step(b, opt_b)
 

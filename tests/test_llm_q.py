@@ -88,7 +88,7 @@ def test_kl_zero_for_inactive_latent_error_preserving(models, sae, tokens, mode)
     lat = torch.cat([dead, live])
     d = qscan.ablation_kl(hf, sae, tokens, HOOK, lat, torch.full_like(lat, c), torch.full_like(lat, p), mode=mode)
     if mode == "error-preserving":  # an inactive latent contributes nothing: the scan skips it, d is exactly 0
-        assert torch.all(d[:-1] == 0.0)
+        assert torch.all(d[:-1] == 0.0)  # exact: the dead latents are skipped, not computed
     else:  # the reconstruction drops the SAE error, so even an inactive latent changes the predictions
         assert torch.all(d[:-1].sum(1) > 0)
     assert d[-1].sum() > 0
@@ -130,7 +130,7 @@ def test_both_adapters_give_same_q(models, sae, tokens, mode):
     assert abs(qa - qb) <= q_tol and abs(ta - tb) <= a.shape[1] * atol
     if mode == "error-preserving":  # the last two pairs are inactive there: exactly zero in both, by construction
         inactive = as_sae(sae).encode(hf.activations(tokens, HOOK))[ctx, pos, lat] == 0
-        assert inactive.any() and torch.all(a[inactive] == 0) and torch.all(b[inactive] == 0)
+        assert inactive.any() and torch.all(a[inactive] == 0) and torch.all(b[inactive] == 0)  # exact: inactive latents are skipped: 0 by construction
 
 
 def test_q_from_kl_matches_definition():
@@ -155,7 +155,7 @@ def test_sae_lens_sae_and_training(models, tokens):
     dead = torch.nonzero(f[c, p] == 0).flatten()[:3]
     d = qscan.ablation_kl(hf, sl, tokens, HOOK, dead, torch.full_like(dead, c), torch.full_like(dead, p),
                           mode="error-preserving")
-    assert torch.all(d == 0.0)  # inactive latents: skipped by the scan, so exactly 0 by construction
+    assert torch.all(d == 0.0)  # exact: inactive latents are skipped by the scan, 0 by construction
     sae, info = train_sae(acts.reshape(-1, D).float(), TrainSAEConfig(d_sae=64, k=4, steps=30, batch_size=64, seed=0))
     qual = sae_quality(sae, acts.reshape(-1, D).float())
     assert -1.0 < qual.explained_variance <= 1.0 and 0 < qual.l0 <= 4 + 1e-9 and 0 <= qual.dead_fraction <= 1

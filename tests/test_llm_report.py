@@ -14,14 +14,14 @@ from ntpflow.llm.steering import code_score, pick_extremes, steering_vectors
 
 
 def test_code_score_hand_written():
-    assert code_score("") == 0.0
-    assert code_score("   \n ") == 0.0
-    assert code_score("Once upon a time there was a cat") == 0.0
+    assert code_score("") == 0.0  # exact: a count of zero characters
+    assert code_score("   \n ") == 0.0  # exact: a count of zero characters
+    assert code_score("Once upon a time there was a cat") == 0.0  # exact: a count of zero characters
     # non-whitespace: def(3) f(x):(5) return(6) x(1) = 15; counted: def 3 + "(", ")", ":" 3 + return 6 = 12
     assert code_score("def f(x): return x") == pytest.approx(12 / 15)
     assert code_score("{}[]();") == 1.0
     # keywords only as whole words: "define" is not "def", "if" is
-    assert code_score("define") == 0.0
+    assert code_score("define") == 0.0  # exact: a count of zero characters
     assert code_score("if") == 1.0
     assert code_score("The cat sat.") == pytest.approx(1 / 10)
 
@@ -83,7 +83,7 @@ def test_probe_ablation_zero_direction_gives_zero_kl():
     model = GPT(GPTConfig(vocab_size=7, n_ctx=12, n_layer=2, n_head=2, d_model=16), seed=0)
     tokens = torch.randint(0, 7, (20, 12), generator=torch.Generator().manual_seed(1))
     d0 = probe_ablation_kl(model, tokens, 1, 3, torch.zeros(16), horizon=10)
-    assert d0.shape == (20, 8) and float(d0.abs().max()) == 0.0
+    assert d0.shape == (20, 8) and float(d0.abs().max()) == 0.0  # exact: ablating along 0 leaves the logits bit-identical
     w = torch.randn(16, generator=torch.Generator().manual_seed(2))
     d1 = probe_ablation_kl(model, tokens, 1, 3, w)
     assert float(d1.max()) > 0 and float(d1[:, 0].min()) >= 0
@@ -91,7 +91,7 @@ def test_probe_ablation_zero_direction_gives_zero_kl():
     assert q > 0 and tot > 0
     # after the last block only the prediction at pos itself can change: Q = 0
     d2 = probe_ablation_kl(model, tokens, 2, 3, w)
-    assert float(d2[:, 0].max()) > 0 and float(d2[:, 1:].abs().max()) == 0.0
+    assert float(d2[:, 0].max()) > 0 and float(d2[:, 1:].abs().max()) == 0.0  # exact: later positions never see the last block's residual at pos
     with pytest.raises(ValueError, match="no later prediction"):
         probe_ablation_kl(model, tokens, 1, 11, torch.zeros(16))
 

@@ -80,7 +80,7 @@ def test_untied_at_init_equals_tied(tokens):
         untied = tiny(seed=3, position_groups=groups)
         torch.testing.assert_close(untied(tokens), tied(tokens), rtol=0, atol=1e-12)
         for p in untied.parameters():  # every group starts as the same copy
-            assert torch.equal(p, p[:1].expand_as(p))
+            assert torch.equal(p, p[:1].expand_as(p))  # exact: untied groups start as copies
 
 
 def test_untied_loss_touches_only_its_own_and_earlier_groups(tokens):
@@ -106,7 +106,7 @@ def test_split_groups_route_positions(tokens):
         for p in model.parameters():
             p[1].add_(0.1)
     after = model(tokens)
-    torch.testing.assert_close(after[:, :m], before[:, :m], rtol=0, atol=0)
+    torch.testing.assert_close(after[:, :m], before[:, :m], rtol=0, atol=0)  # exact: group 0's matmuls get the same inputs and weights
     assert not torch.allclose(after[:, m:], before[:, m:])
 
 
@@ -117,7 +117,7 @@ def test_hf_round_trip(tokens):
     torch.testing.assert_close(hf(tokens).logits, model(tokens), rtol=0, atol=1e-5)
     back = GPT.from_hf(hf)
     for (n1, p1), (n2, p2) in zip(model.named_parameters(), back.named_parameters()):
-        assert n1 == n2 and torch.equal(p1, p2)
+        assert n1 == n2 and torch.equal(p1, p2)  # exact: a round trip of the same tensors
     with pytest.raises(ValueError, match="one position group"):
         tiny(position_groups="untied").to_hf()
 
@@ -127,7 +127,7 @@ def test_hf_init_scale_matches_gpt2_convention():
     assert abs(model.wte.std().item() - 0.02) < 1e-3
     assert abs(model.blocks[0].mlp.c_fc.weight.std().item() - 0.02) < 1e-3
     assert abs(model.blocks[0].attn.c_proj.weight.std().item() - 0.02 / 8**0.5) < 5e-4
-    assert torch.all(model.blocks[0].ln1.weight == 1) and torch.all(model.blocks[0].attn.c_attn.bias == 0)
+    assert torch.all(model.blocks[0].ln1.weight == 1) and torch.all(model.blocks[0].attn.c_attn.bias == 0)  # exact: initial constants
 
 
 def test_stop_grad_at_blocks_exactly_that_residual(tokens):
@@ -135,7 +135,7 @@ def test_stop_grad_at_blocks_exactly_that_residual(tokens):
     site = Site(1, 4)
     plain = model(tokens)
     stopped = model(tokens, stop_grad_at=[site])
-    torch.testing.assert_close(stopped, plain, rtol=0, atol=0)
+    torch.testing.assert_close(stopped, plain, rtol=0, atol=0)  # exact: stop_grad_at changes the backward only
 
     # oracle: detach the same residual through a hook (independent mechanism)
     def detach_pos(act, hook):
@@ -151,7 +151,7 @@ def test_stop_grad_at_blocks_exactly_that_residual(tokens):
     assert any(not torch.allclose(a, b) for a, b in zip(g_sg, g_plain))
     # the final layer (before ln_final) and layer 0 are valid sites too
     for s in (Site(2, 3), Site(0, 0)):
-        torch.testing.assert_close(model(tokens, stop_grad_at=[s]), plain, rtol=0, atol=0)
+        torch.testing.assert_close(model(tokens, stop_grad_at=[s]), plain, rtol=0, atol=0)  # exact: stop_grad_at changes the backward only
 
 
 def test_resid_convention_matches_hooks(tokens):
@@ -178,7 +178,7 @@ def test_hook_names_pinned(tokens):
     pattern = cache["blocks.0.attn.hook_pattern"]
     assert pattern.shape == (5, 2, T, T)
     torch.testing.assert_close(pattern.sum(-1), torch.ones(5, 2, T, dtype=pattern.dtype))
-    assert torch.all(pattern.triu(1) == 0)
+    assert torch.all(pattern.triu(1) == 0)  # exact: masked scores are -inf, so softmax gives exact zeros
 
 
 def test_loss_matches_hand_computation():

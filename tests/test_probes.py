@@ -178,7 +178,7 @@ def test_save_load_roundtrip(tmp_path):
     meta = json.loads((tmp_path / "out" / "probes.json").read_text())
     assert meta["feature_names"] == ["a", "b"] and meta["alpha"] == 2.5
     q = ProbeSet.load(tmp_path / "out")
-    same = dict(equal_nan=True, atol=0, rtol=0)
+    same = dict(equal_nan=True, atol=0, rtol=0)  # exact: save/load round trip of the same tensors
     torch.testing.assert_close(q.weights, ps.weights, **same)
     torch.testing.assert_close(q.bias, ps.bias, **same)
     torch.testing.assert_close(q.r, ps.r, **same)

@@ -159,11 +159,11 @@ def test_classifier_separable_case_is_perfect(tmp_path):
     resid = np.eye(3)[cls].reshape(n, T, 6)[None] * 5.0  # one-hot of both squares' classes: separable
     feats = np.choose(cls, [0.0, 1.0, -1.0])
     got = fit_classifier(torch.tensor(resid), torch.tensor(feats), alpha=1e-3, positions=[1, 3])
-    assert torch.equal(got.acc[0, [1, 3]], torch.ones(2, 2, dtype=torch.float64))
+    assert torch.equal(got.acc[0, [1, 3]], torch.ones(2, 2, dtype=torch.float64))  # exact: accuracy = a count over a count, all correct
     assert torch.isnan(got.acc[0, [0, 2]]).all()
     got.save(tmp_path / "c.safetensors")
     back = ClassifierProbes.load(tmp_path / "c.safetensors")
-    assert torch.equal(back.acc.nan_to_num(-1), got.acc.nan_to_num(-1)) and back.positions == (1, 3)
+    assert torch.equal(back.acc.nan_to_num(-1), got.acc.nan_to_num(-1)) and back.positions == (1, 3)  # exact: save/load round trip
 
 
 def test_classifier_input_errors():

@@ -234,7 +234,7 @@ def test_report_mismatch_table_on_hand_made_data(tmp_path):
     assert rows["vanilla", 1, "tag_NN"] == pytest.approx({"regime": "vanilla", "layer": 1, "feature": "tag_NN",
                                                           **expect})
     assert rows["myopic", 1, "pos_int"]["paper_direct"] == pytest.approx(50.0)
-    assert rows["myopic", 1, "pos_int"]["centred_pre_cached"] == 0.0
+    assert rows["myopic", 1, "pos_int"]["centred_pre_cached"] == 0.0  # exact: the hand-made input is 0
     assert _verdicts(s) == ["reproduced"] * 4  # the claims stay on the paper's R
     (tmp_path / "data.json").write_text(json.dumps(_with_centred(_hand_data())))
     text = R.write_report(tmp_path).read_text()

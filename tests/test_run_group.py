@@ -173,7 +173,7 @@ def test_replay_stepper_of_a_member_is_its_group_step(group):
     models = [run.load_model("init") for run in runs]
     stack, gopt = stack_runs(models, [make_optimizer(m, c) for m, c in zip(models, cfgs)], cfgs[0])
     group_step(stack, gopt, *data.batch(0))
-    assert all(torch.equal(p, s[0]) for p, s in zip(model.parameters(), stack.stacked))
+    assert all(torch.equal(p, s[0]) for p, s in zip(model.parameters(), stack.stacked))  # exact: stacking copies the tensors
     assert int(opt.state[next(model.parameters())]["step"]) == 1
 
 

@@ -387,7 +387,7 @@ def test_evaluate_against_direct_recomputation(chunk):
         assert got["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5), name
     assert evaluate(FixedLogits(cases["perfect"], data["tokens"]), data, task)["legal_acc"] == 1.0
     wrong = evaluate(FixedLogits(cases["always_wrong"], data["tokens"]), data, task)
-    assert wrong["legal_acc"] == 0.0 and wrong["first_acc"] == 0.0
+    assert wrong["legal_acc"] == 0.0 and wrong["first_acc"] == 0.0  # exact: a count of zero correct predictions
     assert 0 < _reference_eval(cases["random"].numpy(), batch)["legal_acc"] < 1  # the random case is non-trivial
 
 
