@@ -200,29 +200,27 @@ def othello_claims(summary) -> list[Claim]:
     def units(*keys):
         return tuple(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys)
 
-    pc = PAPER_CI
+    def component(cid, statement, comp, tests, shown=("useful", "useless")):
+        """Claim ``cid`` on the influence of ``comp``: ``tests`` maps a square type to its interval rule; ``shown``
+        orders the types in the paper and measured columns."""
+        keys = [f"{comp}/{t}" for t in tests]
+        label = {"direct": "direct", "pre_cached": "pre-caching", "shared": "shared"}[comp]
+        rules = [rule(f"{t}-square {label} influence", f"{comp}/{t}") for t, rule in tests.items()]
+        return Claim(cid, statement, ", ".join(f"{t} {list(PAPER_CI[(comp, t)])}" for t in shown),
+                     rules[0] if len(rules) == 1 else every(*rules), {k: row[k] for k in keys},
+                     infl(*(f"{comp}/{t}" for t in shown)), units(*keys))
+
     return [
         Claim("i", "NTP-useful squares are represented better than NTP-useless ones: the gap r(useful) − r(useless) "
               "is positive at every layer ≥ 1 and grows with layer and with move index (Fig. 3)",
               "positive at every layer, growing with layer and move index (no number given)", _othello_gap_rule(),
               gap_numbers, gap_text, (at_least("squares", n_sq, 2), at_least("layers k ≥ 1 with a gap", len(gl), 2))),
-        Claim("ii", "direct influence is positive for useful squares and not different from 0 for useless squares",
-              f"useful {list(pc[('direct', 'useful')])}, useless {list(pc[('direct', 'useless')])}",
-              every(interval_above("useful-square direct influence", "direct/useful"),
-                    interval_contains("useless-square direct influence", "direct/useless")),
-              {k: row[k] for k in ("direct/useful", "direct/useless")}, infl("direct/useful", "direct/useless"),
-              units("direct/useful", "direct/useless")),
-        Claim("iii", "pre-caching influence is positive for useless squares",
-              f"useless {list(pc[('pre_cached', 'useless')])}, useful {list(pc[('pre_cached', 'useful')])}",
-              interval_above("useless-square pre-caching influence", "pre_cached/useless"),
-              {"pre_cached/useless": row["pre_cached/useless"]}, infl("pre_cached/useless", "pre_cached/useful"),
-              units("pre_cached/useless")),
-        Claim("iv", "shared (circuit-sharing) influence is positive for both useful and useless squares",
-              f"useful {list(pc[('shared', 'useful')])}, useless {list(pc[('shared', 'useless')])}",
-              every(interval_above("useful-square shared influence", "shared/useful"),
-                    interval_above("useless-square shared influence", "shared/useless")),
-              {k: row[k] for k in ("shared/useful", "shared/useless")}, infl("shared/useful", "shared/useless"),
-              units("shared/useful", "shared/useless")),
+        component("ii", "direct influence is positive for useful squares and not different from 0 for useless squares",
+                  "direct", {"useful": interval_above, "useless": interval_contains}),
+        component("iii", "pre-caching influence is positive for useless squares", "pre_cached",
+                  {"useless": interval_above}, shown=("useless", "useful")),
+        component("iv", "shared (circuit-sharing) influence is positive for both useful and useless squares",
+                  "shared", {"useful": interval_above, "useless": interval_above}),
     ]
 
 
