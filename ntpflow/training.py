@@ -6,6 +6,8 @@ Run directory::
     ckpt/step_000500.safetensors + step_000500.json    (model and Adam state; the sidecar is written last)
 
 The same config gives bit-identical weights; a killed run resumes from its last checkpoint to the same result.
+Training the same config with more ``steps`` into the directory extends the run, to the same bits as a run trained
+that long from the start.
 """
 
 import json
@@ -238,15 +240,21 @@ class Run:
         return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
-def _prepare_run_dir(cfg: TrainConfig, run_dir: Path) -> None:
+def _prepare_run_dir(cfg: TrainConfig, run_dir: Path, *, extend: bool = False) -> None:
     """Create the run dir, or check that an existing one holds the same config (never overwrite another run).
-    Every setting is checked before anything is written."""
+    A run that differs only in having fewer ``steps`` is extended to ``cfg.steps`` (with ``extend``; without it,
+    only checked). Every setting is checked before anything is written."""
     resolve_device(cfg.device)  # a bad or unavailable device fails here, not after the first files exist
     if (run_dir / "config.json").exists():
         old = Run.open(run_dir).cfg
         if old.hash() != cfg.hash():
             diff = [k for k, v in cfg.to_dict().items()
                     if old.to_dict().get(k) != v and k not in ("device", "log_every")]
+            if diff == ["steps"] and cfg.steps > old.steps:
+                _check_extension(Run(run_dir, old))
+                if extend:
+                    _extend(Run(run_dir, old), cfg)
+                return
             raise ValueError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}); "
                              "choose another output directory")
         return
@@ -277,8 +285,40 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     check_sinks(track)  # missing packages or credentials fail before anything is written
     _prepare_run_dir(cfg, run_dir)
     with DirLock(run_dir, force=force_unlock):  # one writer per run directory
-        _prepare_run_dir(cfg, run_dir)  # again under the lock: another process may have created it meanwhile
+        _prepare_run_dir(cfg, run_dir, extend=True)  # again under the lock: another process may have created it
         return _train(cfg, Run(run_dir, cfg), progress, track)
+
+
+def _check_extension(run: Run) -> None:
+    """Refuse to extend a run whose final weights have been replayed: the attribution would describe other weights."""
+    taken = sorted(p.name for p in run.dir.glob("attribution*") if p.is_dir())
+    if taken:
+        raise ValueError(f"{run.dir} has an attribution of its {run.cfg.steps}-step weights ({', '.join(taken)}); "
+                         "move it away before training the run further")
+
+
+def _extend(run: Run, cfg: TrainConfig) -> None:
+    """Turn the finished (or unfinished) ``run`` into a run of ``cfg.steps`` steps that resumes where it stopped.
+
+    Training has no schedule, so steps 0..T of a longer run are exactly the shorter run: its final state becomes
+    the checkpoint ``ckpt/step_T`` and its final probes ``probes_T``. Every intermediate state of this function is
+    a valid run directory (a kill leaves the old run, unfinished, or the new one), so rerunning completes it."""
+    old_steps = run.cfg.steps
+    log.info("extending %s from %d to %d steps", run.dir, old_steps, cfg.steps)
+    (run.dir / "DONE").unlink(missing_ok=True)
+    final = run.dir / "model.safetensors"
+    if final.exists():  # the tensors first: a checkpoint counts once its sidecar is there
+        ckpt = run.weights_path(old_steps)
+        final.replace(ckpt)
+        final.with_suffix(".json").replace(ckpt.with_suffix(".json"))
+    if (run.dir / "probes").exists():
+        (run.dir / "probes").replace(run.dir / f"probes_{old_steps}")
+    fault_point("extend:before_config")
+    env = read_json(run.dir / "env.json")
+    env.setdefault("extensions", []).append({"from_steps": old_steps, "to_steps": cfg.steps, **environment()})
+    write_json(run.dir / "env.json", env)
+    config = read_json(run.dir / "config.json")
+    write_json(run.dir / "config.json", {**config, "train": cfg.to_dict(), "config_hash": cfg.hash()})
 
 
 def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence) -> Run:

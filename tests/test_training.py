@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from ntpflow import GPT, TrainConfig, apply_overrides
+from ntpflow.io import SimulatedKill
 from ntpflow.tasks import make_task
 from ntpflow.training import (
     DataOrder,
@@ -170,13 +171,46 @@ def test_resume_with_different_config_raises_and_leaves_files(tmp_path, tiny_run
     shutil.copytree(tiny_run.dir, d)
     (d / "DONE").unlink()  # also an unfinished run must be protected
     before = snapshot(d)
-    for change in ({"steps": 13}, {"lr": 3e-3}, {"regime": "myopic"}, {"seed": 1}, {"ckpt_every": 3}):
+    for change in ({"steps": 11}, {"lr": 3e-3}, {"regime": "myopic"}, {"seed": 1}, {"ckpt_every": 3}):
         with pytest.raises(ValueError, match="different config") as e:
             train(replace(TINY, **change), d, progress=False)
         msg = str(e.value)
         assert "\n" not in msg
         assert msg.split("differs in: ")[1].split(")")[0] == next(iter(change))
         assert snapshot(d) == before
+
+
+@pytest.mark.parametrize("fault", [None, "extend:before_config"])
+def test_more_steps_extend_a_run_to_the_bits_of_a_longer_run(tmp_path, tiny_run, fault, monkeypatch):
+    longer = replace(TINY, steps=20)
+    straight = train(longer, tmp_path / "straight", progress=False)
+    d = tmp_path / "extended"
+    shutil.copytree(tiny_run.dir, d)
+    (d / "probes").mkdir()  # probes of the 12-step weights are kept as the probes of checkpoint 12
+    if fault:
+        monkeypatch.setenv("NTPFLOW_FAULT", fault)
+        with pytest.raises(SimulatedKill):
+            train(longer, d, progress=False)
+        monkeypatch.delenv("NTPFLOW_FAULT")
+    run = train(longer, d, progress=False)
+    assert run.done and run.cfg == longer and Run.open(d).cfg == longer
+    # exact: the same ops in one process (no schedule, so steps 12..20 continue the 12-step run)
+    assert_same_tensors(load_file(d / "model.safetensors"), load_file(straight.dir / "model.safetensors"))
+    assert run.metrics() == straight.metrics()
+    assert (d / "probes_12").is_dir() and not (d / "probes").exists()
+    assert (d / "ckpt" / "step_000012.json").exists()
+    assert json.loads((d / "env.json").read_text())["extensions"][0]["to_steps"] == 20
+
+
+def test_a_replayed_run_is_not_extended(tmp_path, tiny_run):
+    d = tmp_path / "run"
+    shutil.copytree(tiny_run.dir, d)
+    (d / "attribution").mkdir()
+    before = snapshot(d)
+    with pytest.raises(ValueError, match="move it away") as e:
+        train(replace(TINY, steps=20), d, progress=False)
+    assert "\n" not in str(e.value)
+    assert snapshot(d) == before
 
 
 # ---------------------------------------------------------------- loading
