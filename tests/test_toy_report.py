@@ -37,7 +37,7 @@ def wiggle(seed: int, ri: int, scale: float) -> float:
 
 def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_OK, centred=INFL_OK, paper=INFL_BAD,
               first_acc=1.0, steps=4) -> dict:
-    runs, probes, influence, curves, mismatch = [], [], [], [], []
+    runs, probes, influence, curves, mismatch, eval_curves = [], [], [], [], [], []
     for task in tasks:
         for ri, regime in enumerate(REGIMES):
             for seed in seeds:
@@ -46,6 +46,8 @@ def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_O
                 acc = first_acc if regime == "vanilla" else 0.9
                 runs.append({**key, "eval_loss": OPTIMUM[task] + gap, "optimal_loss": OPTIMUM[task],
                              "loss_gap": gap, "first_acc": acc, "legal_acc": acc, "steps": steps})
+                eval_curves.append({**key, "step": 0, "loss_gap": 0.5, "first_acc": 0.6})
+                eval_curves.append({**key, "step": steps, "loss_gap": gap, "first_acc": acc})
                 for weights in ("final", "init"):
                     for layer in range(3):
                         for pos in range(1, 21):
@@ -76,7 +78,7 @@ def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_O
     return {"scale": "synthetic", "seeds": list(seeds), "sites": SITES, "tracked_seeds": list(seeds),
             "train": {"d_model": 32, "n_train": 1024, "n_eval": 256}, "task_train": {t: {"steps": steps} for t in tasks},
             "tracked": {t: TRACKED[t] for t in tasks}, "runs": runs, "probes": probes, "influence": influence,
-            "curves": curves, "mismatch": mismatch}
+            "curves": curves, "mismatch": mismatch, "eval_curves": eval_curves}
 
 
 def write_data(d, data: dict):
@@ -182,6 +184,28 @@ def test_gates_make_claims_not_testable():
     v = verdicts(summarize(make_data(gains={**GAIN_OK, "cond_majority": {**GAIN_OK["cond_majority"],
                                                                          "vanilla": 0.35}})))
     assert v[("b", "cond_majority")] == NOT_TESTABLE
+
+
+def test_learning_curve_gives_the_step_from_which_every_seed_passes():
+    # hand-worked: (step, loss gap, first-output accuracy) per vanilla seed; a seed passes from the first evaluation
+    # after which every evaluation passes both gates (gap <= 0.01, accuracy >= 0.99)
+    data = make_data(tasks=("cond_majority",))
+    evals = {0: [(0, 0.5, 0.6), (100, 0.008, 0.995), (200, 0.005, 0.999)],    # passes from 100
+             1: [(0, 0.5, 0.6), (100, 0.008, 0.995), (200, 0.02, 0.999), (300, 0.009, 0.99)],  # relapse: from 300
+             2: [(0, 0.5, 0.6), (100, 0.05, 1.0), (200, -0.001, 0.992), (300, 0.0, 1.0)]}  # negative gap passes
+    data["eval_curves"] = [{"task": "cond_majority", "regime": g, "seed": sd, "step": st, "loss_gap": gap,
+                            "first_acc": acc} for g in ("vanilla", "myopic") for sd, ev in evals.items()
+                           for st, gap, acc in ev]
+    learning = summarize(data)["learning"]["cond_majority"]
+    assert learning["pass_from"] == [{"seed": 0, "step": 100}, {"seed": 1, "step": 300}, {"seed": 2, "step": 200}]
+    assert learning["all_pass_from"] == 300 and learning["last_step"] == 300
+    assert {e["seed"] for e in learning["curves"]} == {0, 1, 2} and len(learning["curves"]) == 11  # vanilla only
+    # seed 1 misses the loss gate at its last evaluation: it never passes, and so not every seed does
+    data["eval_curves"] = [e for e in data["eval_curves"] if not (e["seed"] == 1 and e["step"] == 300)]
+    data["eval_curves"].append({"task": "cond_majority", "regime": "vanilla", "seed": 1, "step": 300,
+                                "loss_gap": 0.011, "first_acc": 1.0})
+    learning = summarize(data)["learning"]["cond_majority"]
+    assert learning["pass_from"][1] == {"seed": 1, "step": None} and learning["all_pass_from"] is None
 
 
 def test_one_seed_is_not_testable(tmp_path):

@@ -196,7 +196,9 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
     from ..probes import ProbeSet
     from ..tasks import make_task
 
-    runs, probes, influence, curves, mismatch = [], [], [], [], []
+    from ..training import Run
+
+    runs, probes, influence, curves, mismatch, eval_curves = [], [], [], [], [], []
     for cfg in configs:
         rd = out / "runs" / run_dir_name(cfg)
         key = {"task": cfg.task, "regime": cfg.regime, "seed": cfg.seed}
@@ -204,6 +206,8 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
         done = {k: v for k, v in read_json(rd / "DONE").items() if k != "step"}
         runs.append({**key, **done, "steps": cfg.steps, "optimal_loss": task.optimal_loss(),
                      "loss_gap": done["eval_loss"] - task.optimal_loss()})
+        eval_curves += [{**key, "step": m["step"], "loss_gap": m["eval_loss"] - task.optimal_loss(),
+                         "first_acc": m.get("first_acc")} for m in Run(rd, cfg).metrics() if m["kind"] == "eval"]
         for weights, folder in (("final", "probes"), ("init", "probes_init")):
             ps = ProbeSet.load(rd / folder)
             for f, name in enumerate(ps.feature_names):
@@ -236,7 +240,8 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             "tracked": {t: list(TRACKED[t]) for t in tasks},
             "tracked_seeds": list(scale.tracked_seeds if scale.tracked_seeds is not None else scale.seeds)
             if replays else [], "replays": replays,
-            "runs": runs, "probes": probes, "influence": influence, "curves": curves, "mismatch": mismatch}
+            "runs": runs, "probes": probes, "influence": influence, "curves": curves, "mismatch": mismatch,
+            "eval_curves": eval_curves}
 
 
 def load_data(out: str | Path) -> dict:

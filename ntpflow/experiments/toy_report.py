@@ -84,6 +84,24 @@ def summarize(data: dict) -> dict:
                     "optimal_loss": next((r.get("optimal_loss") for r in van), None),
                     "steps": next((r.get("steps") for r in van), None)}
 
+    # ---- learning curves: from which evaluation on does each vanilla seed pass both gates?
+    learning = {}
+    for t in tasks:
+        per_seed, van_curves = {}, []
+        for sd in seeds:
+            ev = select(data.get("eval_curves") or [], "step", task=t, regime="vanilla", seed=sd)
+            van_curves += [{k: e[k] for k in ("seed", "step", "loss_gap", "first_acc")} for e in ev]
+            if ev:
+                ok = [e["first_acc"] is not None and e["first_acc"] >= GATE_ACC and e["loss_gap"] <= GATE_GAP
+                      for e in ev]
+                tail = next((i for i in range(len(ok)) if all(ok[i:])), None)  # passes at every evaluation after
+                per_seed[sd] = None if tail is None else ev[tail]["step"]
+        if per_seed:
+            learning[t] = {"pass_from": [{"seed": sd, "step": st} for sd, st in per_seed.items()],
+                           "last_step": max(e["step"] for e in van_curves),
+                           "all_pass_from": None if None in per_seed.values() else max(per_seed.values()),
+                           "curves": van_curves}
+
     # ---- probes: profiles for the figures, window means and gains per seed
     r_at = {(p["task"], p["regime"], p["seed"], p["weights"], p["layer"], p["pos"], p["feature"]): p["r"]
             for p in probes}
@@ -189,7 +207,7 @@ def summarize(data: dict) -> dict:
                "task_train": data.get("task_train") or {}, "settings": _settings(data, len(seeds)),
                "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
                "ci": "two-sided 95% Student-t interval over seeds (Pearson r: in Fisher z); null when n < 2",
-               "task_success": success, "gates": gates, "probe_layers": layers, "probe_profiles": profiles,
+               "task_success": success, "gates": gates, "learning": learning, "probe_layers": layers, "probe_profiles": profiles,
                "probe_gain": probe_gain, "influence": infl, "offset_share": offset_rows, "balance": balance_rows,
                "sites_detail": site_rows,
                "influence_curves": curve_rows}
@@ -265,6 +283,30 @@ def _fig_task_success(summary):
     return fig
 
 
+def _fig_learning(summary):
+    learning = summary.get("learning") or {}
+    if not (tasks := [t for t in summary["tasks"] if t in learning]):
+        return None
+    colors = [c for name, c in fs.OKABE_ITO.items() if name != "yellow"]
+    fig, axes = fs.figure(7.5, 3.0 * len(tasks), len(tasks), 2)
+    for row, t in zip(axes, tasks):
+        for ax, metric, label, gate in ((row[0], "loss_gap", "eval loss − exact optimum (nats)", GATE_GAP),
+                                        (row[1], "first_acc", "first-output accuracy", GATE_ACC)):
+            for i, sd in enumerate(sorted({e["seed"] for e in learning[t]["curves"]})):
+                ev = select(learning[t]["curves"], "step", seed=sd)
+                ax.plot([e["step"] for e in ev], [e[metric] for e in ev], lw=1.2, label=f"seed {sd}",
+                        color=colors[i % len(colors)])
+            ax.axhline(gate, color=fs.BASELINE, ls="--", lw=1)
+            if metric == "loss_gap":  # symlog: a gap can be slightly negative on held-out data
+                ax.set_yscale("symlog", linthresh=1e-3)
+                ax.set_ylim(bottom=min(0.0, *(e["loss_gap"] for e in learning[t]["curves"])))
+            ax.set_xlabel("training step")
+            ax.set_ylabel(label)
+            ax.set_title(f"{TASK_TITLES[t]} (gate {gate})")
+    fs.finish(fig, "Learning curves of the vanilla runs: every evaluation on held-out data, one line per seed", ncol=5)
+    return fig
+
+
 def _fig_influence(summary, kind):
     """``kind`` "bars": integrated influence per component; "curves": cumulative influence over training."""
     rows = summary["influence_curves"]
@@ -322,7 +364,7 @@ def _fig_offset(summary):
 
 
 FIGURES = {"probe_majority": _fig_probe("majority"), "probe_cond_majority": _fig_probe("cond_majority"),
-           "task_success": _fig_task_success, "influence_bars": lambda s: _fig_influence(s, "bars"),
+           "task_success": _fig_task_success, "learning_curves": _fig_learning, "influence_bars": lambda s: _fig_influence(s, "bars"),
            "influence_curves": lambda s: _fig_influence(s, "curves"), "offset_share": _fig_offset}
 
 
