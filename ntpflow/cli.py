@@ -106,6 +106,14 @@ def cmd_attribute(args) -> int:
     return 0
 
 
+def _int_list(text: str, option: str) -> tuple[int, ...]:
+    """``"0,1,2"`` → (0, 1, 2); anything else is a one-line error naming ``option``."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{option} takes comma-separated integers, got {text!r}") from None
+
+
 def cmd_reproduce(args) -> int:
     """``ntpflow reproduce``: run one experiment (or all) at a scale and print the report's path."""
     from .experiments.report_all import run_all, run_experiment
@@ -118,6 +126,7 @@ def cmd_reproduce(args) -> int:
     options = {"workers": args.workers, "device": args.device or "auto", "progress": not args.quiet,
                "corpus": args.corpus, "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
                "regimes": tuple(args.regimes.split(",")) if args.regimes else None,
+               "seeds": _int_list(args.seeds, "--seeds") if args.seeds else None,
                "replays": False if args.no_replays else None}
     if args.experiment == "all":
         print(run_all(args.scale, out, **options))
@@ -267,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--tasks", help="toy only: comma-separated subset of majority,cond_majority (default: both)")
     rp.add_argument("--regimes", help="toy only: comma-separated subset of vanilla,myopic,untied,myopic-untied "
                     "(default: all four)")
+    rp.add_argument("--seeds", help="toy only: comma-separated subset of the scale's seeds, for every regime "
+                    "(default: all)")
     rp.add_argument("--no-replays", action="store_true",
                     help="toy only: train and probe, skip the tracked replays (hours at medium scale); the influence "
                     "claims are then not testable. Rerun without it to add them")

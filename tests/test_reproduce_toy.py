@@ -20,10 +20,15 @@ def smoke(tmp_path_factory):
 def test_smoke_structure(smoke):
     for name in ("data.json", "summary.json", "report.md", "report.html"):
         assert (smoke / name).exists(), name
-    for fig in ("probe_majority", "probe_cond_majority", "task_success", "influence_curves", "influence_bars"):
+    for fig in ("probe_majority", "probe_cond_majority", "task_success", "learning_curves", "influence_curves",
+                "influence_bars"):
         assert (smoke / "figures" / f"{fig}.png").exists() and (smoke / "figures" / f"{fig}.svg").exists(), fig
     data = json.loads((smoke / "data.json").read_text())
     assert len(data["runs"]) == 8  # 2 tasks x 4 regimes x 1 seed
+    for run in data["runs"]:  # the learning curve: every evaluation of the run, the last one its final score
+        ev = [e for e in data["eval_curves"] if all(e[k] == run[k] for k in ("task", "regime", "seed"))]
+        assert [e["step"] for e in ev] == [0, 20, 40]  # eval_every 20, 40 steps
+        assert ev[-1]["loss_gap"] == run["loss_gap"] and ev[-1]["first_acc"] == run["first_acc"]  # exact: a copy
     assert all(math.isfinite(x) for x in all_numbers(data["influence"]))
     summary = json.loads((smoke / "summary.json").read_text())
     assert all(math.isfinite(x) for x in all_numbers(summary))
@@ -47,14 +52,19 @@ def test_unknown_scale_is_a_clean_error(tmp_path, capsys):
     assert "unknown scale" in capsys.readouterr().err
     assert main(["reproduce", "toy", "--regimes", "vanilla,bogus", "--out", str(tmp_path / "x")]) == 2
     assert "unknown toy regime(s) ['bogus']" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["reproduce", "toy", "--seeds", "0,3", "--out", str(tmp_path / "x")]) == 2
+    assert "seeds [3] are not seeds of scale smoke" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["reproduce", "toy", "--seeds", "0,a", "--out", str(tmp_path / "x")]) == 2
+    assert "--seeds takes comma-separated integers" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_no_replays_skips_the_tracked_replays_and_a_rerun_adds_them(tmp_path):
     out = tmp_path / "toy"
     args = ["-q", "reproduce", "toy", "--scale", "smoke", "--tasks", "majority", "--regimes", "myopic,vanilla",
-            "--out", str(out), "--workers", "1"]
+            "--seeds", "0", "--out", str(out), "--workers", "1"]
     assert main([*args, "--no-replays"]) == 0
     data = json.loads((out / "data.json").read_text())
+    assert data["seeds"] == [0]
     assert sorted(r["regime"] for r in data["runs"]) == ["myopic", "vanilla"]
     assert data["replays"] is False and data["influence"] == [] and data["tracked_seeds"] == []
     assert not list((out / "runs").glob("*/attribution"))
