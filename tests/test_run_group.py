@@ -203,17 +203,33 @@ def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(gr
     assert tree(alone[0]) == finished and tree(tmp_path / "only1") == want[1]  # exact: same ops in one process
 
 
-def test_group_replay_bad_input_is_a_clean_error(group, tmp_path):
+def test_attribute_cli_tracks_a_group_in_one_replay(group, capsys):
+    """``ntpflow attribute MEMBER --group``: every member's RUN_DIR/attribution, one output folder per line."""
+    from ntpflow.cli import main
+
+    _, _, runs = group
+    assert main(["-q", "attribute", str(runs[0].dir), "--group", "--sites", "1:5", "--features", "is_majority_<0>",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.split() == [str((run.dir / "attribution").resolve()) for run in runs]
+    assert all((run.dir / "attribution" / "influence.parquet").exists() for run in runs)
+
+
+def test_group_replay_bad_input_is_a_one_line_error(group, tmp_path, capsys):
+    from ntpflow.cli import main
+
     _, cfgs, runs = group
-    sites = [Site(1, 5)]
     lone = train(cfgs[0], tmp_path / "lone", progress=False)
-    with pytest.raises(ValueError, match="trained alone"):
-        attribute_group([runs[0].dir, lone.dir], sites, device="cpu", progress=False)
     other = train_group(cfgs, [tmp_path / "o0", tmp_path / "o1"], progress=False)  # the same configs elsewhere
-    with pytest.raises(ValueError, match="not all members of one run group"):
-        attribute_group([runs[0].dir, other[1].dir], sites, device="cpu", progress=False)
-    with pytest.raises(ValueError, match="given twice"):
-        attribute_group([runs[0].dir, runs[0].dir], sites, device="cpu", progress=False)
+    for dirs, flags, message in (([runs[0].dir, lone.dir], [], "trained alone"),
+                                 ([lone.dir], ["--group"], "trained alone"),
+                                 ([runs[0].dir, other[1].dir], [], "not all members of one run group"),
+                                 ([runs[0].dir, runs[0].dir], [], "given twice"),
+                                 ([runs[0].dir, runs[1].dir], ["--out", str(tmp_path / "x")], "--out takes a single"),
+                                 ([runs[0].dir, runs[1].dir], ["--group"], "--group takes one run dir")):
+        assert main(["-q", "attribute", *map(str, dirs), *flags, "--sites", "1:5", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "x").exists() and not (lone.dir / "attribution").exists()
 
 
 def test_replay_stepper_of_a_member_is_its_group_step(group):
