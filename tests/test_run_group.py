@@ -1,4 +1,5 @@
-"""Run groups (ntpflow.run_group): the run axis against separate runs, resume, replay, bad input, the paper script."""
+"""Run groups (ntpflow.run_group): the run axis against separate runs, resume, replay (one member, and the whole group
+in one replay, against the per-member replay), bad input, the paper script."""
 
 import json
 import os
