@@ -13,6 +13,7 @@ examples:
   ntpflow train --task cond_majority --regime untied --set steps=500 lr=3e-4
   ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'
   ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_<0>'
+  ntpflow attribute runs/maj-vanilla-s0 --group --sites 1-2:2-19   # every member of its run group, one replay
   ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
   ntpflow reproduce othello --scale small
   ntpflow reproduce stories --scale small --corpus PATH   # your TinyStories folder (or hf, generated:N)
@@ -95,14 +96,28 @@ def cmd_probe(args) -> int:
 
 
 def cmd_attribute(args) -> int:
-    """``ntpflow attribute``: replay a run, tracking component influences at the sites; print the out folder."""
-    from .replay import attribute
+    """``ntpflow attribute``: replay a run (or members of one run group, in one replay), tracking component influences
+    at the sites; print the out folder(s)."""
+    from .replay import attribute, attribute_group
+    from .run_group import group_dirs
     from .sites import parse_sites
+    from .training import Run
 
     features = [f for f in args.features.split(",") if f] if args.features else None
-    out = attribute(args.run_dir, parse_sites(args.sites), features, out_dir=args.out,
-                    device=args.device or "auto", progress=not args.quiet, force_unlock=args.force_unlock)
-    print(out)
+    sites, dirs = parse_sites(args.sites), args.run_dir
+    if args.group:
+        if len(dirs) != 1:
+            raise ValueError("--group takes one run dir, a member of the group")
+        dirs = group_dirs(Run.open(dirs[0]))
+    if len(dirs) == 1 and not args.group:
+        outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
+                          progress=not args.quiet, force_unlock=args.force_unlock)]
+    elif args.out:
+        raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
+    else:
+        outs = attribute_group(dirs, sites, features, device=args.device or "auto", progress=not args.quiet,
+                               force_unlock=args.force_unlock)
+    print("\n".join(map(str, outs)))
     return 0
 
 
@@ -251,10 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "--features 'is_majority_<0>'\n"
                               "Python: ntpflow.replay.attribute('runs/maj-vanilla-s0', "
                               "ntpflow.sites.parse_sites('1-2:2-19'), ['is_majority_<0>'])\n"
+                              "several members of one run group (or --group): one replay of the group tracks them "
+                              "all; Python: ntpflow.replay.attribute_group([RUN_DIR, ...], sites, features)\n"
                               "writes OUT/influence.parquet and OUT/summary.json (schemas: docs/outputs.md); "
                               "positive influence = moved the feature toward its final value",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("run_dir", help="a finished run directory (ntpflow train)")
+    a.add_argument("run_dir", nargs="+", help="a finished run directory (ntpflow train), or several members of one "
+                   "run group, tracked in one replay of the group")
+    a.add_argument("--group", action="store_true", help="track every member of RUN_DIR's run group in one replay")
     a.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:5,2:7 or 1-2:2-19")
     a.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")

@@ -21,6 +21,7 @@ import secrets
 import shutil
 from collections import defaultdict
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ from .io import (
     write_json,
 )
 from .probe_runs import load_or_probe
-from .run_group import replay_stepper
+from .run_group import GroupReplay, member_indices, replay_stepper
 from .sites import Site
 from .training import (
     DataOrder,
@@ -87,67 +88,150 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
     dev = resolve_device(device if device != "auto" else cfg.device)
-    sites = sorted(set(sites))
-    if not sites:
-        raise ValueError("no sites to attribute")
-    for s in sites:  # before anything is written
-        s.check(run.model_config().n_layer, run.task.seq_len)
+    sites = _checked_sites(run, sites)
     out = ensure_writable_dir(out_dir or run.dir / "attribution")
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
         return _replay(run, out, sites, features, dev, device, block, progress)
 
 
-def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress) -> Path:
-    cfg = run.cfg
-    probes = make_probes(run, sites, features, device)
-    spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in probes}),
-            "config_hash": cfg.hash()}
-    if (out / "spec.json").exists() and read_json(out / "spec.json") != spec:
-        raise ValueError(f"{out} holds an attribution with other sites/features; choose another --out")
-    write_json(out / "spec.json", spec)
-    (out / "parts").mkdir(exist_ok=True)
-    if (out / "influence.parquet").exists():
-        return out
+def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], features: Sequence[str] | None = None, *,
+                    out_dirs: Sequence[str | Path | None] | None = None, device: str = "auto", block: int | None = None,
+                    progress: bool = True, force_unlock: bool = False) -> list[Path]:
+    """Replay members of one run group together, tracking each at ``sites`` × ``features``; returns the output dirs.
 
-    task = run.task
-    train_set, eval_set = make_datasets(cfg, task)
-    data = to_torch(train_set, dev)
-    types = None
-    if train_set.feature_types is not None:
-        idx = {n: i for i, n in enumerate(task.feature_names)}
-        types = {n: torch.as_tensor(train_set.feature_types[..., idx[n]], device=dev).long() for n in spec["features"]}
-    model = run.load_model("init", dev).train()
-    opt = make_optimizer(model, cfg)
-    tracker = InfluenceTracker(run.load_model("final", dev), [Probe(p.site, p.name, p.w.to(dev)) for p in probes])
-    tracker.use_dataset(data["tokens"])  # θ* projections once per example, not one θ* forward per step
-    start, cums = _resume(out, model, opt, tracker, dev)
-    advance = replay_stepper(run, model, opt, dev)  # a run group's member steps with its group
+    One pass over the steps: before each step every member's tracker runs on its own model and Adam, then the
+    group takes the step once for all (``GroupReplay``). Each member's folder (``out_dirs``, default
+    ``RUN_DIR/attribution``) comes out bit for bit as :func:`attribute` writes it. Members already finished are
+    skipped; the others resume from their own last saved state (the group from the earliest of them). Arguments as
+    in :func:`attribute`.
+    """
+    runs = [Run.open(d) for d in run_dirs]
+    if not runs:
+        raise ValueError("no run dirs to attribute")
+    index = member_indices(runs)
+    for run in runs:
+        if not run.done:
+            raise ValueError(f"{run.dir} has not finished training; attribution replays a finished run")
+    outs = list(out_dirs) if out_dirs is not None else [None] * len(runs)
+    if len(outs) != len(runs):
+        raise ValueError("give one output folder per run dir")
+    sites = _checked_sites(runs[0], sites)
+    outs = [ensure_writable_dir(o or run.dir / "attribution") for o, run in zip(outs, runs)]
+    if len({o.resolve() for o in outs}) < len(outs):
+        raise ValueError("the members need distinct output folders")
+    dev = resolve_device(device if device != "auto" else runs[0].cfg.device)
+    with ExitStack() as locks:
+        for o in outs:  # one writer per attribution folder
+            locks.enter_context(DirLock(o, force=force_unlock))
+        todo = [(r, m) for r, m in zip(index, (_Tracked(run, o, sites, features, dev, device, block)
+                                               for run, o in zip(runs, outs))) if not m.done]
+        if todo:
+            group = GroupReplay(runs[0], dev)
+            first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
+            for step in tqdm(range(first, steps), initial=first, total=steps, disable=not progress,
+                             desc=f"attribute the group of {runs[0].dir.name} ({len(todo)} runs)", leave=False):
+                active = [(r, m) for r, m in todo if m.start <= step]  # a member resumed later joins at its state
+                for r, m in active:
+                    if m.start == step:
+                        group.join(r, m.model, m.opt)
+                for _, m in active:
+                    m.track(step)
+                group(step)
+                for _, m in active:
+                    m.end_step(step)
+            for _, m in todo:
+                m.finish()
+    return outs
+
+
+def _checked_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
+    """The distinct ``sites``, sorted, checked against the run's model (before anything is written)."""
+    sites = sorted(set(sites))
+    if not sites:
+        raise ValueError("no sites to attribute")
+    for s in sites:
+        s.check(run.model_config().n_layer, run.task.seq_len)
+    return sites
+
+
+def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress) -> Path:
+    m = _Tracked(run, out, sites, features, dev, device, block)
+    if m.done:
+        return out
+    advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
     alone = not (run.dir / "group.json").exists()  # then track()'s backward is train_step's, bit for bit
-    block = block or cfg.ckpt_every
-    order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
-    rows: list[dict] = []
-    block_start = start
-    for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
+    for step in tqdm(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps, disable=not progress,
                      desc=f"attribute {run.dir.name}", leave=False):
-        i = order(step).to(dev)
-        tokens, mask = data["tokens"][i], data["loss_mask"][i]
-        for r in tracker.track(model, opt, tokens, mask, None if types is None else {k: v[i] for k, v in types.items()},
-                               example_ids=i):
-            key = tuple(r[k] for k in KEY)
-            cums[key] += r["value"] if r["component"] != "risk" else 0.0
-            r["cumulative"] = cums[key] if r["component"] != "risk" else r["value"]
-            rows.append(r)
+        tokens, mask = m.track(step)
         if alone:
-            tracker.optimizer_step(model, opt)
+            m.tracker.optimizer_step(m.model, m.opt)
         else:
             advance(step, tokens, mask)
-        if (step + 1) % block == 0 or step + 1 == cfg.steps:
-            _write_part(out / "parts" / f"part_{block_start:06d}.parquet", rows)
-            rows, block_start = [], step + 1
-            _save_resume_point(out, model, opt, tracker, step + 1)
-    _check_replay(run, model)
-    _finish(out, run, probes, tracker, eval_set, dev)
+        m.end_step(step)
+    m.finish()
     return out
+
+
+class _Tracked:
+    """One run's tracked replay: its model and Adam (at step ``start`` after resuming), its tracker, output folder
+    and the rows of the block being written. Per step: ``track(step)`` before the update, ``end_step(step)`` after
+    it; ``finish()`` at the end. ``done``: the folder already holds a finished attribution (nothing else is set)."""
+
+    def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block):
+        cfg = run.cfg
+        self.run, self.out, self.dev = run, out, dev
+        self.probes = make_probes(run, sites, features, device)
+        spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
+                "config_hash": cfg.hash()}
+        if (out / "spec.json").exists() and read_json(out / "spec.json") != spec:
+            raise ValueError(f"{out} holds an attribution with other sites/features; choose another --out")
+        write_json(out / "spec.json", spec)
+        (out / "parts").mkdir(exist_ok=True)
+        self.done = (out / "influence.parquet").exists()
+        if self.done:
+            return
+        task = run.task
+        train_set, self.eval_set = make_datasets(cfg, task)
+        self.data = to_torch(train_set, dev)
+        self.types = None
+        if train_set.feature_types is not None:
+            idx = {n: i for i, n in enumerate(task.feature_names)}
+            self.types = {n: torch.as_tensor(train_set.feature_types[..., idx[n]], device=dev).long()
+                          for n in spec["features"]}
+        self.model = run.load_model("init", dev).train()
+        self.opt = make_optimizer(self.model, cfg)
+        self.tracker = InfluenceTracker(run.load_model("final", dev),
+                                        [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes])
+        self.tracker.use_dataset(self.data["tokens"])  # θ* projections once per example, not a θ* forward per step
+        self.start, self.cums = _resume(out, self.model, self.opt, self.tracker, dev)
+        self.block = block or cfg.ckpt_every
+        self.order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
+        self.rows: list[dict] = []
+        self.block_start = self.start
+
+    def track(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Track ``step`` (before its update); returns its batch: tokens, loss_mask [batch, pos]."""
+        i = self.order(step).to(self.dev)
+        tokens, mask = self.data["tokens"][i], self.data["loss_mask"][i]
+        types = None if self.types is None else {k: v[i] for k, v in self.types.items()}
+        for r in self.tracker.track(self.model, self.opt, tokens, mask, types, example_ids=i):
+            key = tuple(r[k] for k in KEY)
+            self.cums[key] += r["value"] if r["component"] != "risk" else 0.0
+            r["cumulative"] = self.cums[key] if r["component"] != "risk" else r["value"]
+            self.rows.append(r)
+        return tokens, mask
+
+    def end_step(self, step: int) -> None:
+        """After ``step``'s update: at a block boundary, write the block's rows and a resume point."""
+        if (step + 1) % self.block == 0 or step + 1 == self.run.cfg.steps:
+            _write_part(self.out / "parts" / f"part_{self.block_start:06d}.parquet", self.rows)
+            self.rows, self.block_start = [], step + 1
+            _save_resume_point(self.out, self.model, self.opt, self.tracker, step + 1)
+
+    def finish(self) -> None:
+        """Check the final weights against the run's (bit for bit) and write influence.parquet and summary.json."""
+        _check_replay(self.run, self.model)
+        _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev)
 
 
 def _save_resume_point(out: Path, model, opt, tracker, step: int) -> None:

@@ -296,20 +296,34 @@ def _check_finite(finite: torch.Tensor, stack: RunStack, runs: Sequence[Run], st
 
 
 class GroupReplay:
-    """Advances a group member's replay as its group trained it: the whole group takes each step (rebuilt from the
-    members' common training checkpoint on the first call), then run r's weights and Adam state are copied into the
-    replay's ``model`` and ``opt``. Call as ``stepper(step, tokens, loss_mask)`` (the batch is recomputed here)."""
+    """Advances the replays of members of a run group as the group trained them: the whole group takes each step
+    (rebuilt from the members' common training checkpoint on the first call), then each joined member r's weights
+    and Adam state are copied into its replay's ``model`` and ``opt``. ``join(r, model, opt)`` adds member r, whose
+    ``model`` must hold the group's state at the next step. Call as ``stepper(step, *batch)``: any batch given is
+    ignored, the group's batches [R, batch, pos] are recomputed here."""
 
-    def __init__(self, run: Run, model: GPT, opt: torch.optim.Adam, device):
+    def __init__(self, run: Run, device):
         record = read_json(run.dir / "group.json")
-        self.r, self.model, self.opt, self.device = record["index"], model, opt, device
+        self.index, self.device = record["index"], device
         self.cfgs = [TrainConfig.from_dict(d) for d in record["members"]]
-        if self.cfgs[self.r].hash() != run.cfg.hash():
+        if self.cfgs[self.index].hash() != run.cfg.hash():
             raise ValueError(f"{run.dir / 'group.json'} does not describe the run in {run.dir}")
         self.runs = [Run((run.dir / d).resolve(), c) for d, c in zip(record["dirs"], self.cfgs)]
         self.data = GroupData(self.cfgs, device)
+        self.members: dict[int, tuple[GPT, torch.optim.Adam]] = {}
         self.next_step = None
         self.stack = self.group_opt = None
+
+    def join(self, r: int, model: GPT, opt: torch.optim.Adam) -> None:
+        """From the next step on, copy run r's state into ``model`` and ``opt`` after each group step."""
+        if self.stack is not None:
+            self._check(r, model)
+        self.members[r] = (model, opt)
+
+    def _check(self, r: int, model: GPT) -> None:
+        ours = {n: s[r] for n, s in zip(self.stack.names, self.stack.stacked)}
+        if any(not torch.equal(v, ours[n]) for n, v in model.named_parameters()):
+            raise RuntimeError(f"the replay state of {self.runs[r].dir} disagrees with its group's checkpoints")
 
     def _seek(self, step: int) -> None:
         """Bring the group to ``step``: load the common checkpoint before it (if every member dir has one), step on."""
@@ -321,16 +335,41 @@ class GroupReplay:
         for s in range(at, step):
             group_step(self.stack, self.group_opt, *self.data.batch(s))
         self.next_step = step
-        ours = {n: s[self.r] for n, s in zip(self.stack.names, self.stack.stacked)}
-        if any(not torch.equal(v, ours[n]) for n, v in self.model.named_parameters()):
-            raise RuntimeError(f"the replay state of {self.runs[self.r].dir} disagrees with its group's checkpoints")
+        for r, (model, _) in self.members.items():
+            self._check(r, model)
 
-    def __call__(self, step: int, tokens: torch.Tensor, loss_mask: torch.Tensor) -> None:
+    def __call__(self, step: int, *batch) -> None:
         if step != self.next_step:
             self._seek(step)
         group_step(self.stack, self.group_opt, *self.data.batch(step))
-        self.stack.export(self.r, self.group_opt, self.model, self.opt)
+        for r, (model, opt) in self.members.items():
+            self.stack.export(r, self.group_opt, model, opt)
         self.next_step = step + 1
+
+
+def group_dirs(run: Run) -> list[Path]:
+    """The run directories of every member of ``run``'s group, in group order (ValueError if it was trained alone)."""
+    if not (run.dir / "group.json").exists():
+        raise ValueError(f"{run.dir} was trained alone, not in a run group")
+    return [(run.dir / d).resolve() for d in read_json(run.dir / "group.json")["dirs"]]
+
+
+def member_indices(runs: Sequence[Run]) -> list[int]:
+    """Each run's index in its group; ValueError (one line) unless ``runs`` are distinct members of one group."""
+    groups, index = set(), []
+    for run in runs:
+        dirs = tuple(group_dirs(run))
+        record = read_json(run.dir / "group.json")
+        r = record["index"]
+        if dirs[r] != run.dir.resolve() or TrainConfig.from_dict(record["members"][r]).hash() != run.cfg.hash():
+            raise ValueError(f"{run.dir / 'group.json'} does not describe the run in {run.dir}")
+        groups.add(dirs)
+        index.append(r)
+    if len(groups) > 1:
+        raise ValueError("the run dirs are not all members of one run group (see their group.json)")
+    if len(set(index)) < len(index):
+        raise ValueError("a run dir is given twice")
+    return index
 
 
 def replay_stepper(run: Run, model: GPT, opt: torch.optim.Adam, device) -> Callable[[int, torch.Tensor, torch.Tensor],
@@ -338,5 +377,7 @@ def replay_stepper(run: Run, model: GPT, opt: torch.optim.Adam, device) -> Calla
     """How a replay advances ``model`` and ``opt`` by step ``step`` of ``run`` (``stepper(step, tokens, loss_mask)``):
     ``train_step`` for a run trained alone, the group's batched step (:class:`GroupReplay`) for a group member."""
     if (run.dir / "group.json").exists():
-        return GroupReplay(run, model, opt, device)
+        stepper = GroupReplay(run, device)
+        stepper.join(stepper.index, model, opt)
+        return stepper
     return lambda step, tokens, loss_mask: train_step(model, opt, tokens, loss_mask)

@@ -1,4 +1,5 @@
-"""Run groups (ntpflow.run_group): the run axis against separate runs, resume, replay, bad input, the paper script."""
+"""Run groups (ntpflow.run_group): the run axis against separate runs, resume, replay (one member, and the whole group
+in one replay, against the per-member replay), bad input, the paper script."""
 
 import json
 import os
@@ -11,10 +12,10 @@ import torch
 
 import ntpflow.run_group as run_group
 from ntpflow.config import REGIMES, TrainConfig
-from ntpflow.io import load_tensors
+from ntpflow.io import SimulatedKill, load_tensors
 from ntpflow.loss import lm_loss
 from ntpflow.model import GPT
-from ntpflow.replay import attribute
+from ntpflow.replay import attribute, attribute_group
 from ntpflow.run_group import GroupData, RunStack, group_step, stack_runs, train_group
 from ntpflow.sites import Site
 from ntpflow.training import DataOrder, Run, make_datasets, make_optimizer, model_config, task_for, train
@@ -159,6 +160,77 @@ def test_replay_of_a_member_is_bit_identical_and_resumes(group, monkeypatch):
     assert (out / "influence.parquet").exists()
     # a block size off the checkpoint grid: the group is rebuilt from its step-4 checkpoint and stepped to 6
     attribute(run.dir, sites, features, out_dir=root / "attr3", block=3, device="cpu", progress=False)
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` but its lock: relative path -> bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+def resume_points(folder: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (folder / "state").glob("step_*"))
+
+
+def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(group, tmp_path, monkeypatch):
+    """One replay of the group that tracks both members, against each member's own replay (``attribute``, the
+    oracle): every file of each member's folder has the same bytes, also after kills that leave the members at
+    different resume points, and a member already finished is skipped."""
+    _, cfgs, runs = group
+    dirs = [run.dir for run in runs]
+    sites, features = [Site(1, 5), Site(2, 3)], ["is_majority_<0>"]
+    opts = dict(device="cpu", progress=False, block=3)  # resume points 3, 6, 9, 12: off the checkpoint grid (4, 8)
+    alone = [attribute(d, sites, features, out_dir=tmp_path / f"alone{r}", **opts) for r, d in enumerate(dirs)]
+    want = [tree(o) for o in alone]
+    assert "influence.parquet" in want[0] and "state/step_000012/state.safetensors" in want[1]
+
+    def killed(outs, expect):  # dies right after the first resume point this call writes
+        monkeypatch.setenv("NTPFLOW_FAULT", "attribute:after_state_rename")
+        with pytest.raises(SimulatedKill):
+            attribute_group(dirs, sites, features, out_dirs=outs, **opts)
+        monkeypatch.delenv("NTPFLOW_FAULT")
+        assert [resume_points(o) for o in outs] == expect
+
+    mixed = [tmp_path / "mixed0", tmp_path / "mixed1"]
+    killed(mixed, [[3], []])  # member 1 resumes from step 0; member 0 joins the group at its step 3
+    both = [tmp_path / "both0", tmp_path / "both1"]
+    killed(both, [[3], []])
+    killed(both, [[3], [3]])  # the group is rebuilt from its training checkpoints and stepped to 3
+    for outs in ([tmp_path / "fresh0", tmp_path / "fresh1"], mixed, both):
+        assert attribute_group(dirs, sites, features, out_dirs=outs, **opts) == outs  # raises unless θ_T is exact
+        assert [tree(o) for o in outs] == want  # exact: same ops in one process
+    finished = tree(alone[0])
+    attribute_group(dirs, sites, features, out_dirs=[alone[0], tmp_path / "only1"], **opts)  # member 0 skipped
+    assert tree(alone[0]) == finished and tree(tmp_path / "only1") == want[1]  # exact: same ops in one process
+
+
+def test_attribute_cli_tracks_a_group_in_one_replay(group, capsys):
+    """``ntpflow attribute MEMBER --group``: every member's RUN_DIR/attribution, one output folder per line."""
+    from ntpflow.cli import main
+
+    _, _, runs = group
+    assert main(["-q", "attribute", str(runs[0].dir), "--group", "--sites", "1:5", "--features", "is_majority_<0>",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.split() == [str((run.dir / "attribution").resolve()) for run in runs]
+    assert all((run.dir / "attribution" / "influence.parquet").exists() for run in runs)
+
+
+def test_group_replay_bad_input_is_a_one_line_error(group, tmp_path, capsys):
+    from ntpflow.cli import main
+
+    _, cfgs, runs = group
+    lone = train(cfgs[0], tmp_path / "lone", progress=False)
+    other = train_group(cfgs, [tmp_path / "o0", tmp_path / "o1"], progress=False)  # the same configs elsewhere
+    for dirs, flags, message in (([runs[0].dir, lone.dir], [], "trained alone"),
+                                 ([lone.dir], ["--group"], "trained alone"),
+                                 ([runs[0].dir, other[1].dir], [], "not all members of one run group"),
+                                 ([runs[0].dir, runs[0].dir], [], "given twice"),
+                                 ([runs[0].dir, runs[1].dir], ["--out", str(tmp_path / "x")], "--out takes a single"),
+                                 ([runs[0].dir, runs[1].dir], ["--group"], "--group takes one run dir")):
+        assert main(["-q", "attribute", *map(str, dirs), *flags, "--sites", "1:5", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "x").exists() and not (lone.dir / "attribution").exists()
 
 
 def test_replay_stepper_of_a_member_is_its_group_step(group):

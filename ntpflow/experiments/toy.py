@@ -3,7 +3,8 @@
 ``run_toy(scale, out)`` trains every (task, regime, seed), fits probes on the final and the untrained model,
 replays the runs of the tracked regimes with influence tracking at the tracked sites, and gathers everything into
 ``out/data.json``. At the scales marked ``grouped`` the seeds of a (task, regime) train as one run group
-(``ntpflow.run_group``): one batched model, written as ordinary run directories.
+(``ntpflow.run_group``): one batched model, written as ordinary run directories, and the tracked members of a group
+are replayed together in one replay of the group (``ntpflow.replay.attribute_group``).
 Every stage is resumable and skipped when finished, so an interrupted call continues where it stopped.
 """
 
@@ -145,6 +146,18 @@ def _one_replay(run_dir: str, sites: list[tuple[int, int]], features: list[str],
     return {"run_dir": run_dir}
 
 
+def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: list[str], device: str,
+                  threads: int) -> dict:
+    """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped)."""
+    import torch
+
+    from ..replay import attribute_group
+
+    torch.set_num_threads(threads)
+    attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False)
+    return {"run_dirs": run_dirs}
+
+
 def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
             progress: bool = True, tasks: tuple[str, ...] = TASKS, regimes: tuple[str, ...] = REGIMES,
             seeds: tuple[int, ...] | None = None, replays: bool = True) -> Path:
@@ -182,8 +195,9 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
                   for c in configs}
         run_jobs(_one_group, [([c.to_dict() for c in g], [run_dir[c] for c in g], device, threads)
                               for g in groups.values()], workers, f"toy {scale.name} groups", progress)
-        run_jobs(_one_replay, [(run_dir[c], sites, list(TRACKED[c.task]), device, threads)
-                               for c in configs if tracked(c)], workers,
+        replays_of = [[run_dir[c] for c in g if tracked(c)] for g in groups.values()]  # one replay per group
+        run_jobs(_group_replay, [(dirs, sites, list(TRACKED[g[0].task]), device, threads)
+                                 for g, dirs in zip(groups.values(), replays_of) if dirs], workers,
                  f"toy {scale.name} replays", progress)
     else:
         jobs = [(c.to_dict(), run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), device, threads)
