@@ -64,33 +64,78 @@ class Primals:
     """The ordinary forward of ``model`` on ``tokens`` [batch, pos], with what the tangent rules need (no graph).
 
     ``resid[k]``: [batch, pos, d_model] for k = 0..n_layer (same convention as ``GPT.forward``).
+
+    **Embedding table.** Block 0's input resid[0][b, p] depends on (token, position) only, so its ln1 and its q/k/v
+    projection (a quarter of the block's matmuls) take at most vocab distinct rows per position. When the vocabulary
+    is smaller than the batch, the cache keeps them once per (token, position) in a table of ``table_tokens``
+    [R, pos] (R = vocab; else R = batch and the table is the batch itself), and the reverse and forward modes run
+    block 0's ln1 and c_attn on the table: tangents are computed per table row and gathered (``gather``), cotangents
+    are summed into table rows (``bin``) before the weight gradients. Exact: sums are only regrouped.
     """
 
     def __init__(self, model: GPT, tokens: torch.Tensor):
         cfg = model.cfg
         self.model, self.tokens = model, tokens
         self.n_head, self.eps = cfg.n_head, cfg.layer_norm_eps
-        t = tokens.shape[1]
+        bsz, t = tokens.shape
         self.shared = cfg.n_groups == 1
         self.groups = None if self.shared else model.groups[:t]
         self.named = dict(model.named_parameters())  # by name, in model.parameters() order
         self.names = list(self.named)
+        self.vocab = model.wte.shape[1]
+        self.dedupe = self.vocab < bsz
+        self.table_tokens = (torch.arange(self.vocab, device=tokens.device)[:, None].expand(-1, t) if self.dedupe
+                             else tokens)  # [R, t]
+        self._rows: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             p = _Params(self.named, self.groups, 0)
-            all_pos = slice(0, t)
-            pos = torch.arange(t, device=tokens.device)
-            if self.shared:
-                r = F.embedding(tokens, p.at("wte", all_pos)) + p.at("wpe", all_pos)[:t]
-            else:
-                vocab, d = model.wte.shape[1:]
-                r = (F.embedding(self.groups * vocab + tokens, model.wte.reshape(-1, d))
-                     + F.embedding(self.groups * cfg.n_ctx + pos, model.wpe.reshape(-1, d)))
+            r_tab = self.embed(self.table_tokens)
+            r = self.gather(r_tab)
             self.resid, self.blocks = [r], []
             for b in range(cfg.n_layer):
-                c = self._block(p, f"blocks.{b}.", r)
+                c = self._block(p, f"blocks.{b}.", r, r_tab if b == 0 else None)
                 self.blocks.append(c)
                 r = c["out"]
                 self.resid.append(r)
+
+    def embed(self, tok: torch.Tensor) -> torch.Tensor:
+        """resid[0] of tokens [R, pos] (positions from 0): [R, pos, d_model]."""
+        t = tok.shape[1]
+        pos = torch.arange(t, device=tok.device)
+        if self.shared:
+            return F.embedding(tok, self.named["wte"][0]) + self.named["wpe"][0, :t]
+        model = self.model
+        vocab, d = model.wte.shape[1:]
+        return (F.embedding(self.groups[:t] * vocab + tok, model.wte.reshape(-1, d))
+                + F.embedding(self.groups[:t] * model.cfg.n_ctx + pos, model.wpe.reshape(-1, d)))
+
+    def table_rows(self, n_pos: int) -> torch.Tensor | None:
+        """Row of each (batch row, position < n_pos) in a table [R·n_pos] (flattened [R, n_pos]): long [batch·n_pos];
+        None when the table is the batch itself."""
+        if not self.dedupe:
+            return None
+        if n_pos not in self._rows:
+            tok = self.tokens[:, :n_pos]
+            self._rows[n_pos] = (tok * n_pos + torch.arange(n_pos, device=tok.device)).reshape(-1)
+        return self._rows[n_pos]
+
+    def gather(self, tab: torch.Tensor) -> torch.Tensor:
+        """Table values [..., R, P, f] -> batch values [..., batch, P, f]."""
+        rows = self.table_rows(tab.shape[-2])
+        if rows is None:
+            return tab
+        lead, (n_tab, n_pos, f) = tab.shape[:-3], tab.shape[-3:]
+        flat = tab.reshape(*lead, n_tab * n_pos, f).index_select(len(lead), rows)
+        return flat.view(*lead, len(self.tokens), n_pos, f)
+
+    def bin(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch cotangents [m, batch, P, f] -> their sums per table row [m, R, P, f] (the adjoint of ``gather``)."""
+        rows = self.table_rows(x.shape[2])
+        if rows is None:
+            return x
+        m, bsz, n_pos, f = x.shape
+        out = x.new_zeros((m, len(self.table_tokens) * n_pos, f))
+        return out.index_add_(1, rows, x.reshape(m, bsz * n_pos, f)).view(m, -1, n_pos, f)
 
     def _ln(self, p: _Params, name: str, x: torch.Tensor) -> dict:
         mu = x.mean(-1, keepdim=True)
@@ -105,10 +150,17 @@ class Primals:
             return F.linear(x, p.at(name + "weight", s), p.at(name + "bias", s))
         return _lin(x, p.at(name + "weight", s), self.shared) + _bias(p.at(name + "bias", s), self.shared, 0)
 
-    def _block(self, p: _Params, pre: str, r: torch.Tensor) -> dict:
+    def _block(self, p: _Params, pre: str, r: torch.Tensor, r_tab: torch.Tensor | None = None) -> dict:
+        """One block's forward and cache; ``r_tab`` [R, t, d]: block 0's input per table row (see the class)."""
         bsz, t, d = r.shape
-        c = {"in": r, "ln1": self._ln(p, pre + "ln1.", r)}
-        qkv = self._linear(p, pre + "attn.c_attn.", c["ln1"]["y"])
+        c = {"in": r}
+        if r_tab is None:
+            c["ln1"] = self._ln(p, pre + "ln1.", r)
+            qkv = self._linear(p, pre + "attn.c_attn.", c["ln1"]["y"])
+        else:  # ln1 and the q/k/v projection once per table row
+            c["tab"] = {"ln1": self._ln(p, pre + "ln1.", r_tab)}
+            c["ln1"] = {name: self.gather(x) for name, x in c["tab"]["ln1"].items()}
+            qkv = self.gather(self._linear(p, pre + "attn.c_attn.", c["tab"]["ln1"]["y"]))
         q, k, v = (z.reshape(bsz, t, self.n_head, -1).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         causal = torch.ones(t, t, dtype=torch.bool, device=r.device).tril()
@@ -161,12 +213,13 @@ def site_tangents(primals: Primals, layer: int, pos: "int | torch.Tensor", direc
     p, dp = primals.params(), primals.directions(directions)
     rows = torch.arange(len(directions), device=directions.device)
     with torch.no_grad():
-        dr = _embed_tangent(primals, dp, n_pos - 1)
+        dr_tab = _embed_tangent(primals, dp, n_pos - 1)  # per table row
+        dr = primals.gather(dr_tab)
         if layer == 0:
             return dr[rows, :, qpos]
         for b in range(layer - 1):
-            dr = _block_tangent(primals, p, dp, b, dr, n_pos - 1)
-        return _top_block_tangent(primals, p, dp, layer - 1, dr, qpos)
+            dr = _block_tangent(primals, p, dp, b, dr, n_pos - 1, dr_tab if b == 0 else None)
+        return _top_block_tangent(primals, p, dp, layer - 1, dr, qpos, dr_tab if layer == 1 else None)
 
 
 def all_tangents(primals: Primals, n_layers: int, n_pos: int, directions: torch.Tensor) -> list[torch.Tensor]:
@@ -175,15 +228,17 @@ def all_tangents(primals: Primals, n_layers: int, n_pos: int, directions: torch.
     call serves every site (e.g. along the full gradient and the full Adam step)."""
     p, dp = primals.params(), primals.directions(directions)
     with torch.no_grad():
-        out = [_embed_tangent(primals, dp, n_pos - 1)]
+        dr_tab = _embed_tangent(primals, dp, n_pos - 1)
+        out = [primals.gather(dr_tab)]
         for b in range(n_layers):
-            out.append(_block_tangent(primals, p, dp, b, out[-1], n_pos - 1))
+            out.append(_block_tangent(primals, p, dp, b, out[-1], n_pos - 1, dr_tab if b == 0 else None))
     return out
 
 
 def _embed_tangent(pr: Primals, dp: _Params, pos: int) -> torch.Tensor:
-    """ṙ0[b, p] = δwte[g_p, tok[b, p]] + δwpe[g_p, p] at positions ≤ pos -> [m, batch, pos+1, d]."""
-    tok = pr.tokens[:, :pos + 1]
+    """ṙ0[r, p] = δwte[g_p, tok[r, p]] + δwpe[g_p, p] per table row r (``Primals.table_tokens``) at positions ≤ pos
+    -> [m, R, pos+1, d]."""
+    tok = pr.table_tokens[:, :pos + 1]
     positions = torch.arange(pos + 1, device=tok.device)
     g = torch.zeros_like(positions) if pr.groups is None else pr.groups[:pos + 1]
     wte = dp.flat["wte"]  # [m, G, V, d]
@@ -193,8 +248,10 @@ def _embed_tangent(pr: Primals, dp: _Params, pos: int) -> torch.Tensor:
     return out.add_(dp.flat["wpe"][:, g, positions][:, None])
 
 
-def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, pos: int) -> torch.Tensor:
-    """Tangent through block b: dr [m, batch, P, d] at positions 0..pos -> [m, batch, P, d]."""
+def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, pos: int,
+                   dr_tab: torch.Tensor | None = None) -> torch.Tensor:
+    """Tangent through block b: dr [m, batch, P, d] at positions 0..pos -> [m, batch, P, d]. Block 0 also gets its
+    input's tangent per table row, dr_tab [m, R, P, d], and runs ln1 and c_attn on it."""
     c, pre, shared = pr.blocks[b], f"blocks.{b}.", pr.shared
     upto = slice(0, pos + 1)
 
@@ -208,8 +265,10 @@ def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tenso
                                                   dw.transpose(1, 2))
         return y.add_(_bias(dp.at(name + "bias", upto), shared, 1))
 
-    dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)
-    dz = _attention_tangent(pr, c, lin(pre + "attn.c_attn.", c["ln1"]["y"][:, upto], dx1), upto)
+    ln1 = c["ln1"] if dr_tab is None else c["tab"]["ln1"]
+    dx1 = _ln_tangent(ln1, dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr if dr_tab is None else dr_tab, upto)
+    dqkv = lin(pre + "attn.c_attn.", ln1["y"][:, upto], dx1)
+    dz = _attention_tangent(pr, c, dqkv if dr_tab is None else pr.gather(dqkv), upto)
     dmid = lin(pre + "attn.c_proj.", c["z"][:, upto], dz).add_(dr)
     dx2 = _ln_tangent(c["ln2"], dp, p.at(pre + "ln2.weight", upto), pre + "ln2.", dmid, upto)
     dh = lin(pre + "mlp.c_fc.", c["ln2"]["y"][:, upto], dx2).mul_(c["gelu_slope"][:, upto])
@@ -221,9 +280,11 @@ def _rows(t: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
     return t[:, qpos].transpose(0, 1)
 
 
-def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, qpos: torch.Tensor):
+def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, qpos: torch.Tensor,
+                       dr_tab: torch.Tensor | None = None):
     """Tangent through block b for each direction's query alone: dr [m, batch, P, d] at positions 0..P−1 ->
-    [m, batch, d] at qpos (long [m]); keys and values over positions ≤ the query."""
+    [m, batch, d] at qpos (long [m]); keys and values over positions ≤ the query. Block 0 also gets its input's
+    tangent per table row, dr_tab [m, R, P, d] (its ln1 runs on the table)."""
     c, pre = pr.blocks[b], f"blocks.{b}."
     m, n_pos = len(qpos), dr.shape[2]
     rows = torch.arange(m, device=qpos.device)
@@ -247,7 +308,10 @@ def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.T
         return dn * (w[:, None] if w.dim() == 2 else w) + n * at_rows(dp, name + "weight")[:, None] + at_rows(
             dp, name + "bias")[:, None]
 
-    dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)  # [m, B, P, d]
+    if dr_tab is None:
+        dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)  # [m, B, P, d]
+    else:
+        dx1 = pr.gather(_ln_tangent(c["tab"]["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr_tab, upto))
     x1 = c["ln1"]["y"][:, upto]
     if pr.shared:
         dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, qpos)

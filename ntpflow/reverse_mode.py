@@ -124,26 +124,31 @@ def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, my
     grads = _Grads(pr, m, cot)
     onehot = (torch.arange(n_pos, device=qpos.device) == qpos[:, None]).to(cot.dtype)  # [m, P]
     with torch.no_grad():
+        d_tab = None  # the cotangent of resid[0] summed per table row (block 0's ln1 path), see Primals
         if layer == 0:
             d_r = cot.new_zeros((m, cot.shape[1], n_pos, cot.shape[2]))
             d_r[grads.rows, :, qpos] = cot
         else:
-            d_r = _top_block_back(pr, grads, layer - 1, qpos, onehot, cot, myopic)
+            d_r, d_tab = _top_block_back(pr, grads, layer - 1, qpos, onehot, cot, myopic)
             for b in reversed(range(layer - 1)):
-                d_r = _block_back(pr, grads, b, d_r, myopic)
-        _embed_back(pr, grads, d_r)
+                d_r, d_tab = _block_back(pr, grads, b, d_r, myopic)
+        _embed_back(pr, grads, d_r, d_tab)
     return grads.out
 
 
-def _embed_back(pr: Primals, grads: _Grads, d_r: torch.Tensor) -> None:
-    """resid[0][b, p] = wte[g_p, tok[b, p]] + wpe[g_p, p]: scatter d_r [m, B, P, d] into both."""
+def _embed_back(pr: Primals, grads: _Grads, d_r: torch.Tensor, d_tab: torch.Tensor | None) -> None:
+    """resid[0][b, p] = wte[g_p, tok[b, p]] + wpe[g_p, p]: scatter d_r [m, B, P, d] into both, and d_tab
+    [m, R, P, d] (per table row, ``Primals.table_tokens``) if given."""
     m, bsz, n_pos, d = d_r.shape
     pos = torch.arange(n_pos, device=d_r.device)
     g = torch.zeros_like(pos) if pr.groups is None else pr.groups[:n_pos]
     wte, wpe = grads.view["wte"], grads.view["wpe"]  # [m, G, V, d], [m, G, n_ctx, d]
-    tok = g * wte.shape[2] + pr.tokens[:, :n_pos]  # [B, P]
-    wte.view(m, -1, d).index_add_(1, tok.reshape(-1), d_r.reshape(m, -1, d))
-    wpe.view(m, -1, d).index_add_(1, g * wpe.shape[2] + pos, d_r.sum(1))
+    for cot, tokens in ((d_r, pr.tokens), (d_tab, pr.table_tokens)):
+        if cot is None:
+            continue
+        tok = g * wte.shape[2] + tokens[:, :n_pos]  # [B or R, P]
+        wte.view(m, -1, d).index_add_(1, tok.reshape(-1), cot.reshape(m, -1, d))
+        wpe.view(m, -1, d).index_add_(1, g * wpe.shape[2] + pos, cot.sum(1))
 
 
 def _ln_params_rows(grads: _Grads, name: str, n: torch.Tensor, dy: torch.Tensor, qpos: torch.Tensor) -> None:
@@ -161,7 +166,8 @@ def _linear_rows(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, qp
 def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, onehot: torch.Tensor,
                     d_out: torch.Tensor, myopic: str) -> torch.Tensor:
     """Block b for each row's query alone: cotangent d_out [m, B, d] at its output at qpos -> the cotangent of its
-    input resid[b] at positions 0..P−1 [m, B, P, d] (0 after each row's query); parameter gradients into grads."""
+    input resid[b] at positions 0..P−1 [m, B, P, d] (0 after each row's query) and, for block 0, the part through
+    ln1 per table row [m, R, P, d] (else None; see ``Primals``); parameter gradients into grads."""
     c, pre = pr.blocks[b], f"blocks.{b}."
     m, bsz, d = d_out.shape
     n_pos = onehot.shape[1]
@@ -231,13 +237,33 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
     else:
         dx1_all = dx1_of(w_k, w_v)
         dx1_all[rows, :, qpos] += dx1_q
-    n1, rs1 = c["ln1"]["n"][:, :n_pos], c["ln1"]["rsigma"][:, :n_pos]
+    d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live)
+    if d_tab is not None:
+        d_in = d_mid.new_zeros(dx1_live.shape)
+    d_in[rows, :, qpos] += d_mid  # the residual path at the query
+    return d_in, d_tab
+
+
+def _ln1_back(pr: Primals, grads: _Grads, b: int, dx1_all: torch.Tensor, dx1_live: torch.Tensor,
+              binned: bool = False):
+    """Block b's ln1: its output cotangents [m, B, P, d] (all paths, for its parameters; the live paths, into the
+    residual) -> (input cotangent [m, B, P, d], None), or for block 0 (None, the input cotangent per table row
+    [m, R, P, d]) with the sums regrouped per table row (``binned``: the given cotangents already are, [m, R, P, d]);
+    parameter gradients into grads."""
+    c, pre = pr.blocks[b], f"blocks.{b}."
+    n_pos = dx1_all.shape[2]
+    cache = c["ln1"]
+    if b == 0:
+        cache = c["tab"]["ln1"]
+        if not binned:
+            same = dx1_all is dx1_live
+            dx1_live = pr.bin(dx1_live)
+            dx1_all = dx1_live if same else pr.bin(dx1_all)
+    n1, rs1 = cache["n"][:, :n_pos], cache["rsigma"][:, :n_pos]
     grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all, n1))
     grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
-    w1 = _weight(pr, pre + "ln1.weight", n_pos)
-    d_r = _ln_back(n1, rs1, w1, dx1_live)
-    d_r[rows, :, qpos] += d_mid  # the residual path at the query
-    return d_r
+    d_in = _ln_back(n1, rs1, _weight(pr, pre + "ln1.weight", n_pos), dx1_live)
+    return (None, d_in) if b == 0 else (d_in, None)
 
 
 def _linear_pos(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, n_pos: int) -> None:
@@ -247,8 +273,9 @@ def _linear_pos(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, n_p
 
 
 def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic: str) -> torch.Tensor:
-    """Block b over positions 0..P−1: cotangent d_out [m, B, P, d] of its output -> that of its input [m, B, P, d];
-    parameter gradients into grads."""
+    """Block b over positions 0..P−1: cotangent d_out [m, B, P, d] of its output -> that of its input [m, B, P, d]
+    and, for block 0, the part through ln1 per table row [m, R, P, d] (else None; see ``Primals``: block 0's c_attn
+    and ln1 run on the table); parameter gradients into grads."""
     c, pre = pr.blocks[b], f"blocks.{b}."
     m, bsz, n_pos, d = d_out.shape
     heads = pr.n_head
@@ -280,15 +307,14 @@ def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic:
 
     name = pre + "attn.c_attn."
     w_attn = _weight(pr, name + "weight", n_pos)
-    x1 = c["ln1"]["y"][:, upto]
-    dqkv = dqkv_of(w_s, w_a)
+    table = pr.bin if b == 0 else (lambda x: x)  # block 0: sums per table row
+    x1 = (c["tab"] if b == 0 else c)["ln1"]["y"][:, upto]
+    dqkv = table(dqkv_of(w_s, w_a))
     _linear_pos(grads, name, dqkv, x1, n_pos)
     dx1_all = _matmul_pos(dqkv, w_attn)
-    dx1_live = dx1_all if w_s is live_s else _matmul_pos(dqkv_of(live_s, live_a), w_attn)
-    n1 = c["ln1"]["n"][:, upto]
-    grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all, n1))
-    grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
-    return d_mid + _ln_back(n1, c["ln1"]["rsigma"][:, upto], _weight(pr, pre + "ln1.weight", n_pos), dx1_live)
+    dx1_live = dx1_all if w_s is live_s else _matmul_pos(table(dqkv_of(live_s, live_a)), w_attn)
+    d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=True)
+    return (d_mid, d_tab) if b == 0 else (d_mid + d_in, None)
 
 
 def own_cotangents(pr: Primals, layer: int, qpos: torch.Tensor, d_logits: torch.Tensor) -> torch.Tensor:
