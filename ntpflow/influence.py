@@ -180,27 +180,35 @@ class InfluenceTracker:
                           feature_types: dict[str, torch.Tensor] | None):
         """For every probe, type subset and mismatch: (probe, type, mismatch, R, a [batch]) with ``a[:, None] * w``
         the cotangent of R at the site: a = 2e/n, e = d (paper) or d − d̄ (centred) on the subset's rows, 0 elsewhere.
-        The centred a is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0.
+        The centred a is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0. R is a 0-dim tensor (no host sync per
+        risk; ``track`` reads every value back at once).
 
         resid: list of [batch, pos, d_model] for θ; final_proj: ⟨w, r*⟩ [batch, n_probes] (``final_projections``);
-        feature_types: {probe name: int [batch, pos]}. d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype.
+        feature_types: {probe name: int [batch, pos]}. d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype. The type subsets
+        of every probe (the types present in its column, ascending) come from one host sync for all probes.
         """
+        typed = [] if feature_types is None else [(j, feature_types[p.name][:, p.site.pos])
+                                                  for j, p in enumerate(self.probes) if p.name in feature_types]
+        present: dict[int, list[int]] = {}
+        if typed:  # one unique over (probe, type) pairs: one host sync per step, not one per probe
+            pairs = torch.cat([torch.stack([torch.full_like(ft, j), ft], 1) for j, ft in typed])
+            for j, t in torch.unique(pairs, dim=0).tolist():
+                present.setdefault(j, []).append(t)
+        cols = dict(typed)
         out = []
         for j, p in enumerate(self.probes):
             diff = resid[p.site.layer][:, p.site.pos].to(final_proj) @ p.w.to(final_proj) - final_proj[:, j]
-            subsets = [(-1, torch.ones_like(diff, dtype=torch.bool))]
-            types = None if feature_types is None else feature_types.get(p.name)
-            if types is not None:
-                ft = types[:, p.site.pos]
-                subsets += [(int(t), ft == t) for t in torch.unique(ft).tolist()]
+            subsets = [(-1, None)] + [(t, cols[j] == t) for t in present.get(j, [])]
             for t, rows in subsets:
-                n = rows.sum()
-                if n == 0:
-                    continue
-                d = torch.where(rows, diff, 0.0)
-                dc = torch.where(rows, diff - d.sum() / n, 0.0)
+                if rows is None:  # the whole batch
+                    n = len(diff)
+                    d, dc = diff, diff - diff.sum() / n
+                else:
+                    n = rows.sum()
+                    d = torch.where(rows, diff, 0.0)
+                    dc = torch.where(rows, diff - d.sum() / n, 0.0)
                 for mismatch, e in zip(MISMATCHES, (d, dc)):
-                    out.append((p, t, mismatch, (e.pow(2).sum() / n).item(), (2 * e / n).to(resid[0].dtype)))
+                    out.append((p, t, mismatch, e.pow(2).sum() / n, (2 * e / n).to(resid[0].dtype)))
         return out
 
     def track(self, model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
@@ -241,7 +249,6 @@ class InfluenceTracker:
         once = sum(s.layer * (s.pos + 1) for s in self.sites) > n_layers * n_pos
         shared_dirs = torch.stack(shared_dirs)
         tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
-        rows = [self._row(p, t, m, "risk", "none", risk) for p, t, m, risk, _ in risks]
         pending = []  # per site: (its risks, with_pre, influences [risks, directions]), read back at the end
         for bucket in self.buckets(len(tokens), tokens.device):  # sites of one layer together; bounds memory
             sites = self.sites[bucket]
@@ -275,8 +282,11 @@ class InfluenceTracker:
                 coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
                 sel = torch.tensor([col[id(r[0])] for r in mine], device=proj.device)
                 pending.append((mine, with_pre, (proj.index_select(2, sel) * coef).sum(1).T))  # [risks, m]: ∇R·δ
-        values = torch.cat([v.flatten() for *_, v in pending]).tolist() if pending else []  # one device sync
-        start = 0
+        # one device sync: the risks, then the influences
+        values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
+                           + [v.flatten().to(torch.float64) for *_, v in pending]).tolist() if risks else []
+        rows = [self._row(p, t, m, "risk", "none", v) for (p, t, m, _, _), v in zip(risks, values)]
+        start = len(risks)
         for mine, with_pre, v in pending:
             n_dirs = v.shape[1]
             for j, (p, t, m, _, _) in enumerate(mine):
