@@ -86,7 +86,7 @@ class Primals:
         self.dedupe = self.vocab < bsz
         self.table_tokens = (torch.arange(self.vocab, device=tokens.device)[:, None].expand(-1, t) if self.dedupe
                              else tokens)  # [R, t]
-        self._rows: dict[int, torch.Tensor] = {}
+        self._rows: dict = {}  # gather indices by prefix length (and layout)
         with torch.no_grad():
             p = _Params(self.named, self.groups, 0)
             r_tab = self.embed(self.table_tokens)
@@ -127,6 +127,40 @@ class Primals:
         lead, (n_tab, n_pos, f) = tab.shape[:-3], tab.shape[-3:]
         flat = tab.reshape(*lead, n_tab * n_pos, f).index_select(len(lead), rows)
         return flat.view(*lead, len(self.tokens), n_pos, f)
+
+    def gather_heads(self, tab: torch.Tensor) -> torch.Tensor:
+        """Table q/k/v values [m, R, P, 3d] -> batch values split by head [3, m, batch, head, P, d_head], in one
+        gather (no transposing copy of the batch-sized result)."""
+        m, n_tab, n_pos, three_d = tab.shape
+        heads, dh = self.n_head, three_d // 3 // self.n_head
+        split = tab.view(m, n_tab, n_pos, 3, heads, dh).permute(3, 0, 1, 4, 2, 5)  # [3, m, R, H, P, dh]
+        if not self.dedupe:
+            return split.contiguous()
+        flat = split.reshape(3, m, n_tab * heads * n_pos, dh).index_select(2, self._head_rows(n_pos))
+        return flat.view(3, m, len(self.tokens), heads, n_pos, dh)
+
+    def _head_rows(self, n_pos: int) -> torch.Tensor:
+        """Row (token, head, position) of a table [R·H·n_pos] for each (batch row, head, position): [B·H·n_pos]."""
+        key = ("heads", n_pos)
+        if key not in self._rows:
+            tok = self.tokens[:, :n_pos, None].transpose(1, 2)  # [B, 1, P]
+            heads, dev = self.n_head, tok.device
+            hp = torch.arange(heads, device=dev)[:, None] * n_pos + torch.arange(n_pos, device=dev)  # [H, P]
+            self._rows[key] = (tok * (heads * n_pos) + hp).reshape(-1)
+        return self._rows[key]
+
+    def bin_heads(self, *qkv: torch.Tensor) -> torch.Tensor:
+        """The adjoint of ``gather_heads``: q, k, v cotangents split by head, each [m, batch, head, P, d_head] ->
+        their sums per table row [m, R, P, 3d]."""
+        m, bsz, heads, n_pos, dh = qkv[0].shape
+        if not self.dedupe:
+            return torch.cat([z.transpose(2, 3).reshape(m, bsz, n_pos, heads * dh) for z in qkv], -1)
+        rows = self._head_rows(n_pos)
+        n_tab = len(self.table_tokens)
+        out = qkv[0].new_zeros((3, m, n_tab * heads * n_pos, dh))
+        for j, z in enumerate(qkv):
+            out[j].index_add_(1, rows, z.reshape(m, bsz * heads * n_pos, dh))
+        return out.view(3, m, n_tab, heads, n_pos, dh).permute(1, 2, 4, 0, 3, 5).reshape(m, n_tab, n_pos, 3 * heads * dh)
 
     def bin(self, x: torch.Tensor) -> torch.Tensor:
         """Batch cotangents [m, batch, P, f] -> their sums per table row [m, R, P, f] (the adjoint of ``gather``)."""
@@ -268,7 +302,7 @@ def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tenso
     ln1 = c["ln1"] if dr_tab is None else c["tab"]["ln1"]
     dx1 = _ln_tangent(ln1, dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr if dr_tab is None else dr_tab, upto)
     dqkv = lin(pre + "attn.c_attn.", ln1["y"][:, upto], dx1)
-    dz = _attention_tangent(pr, c, dqkv if dr_tab is None else pr.gather(dqkv), upto)
+    dz = _attention_tangent(pr, c, dqkv if dr_tab is None else pr.gather_heads(dqkv), upto)
     dmid = lin(pre + "attn.c_proj.", c["z"][:, upto], dz).add_(dr)
     dx2 = _ln_tangent(c["ln2"], dp, p.at(pre + "ln2.weight", upto), pre + "ln2.", dmid, upto)
     dh = lin(pre + "mlp.c_fc.", c["ln2"]["y"][:, upto], dx2).mul_(c["gelu_slope"][:, upto])
@@ -344,15 +378,14 @@ def _query_attention_generic(pr: Primals, c: dict, dqkv: torch.Tensor, qpos: tor
 
 
 def _attention_tangent(pr: Primals, c: dict, dqkv: torch.Tensor, upto: slice) -> torch.Tensor:
-    """Attention output tangent [m, batch, P, d] from the q/k/v tangents dqkv [m, batch, P, 3d] at positions upto."""
-    m, bsz = dqkv.shape[:2]
-    dq, dk, dv = dqkv.chunk(3, dim=-1)
+    """Attention output tangent [m, batch, P, d] from the q/k/v tangents at positions upto: dqkv [m, batch, P, 3d],
+    or already split by head [3, m, batch, head, P, d_head] (``Primals.gather_heads``)."""
     heads = pr.n_head
-
-    def split(z):  # [m, batch, P, d] -> [m, batch, head, P, d_head]
-        return z.reshape(*z.shape[:3], heads, -1).transpose(2, 3)
-
-    dq, dk, dv = split(dq), split(dk), split(dv)
+    if dqkv.dim() == 6:
+        dq, dk, dv = dqkv
+    else:
+        dq, dk, dv = (z.reshape(*z.shape[:3], heads, -1).transpose(2, 3) for z in dqkv.chunk(3, dim=-1))
+    m, bsz = dq.shape[:2]
     q, k, v = c["q"][:, :, upto], c["k"][:, :, upto], c["v"][:, :, upto]
     att = c["att"][:, :, upto, upto]  # rows sum to 1 over keys ≤ query (masked entries are exactly 0)
     scale = 1 / math.sqrt(q.shape[-1])

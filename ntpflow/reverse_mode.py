@@ -301,18 +301,19 @@ def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic:
     live_s, live_a = (ds, att) if myopic == "none" else (ds * eye, att * eye)
     w_s, w_a = (live_s, live_a) if myopic == "kv" else (ds, att)
 
-    def dqkv_of(s, a):  # [m, B, P, 3d] with keys from s, values from a
+    def dqkv_of(s, a):  # [m, B, P, 3d] with keys from s, values from a; block 0: per table row [m, R, P, 3d]
         dk, dv = s.transpose(-1, -2) @ q, a.transpose(-1, -2) @ dz
+        if b == 0:
+            return pr.bin_heads(dq, dk, dv)
         return torch.cat([z.transpose(2, 3).reshape(m, bsz, n_pos, d) for z in (dq, dk, dv)], -1)
 
     name = pre + "attn.c_attn."
     w_attn = _weight(pr, name + "weight", n_pos)
-    table = pr.bin if b == 0 else (lambda x: x)  # block 0: sums per table row
     x1 = (c["tab"] if b == 0 else c)["ln1"]["y"][:, upto]
-    dqkv = table(dqkv_of(w_s, w_a))
+    dqkv = dqkv_of(w_s, w_a)
     _linear_pos(grads, name, dqkv, x1, n_pos)
     dx1_all = _matmul_pos(dqkv, w_attn)
-    dx1_live = dx1_all if w_s is live_s else _matmul_pos(table(dqkv_of(live_s, live_a)), w_attn)
+    dx1_live = dx1_all if w_s is live_s else _matmul_pos(dqkv_of(live_s, live_a), w_attn)
     d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=True)
     return (d_mid, d_tab) if b == 0 else (d_mid + d_in, None)
 
