@@ -328,7 +328,7 @@ def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.T
     def at_rows(params: _Params, name):  # a parameter (or direction) at each row's query group
         t = params.flat[name]
         if params.lead:
-            return t[rows, g_rows]  # [m, *shape]
+            return t[:, 0] if pr.groups is None else t[rows, g_rows]  # [m, *shape] (a view when shared)
         return t[0] if pr.groups is None else t[g_rows]  # [*shape] or [m, *shape]
 
     def lin(name, x, dx):  # rows: x, dx [m, B, in] -> ẋWᵀ + xẆᵀ + ḃ [m, B, out]
@@ -342,13 +342,15 @@ def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.T
         return dn * (w[:, None] if w.dim() == 2 else w) + n * at_rows(dp, name + "weight")[:, None] + at_rows(
             dp, name + "bias")[:, None]
 
+    dx1_tab = None  # the ln1 tangent per table row, block 0 of a deduplicated table only
     if dr_tab is None:
         dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)  # [m, B, P, d]
     else:
-        dx1 = pr.gather(_ln_tangent(c["tab"]["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr_tab, upto))
+        dx1_tab = _ln_tangent(c["tab"]["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr_tab, upto)
+        dx1 = None if pr.dedupe and pr.shared else pr.gather(dx1_tab)
     x1 = c["ln1"]["y"][:, upto]
     if pr.shared:
-        dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, qpos)
+        dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, qpos, dx1_tab if dx1 is None else None)
     else:
         name = pre + "attn.c_attn."
         dqkv = (_lin(dx1, p.at(name + "weight", upto), False) + _lin(x1, dp.at(name + "weight", upto), False)
@@ -395,13 +397,16 @@ def _attention_tangent(pr: Primals, c: dict, dqkv: torch.Tensor, upto: slice) ->
     return dz.transpose(2, 3).reshape(m, bsz, -1, heads * dz.shape[-1])
 
 
-def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: torch.Tensor, dx1: torch.Tensor,
-                             qpos: torch.Tensor) -> torch.Tensor:
+def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: torch.Tensor, dx1: torch.Tensor | None,
+                             qpos: torch.Tensor, dx1_tab: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output tangent at each direction's query alone [m, batch, d], single-group parameters.
 
     Keys and values enter only through q·k̇ and Σ_t A_t v̇_t, so they regroup per head: with a = W_kᵀq and
     y = Σ_t A_t x1_t, the direction-dependent work is O(m·batch·(d² + head·P·d)) instead of the O(m·batch·P·d²)
     of k̇ and v̇ at every position. x1, dx1: ln1 output [batch, P, d] and its tangent [m, batch, P, d]; qpos [m].
+    Block 0 of a deduplicated table (``Primals.dedupe``) gives the tangent per table row instead, dx1_tab
+    [m, R, P, d] (dx1 None): the contractions with it run against the table (one batched matmul each, R·P columns)
+    and pick each (batch row, position)'s column.
     """
     c, name, heads = pr.blocks[b], f"blocks.{b}.attn.c_attn.", pr.n_head
     d, n_pos = x1.shape[-1], x1.shape[1]
@@ -414,16 +419,39 @@ def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: t
     q = c["q"][:, :, qpos].movedim(2, 0)  # [m, B, H, dh]
     k, v = c["k"][:, :, :n_pos], c["v"][:, :, :n_pos]  # [B, H, P, dh]
     att = c["att"][:, :, qpos, :n_pos].movedim(2, 0)  # [m, B, H, P], exactly 0 after the query
-    x1q, dx1q = _rows(x1, qpos), dx1[rows, :, qpos]  # [m, B, d]
+    x1q = _rows(x1, qpos)  # [m, B, d]
+    bsz = len(x1)
+    if dx1_tab is None:
+        dx1q = dx1[rows, :, qpos]
+
+        def dot_a(a, x):  # Σ_d a[m, b, h, d] x[(m,) b, t, d] -> [m, B, H, P]
+            return torch.einsum("mbhd,mbtd->mbht" if x.dim() == 4 else "mbhd,btd->mbht", a, x)
+
+        def dot_att(att, x):  # Σ_t att[m, b, h, t] x[(m,) b, t, d] -> [m, B, H, d]
+            return torch.einsum("mbht,mbtd->mbhd" if x.dim() == 4 else "mbht,btd->mbhd", att, x)
+
+        x1_, dx1_ = x1, dx1
+    else:  # x1 and dx1 per table row: [(m,) R·P, d], each (batch row, position) picks its row
+        cols = pr.table_rows(n_pos).view(bsz, n_pos)
+        x1_ = pr.blocks[b]["tab"]["ln1"]["y"][:, :n_pos].reshape(-1, d)
+        dx1_ = dx1_tab.reshape(m, -1, d)
+        dx1q = dx1_.gather(1, cols[:, qpos].T[..., None].expand(-1, -1, d))  # [m, B, d]
+        at = cols.view(1, bsz, 1, n_pos).expand(m, bsz, heads, n_pos)
+
+        def dot_a(a, x):  # one matmul against the table's R·P rows, then each (b, t)'s column
+            return (a.reshape(m, -1, d) @ x.transpose(-1, -2)).view(m, bsz, heads, -1).gather(3, at)
+
+        def dot_att(att, x):  # att spread onto the table's columns (distinct per query row), one matmul
+            spread = att.new_zeros((m, bsz, heads, x.shape[-2])).scatter_(3, at, att)
+            return (spread.view(m, -1, x.shape[-2]) @ x).view(m, bsz, heads, d)
     dq = dx1q @ w[:d].T + x1q @ dw[:, :d].transpose(1, 2) + bias_dot[:, None, :d]
     dq = dq.view(m, -1, heads, dh)  # [m, B, H, dh]
     a = torch.einsum("mbhe,hed->mbhd", q, w_k)  # W_kᵀ q per head
-    ds = (torch.einsum("mbhe,bhte->mbht", dq, k) + torch.einsum("mbhd,mbtd->mbht", a, dx1)
-          + torch.einsum("mbhd,btd->mbht", torch.einsum("mbhe,mhed->mbhd", q, dw_k), x1)
+    ds = (torch.einsum("mbhe,bhte->mbht", dq, k) + dot_a(a, dx1_)
+          + dot_a(torch.einsum("mbhe,mhed->mbhd", q, dw_k), x1_)
           + torch.einsum("mbhe,mhe->mbh", q, bias_dot[:, d:2 * d].view(m, heads, dh))[..., None]) / math.sqrt(dh)
     datt = att * (ds - (att * ds).sum(-1, keepdim=True))
-    y = torch.einsum("mbht,btd->mbhd", att, x1)  # Σ_t A_t x1_t (rows of A sum to 1)
-    dz = (torch.einsum("mbht,bhte->mbhe", datt, v) + torch.einsum("hed,mbhd->mbhe", w_v,
-                                                                   torch.einsum("mbht,mbtd->mbhd", att, dx1))
+    y = dot_att(att, x1_)  # Σ_t A_t x1_t (rows of A sum to 1)
+    dz = (torch.einsum("mbht,bhte->mbhe", datt, v) + torch.einsum("hed,mbhd->mbhe", w_v, dot_att(att, dx1_))
           + torch.einsum("mhed,mbhd->mbhe", dw_v, y) + bias_dot[:, None, 2 * d:].view(m, 1, heads, dh))
     return dz.reshape(m, -1, d)

@@ -136,15 +136,15 @@ def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, my
     return grads.out
 
 
-def _embed_back(pr: Primals, grads: _Grads, d_r: torch.Tensor, d_tab: torch.Tensor | None) -> None:
-    """resid[0][b, p] = wte[g_p, tok[b, p]] + wpe[g_p, p]: scatter d_r [m, B, P, d] into both, and d_tab
+def _embed_back(pr: Primals, grads: _Grads, d_r: torch.Tensor | None, d_tab: torch.Tensor | None) -> None:
+    """resid[0][b, p] = wte[g_p, tok[b, p]] + wpe[g_p, p]: scatter d_r [m, B, P, d] (if given) into both, and d_tab
     [m, R, P, d] (per table row, ``Primals.table_tokens``) if given."""
-    m, bsz, n_pos, d = d_r.shape
-    pos = torch.arange(n_pos, device=d_r.device)
+    m, _, n_pos, d = (d_r if d_r is not None else d_tab).shape
+    pos = torch.arange(n_pos, device=d_tab.device if d_r is None else d_r.device)
     g = torch.zeros_like(pos) if pr.groups is None else pr.groups[:n_pos]
     wte, wpe = grads.view["wte"], grads.view["wpe"]  # [m, G, V, d], [m, G, n_ctx, d]
     for cot, tokens in ((d_r, pr.tokens), (d_tab, pr.table_tokens)):
-        if cot is None:
+        if cot is None:  # d_r None: everything was summed per table row
             continue
         tok = g * wte.shape[2] + tokens[:, :n_pos]  # [B or R, P]
         wte.view(m, -1, d).index_add_(1, tok.reshape(-1), cot.reshape(m, -1, d))
@@ -204,10 +204,23 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
     grads.add_rows(grads.view[name + "weight"][:, :, :d], dqf.transpose(1, 2) @ x1q, qpos)
     grads.add_rows(grads.view[name + "bias"][:, :, :d], dqf.sum(1), qpos)
     dx1_q = _matmul_rows(dqf, _weight_rows(pr, name + "weight", qpos)[..., :d, :])  # [m, B, d], at the query
+    table = b == 0 and pr.dedupe and pr.groups is None  # block 0's ln1 side per table row, see Primals
+    if table:
+        cols = pr.table_rows(n_pos).view(bsz, n_pos)  # the table row of each (batch row, position)
+        at = cols.view(1, bsz, 1, n_pos).expand(m, bsz, heads, n_pos)
+        n_tab = len(pr.table_tokens) * n_pos
+
+        def spread(w):  # [m, B, H, P] -> [m, B·H, R·P] on the table's columns (distinct per (b, h))
+            return w.new_zeros((m, bsz, heads, n_tab)).scatter_(3, at, w).view(m, bsz * heads, n_tab)
     if pr.groups is None:  # regrouped per head
         wk, wv = w_attn[d:2 * d].view(heads, dh, d), w_attn[2 * d:].view(heads, dh, d)
-        uk = torch.einsum("mbhp,bpd->mbhd", w_k, x1)
-        uv = torch.einsum("mbhp,bpd->mbhd", w_v, x1)
+        if table:  # Σ_p w_p x1_p as one matmul against the table
+            x1_tab = c["tab"]["ln1"]["y"][:, :n_pos].reshape(n_tab, d)
+            uk = (spread(w_k) @ x1_tab).view(m, bsz, heads, d)
+            uv = (spread(w_v) @ x1_tab).view(m, bsz, heads, d)
+        else:
+            uk = torch.einsum("mbhp,bpd->mbhd", w_k, x1)
+            uv = torch.einsum("mbhp,bpd->mbhd", w_v, x1)
         view_w, view_b = grads.view[name + "weight"][:, 0], grads.view[name + "bias"][:, 0]
         view_w[:, d:2 * d] += torch.einsum("mbhe,mbhd->mhed", q, uk).reshape(m, d, d)
         view_w[:, 2 * d:] += torch.einsum("mbhe,mbhd->mhed", dz, uv).reshape(m, d, d)
@@ -216,6 +229,9 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
         a, e = torch.einsum("mbhe,hed->mbhd", q, wk), torch.einsum("mbhe,hed->mbhd", dz, wv)  # W_kᵀq, W_vᵀdz
 
         def dx1_of(sk, sv):  # input cotangent at positions 0..P−1 through the keys and values [m, B, P, d]
+            if table:  # summed per table row [m, R, P, d]: one matmul over (batch, head)
+                s_kv = torch.cat([spread(sk), spread(sv)], 1).transpose(1, 2)  # [m, R·P, 2·B·H]
+                return (s_kv @ torch.cat([a, e], 1).view(m, 2 * bsz * heads, d)).view(m, -1, n_pos, d)
             return torch.einsum("mbhp,mbhd->mbpd", sk, a) + torch.einsum("mbhp,mbhd->mbpd", sv, e)
     else:  # per-position weights: explicit key and value cotangents
         def dkv_of(sk, sv):  # [m, B, P, 2d]
@@ -230,17 +246,29 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
         def dx1_of(sk, sv):
             return _matmul_pos(dkv_of(sk, sv), w_attn[..., d:, :])
     rows = grads.rows
+    if table:
+        at_q = cols[:, qpos].T[..., None].expand(-1, -1, d)  # [m, B, d]: the table row of each row's query
+
+        def add_query(x, y):  # x [m, R, P, d] += y [m, B, d] at each row's query, summed per table row
+            x.view(m, -1, d).scatter_add_(1, at_q, y)
+    else:
+        def add_query(x, y):  # x [m, B, P, d] += y [m, B, d] at each row's query
+            x[rows, :, qpos] += y
     dx1_live = dx1_of(live_k, live_v)
-    dx1_live[rows, :, qpos] += dx1_q  # the query's own input, through W_q (one position per row)
+    add_query(dx1_live, dx1_q)  # the query's own input, through W_q (one position per row)
     if w_k is live_k:
         dx1_all = dx1_live
     else:
         dx1_all = dx1_of(w_k, w_v)
-        dx1_all[rows, :, qpos] += dx1_q
-    d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live)
-    if d_tab is not None:
+        add_query(dx1_all, dx1_q)
+    d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=table)
+    if d_tab is None:
+        d_in[rows, :, qpos] += d_mid  # the residual path at the query
+    elif table:
+        add_query(d_tab, d_mid)
+    else:
         d_in = d_mid.new_zeros(dx1_live.shape)
-    d_in[rows, :, qpos] += d_mid  # the residual path at the query
+        d_in[rows, :, qpos] += d_mid
     return d_in, d_tab
 
 
