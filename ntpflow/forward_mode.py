@@ -160,7 +160,8 @@ class Primals:
         out = qkv[0].new_zeros((3, m, n_tab * heads * n_pos, dh))
         for j, z in enumerate(qkv):
             out[j].index_add_(1, rows, z.reshape(m, bsz * heads * n_pos, dh))
-        return out.view(3, m, n_tab, heads, n_pos, dh).permute(1, 2, 4, 0, 3, 5).reshape(m, n_tab, n_pos, 3 * heads * dh)
+        out = out.view(3, m, n_tab, heads, n_pos, dh).permute(1, 2, 4, 0, 3, 5)  # [m, R, P, 3, H, dh]
+        return out.reshape(m, n_tab, n_pos, 3 * heads * dh)
 
     def bin(self, x: torch.Tensor) -> torch.Tensor:
         """Batch cotangents [m, batch, P, f] -> their sums per table row [m, R, P, f] (the adjoint of ``gather``)."""

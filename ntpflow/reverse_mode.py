@@ -19,6 +19,11 @@ own query, so the padding adds exact zeros) and through block k−1 for its own 
 shared (single-group) parameters, the key/value gradients regroup per head (dW_k[h] = Σ_b q_bh ⊗ Σ_s ds_bhs x1_bs,
 dW_v[h] = Σ_b dz_bh ⊗ Σ_s A_bhs x1_bs, and the input cotangent through W_kᵀq and W_vᵀdz), so it costs
 O(m·batch·(d² + head·P·d)) instead of O(m·batch·P·d²).
+
+Block 0's ln1 and q/k/v projection depend on (token, position) only: with a vocabulary smaller than the batch
+(``Primals.dedupe``) their cotangents are summed per (token, position) row of the cache's table (``Primals.bin``,
+``bin_heads``, or one matmul against the table in the query-only case) before the weight gradients, ln1's backward
+and the embedding's scatter.
 """
 
 import math
@@ -164,10 +169,12 @@ def _linear_rows(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, qp
 
 
 def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, onehot: torch.Tensor,
-                    d_out: torch.Tensor, myopic: str) -> torch.Tensor:
+                    d_out: torch.Tensor, myopic: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Block b for each row's query alone: cotangent d_out [m, B, d] at its output at qpos -> the cotangent of its
     input resid[b] at positions 0..P−1 [m, B, P, d] (0 after each row's query) and, for block 0, the part through
-    ln1 per table row [m, R, P, d] (else None; see ``Primals``); parameter gradients into grads."""
+    ln1 per table row [m, R, P, d] (else None; see ``Primals``; with a deduplicated table and shared weights all of
+    it, the residual path included, is summed per table row and the first is None); parameter gradients into
+    grads."""
     c, pre = pr.blocks[b], f"blocks.{b}."
     m, bsz, d = d_out.shape
     n_pos = onehot.shape[1]
@@ -300,7 +307,8 @@ def _linear_pos(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, n_p
     grads.add_positions(grads.view[name + "bias"], n_pos, _summed(dy))
 
 
-def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic: str) -> torch.Tensor:
+def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor,
+                myopic: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Block b over positions 0..P−1: cotangent d_out [m, B, P, d] of its output -> that of its input [m, B, P, d]
     and, for block 0, the part through ln1 per table row [m, R, P, d] (else None; see ``Primals``: block 0's c_attn
     and ln1 run on the table); parameter gradients into grads."""
