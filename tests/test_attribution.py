@@ -263,6 +263,31 @@ def test_sgd_influence_matches_oracle_components(mismatch):
             assert r["value"] == pytest.approx(0.1 * torch.dot(g_r, ref[r["component"]]).item(), rel=1e-8, abs=1e-15)
 
 
+@pytest.mark.parametrize("kw", [{}, {"myopic": "resid"}, {"position_groups": "untied"}],
+                         ids=["vanilla", "myopic=resid", "untied"])
+def test_tracker_with_embedding_table_matches_oracle_components(kw):
+    """A batch larger than the vocabulary (the cache's deduplicated table): every SGD component at sites in layers
+    0, 1 and 2 equals lr·⟨∇R, oracle component⟩ for both mismatches, whole batch and per feature type."""
+    model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
+    g = torch.Generator().manual_seed(9)
+    sites = [Site(0, 3), Site(1, 2), Site(1, 6), Site(2, 5)]
+    probes = [Probe(s, f"f{j}", torch.randn(D, generator=g, dtype=torch.float64)) for j, s in enumerate(sites)]
+    tokens, mask = batch(seed=4, n=3 * V)
+    types = {p.name: torch.randint(0, 2, tokens.shape, generator=g) for p in probes[:2]}
+    tracker = InfluenceTracker(final, probes)
+    rows = tracker.track(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, mask, feature_types=types)
+    for p in probes:
+        ref = oracle(model, tokens, p.site, mask)
+        for mismatch in MISMATCHES:
+            g_r = _risk_grad(model, final, p, tokens, mismatch)
+            mine = [r for r in rows if r["feature"] == p.name and r["optimizer"] == "sgd" and r["mismatch"] == mismatch
+                    and r["feature_type"] == -1]
+            assert len(mine) == 4
+            for r in mine:
+                expected = 0.1 * torch.dot(g_r, ref[r["component"]]).item()
+                assert r["value"] == pytest.approx(expected, rel=1e-8, abs=1e-15), (p.site, r["component"])
+    assert {r["feature_type"] for r in rows if r["feature"] == "f0"} == {-1, 0, 1}
+
 @pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}, {"position_groups": split_groups(T, 3)}],
                          ids=["vanilla", "myopic=kv", "split"])
 def test_bucketed_tracker_matches_oracle_components(kw):
