@@ -40,6 +40,8 @@ Extra sections:
              so N ≤ 63. ``--curve-order layer`` (default): the first N sites of layers 0..2 × positions 0..20 in
              layer-major order, so small N are all layer-0 sites (VJPs through the embedding only: cheap);
              ``spread``: N sites spread evenly over that list. Both: ``--curve-order layer,spread``.
+    flops    (``--flops``) the matmul FLOPs of one tracked step (all rows; Adam rows only) per plain step, from a
+             dispatch counter (torch's FLOP formulas for mm, bmm, addmm, ...; ``baddbmm_`` counted by hand).
     profile  (``--profile``) one extra tracked step with an exclusive-time breakdown by phase (forwards,
              decomposition cotangent passes, per-site passes and their VJP backwards, Adam bookkeeping, dot products/rest) from
              wrapping ntpflow's functions in this process, torch.profiler top ops, cProfile top entries, and
@@ -48,7 +50,7 @@ Extra sections:
 Usage:
     python benchmarks/bench_attribution.py [--repeats 3] [--ref-repeats 1] [--skip-reference]
         [--sites-curve 1,4,16,36,63 | --no-curve] [--curve-order layer,spread] [--curve-repeats 1]
-        [--no-memory] [--mem-reference] [--profile] [--othello] [--no-adam-only] [--threads N]
+        [--no-memory] [--mem-reference] [--flops] [--profile] [--othello] [--no-adam-only] [--threads N]
         [--device auto|cpu|cuda] [--markdown PATH] [--smoke]
 
 On a shared, busy machine use ``--threads 1``: with 2 threads on 2 busy cores, small ops (the plain step) slow down
@@ -74,6 +76,9 @@ from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import flop_registry
 
 from ntpflow import attribution, forward_mode, influence
 from ntpflow.influence import InfluenceTracker, Probe
@@ -123,6 +128,8 @@ def parse_args(argv=None):
                    help="probe counts for the memory section (default 3,36,108; see the report for the site sets)")
     p.add_argument("--mem-reference", action="store_true", help="also measure the reference's memory (108 probes)")
     p.add_argument("--profile", action="store_true", help="profile one extra tracked step")
+    p.add_argument("--flops", action="store_true",
+                   help="count the matmul FLOPs of one tracked step (all rows, Adam rows only) against a plain step")
     p.add_argument("--othello", action="store_true", help="also time the Othello small tracking load")
     p.add_argument("--no-adam-only", action="store_true", help="do not time the Adam-rows-only variant")
     p.add_argument("--no-check", action="store_true", help="skip the start-up agreement check")
@@ -587,6 +594,52 @@ def othello_section(args) -> list[str]:
     return out
 
 
+# ----------------------------------------------------------------------------------------------------- flops
+class MatmulFlops(TorchDispatchMode):
+    """Counts the FLOPs of every matmul-like op dispatched inside it (torch's FLOP formulas; the in-place
+    ``baddbmm_``, which has none, counted as 2·b·n·k·m)."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet is torch.ops.aten.baddbmm_:
+            b1, b2 = args[1], args[2]
+            self.flops += 2 * b1.shape[0] * b1.shape[1] * b1.shape[2] * b2.shape[2]
+        elif packet in flop_registry:
+            shape = lambda x: x.shape if isinstance(x, torch.Tensor) else x  # noqa: E731
+            self.flops += flop_registry[packet](*tree_map(shape, args), **tree_map(shape, kwargs),
+                                                out_val=tree_map(shape, out))
+        return out
+
+
+def flops_section(args, tokens, mask) -> list[str]:
+    """Matmul FLOPs of one tracked step (track() + optimizer_step(), after one warm-up step) per plain step."""
+    probes = make_probes(MAIN_SITES, args.probes_per_site, args.seed, args.device)
+    final = make_model(args.seed + 1000, args.device)[0]
+    plain_m, plain_o = make_model(args.seed, args.device)
+    train_step(plain_m, plain_o, tokens, mask)
+    with MatmulFlops() as fc:
+        train_step(plain_m, plain_o, tokens, mask)
+    plain = fc.flops
+    out = ["matmul FLOPs (dispatch counter: mm, bmm, addmm, baddbmm_ ...), one step after a warm-up step:",
+           f"  plain step {plain / 1e9:.2f} GFLOP"]
+    for label, sgd_rows in (("all rows", True), ("Adam rows only", False)):
+        m, o = make_model(args.seed, args.device)
+        tracker = InfluenceTracker(final, probes, sgd_rows=sgd_rows, bucket_width=args.bucket_width)
+        tracker.track(m, o, tokens, mask)
+        tracker.optimizer_step(m, o)
+        with MatmulFlops() as fc:
+            tracker.track(m, o, tokens, mask)
+            tracker.optimizer_step(m, o)
+        out.append(f"  tracked step, {label}: {fc.flops / 1e9:.2f} GFLOP = {fc.flops / plain:.2f} plain steps")
+    return out
+
+
 # --------------------------------------------------------------------------------------------------- profile
 class PhaseStack:
     """Exclusive ("self") wall time per phase label: time goes to the innermost active phase."""
@@ -854,6 +907,11 @@ def main(argv=None) -> int:
 
     if args.othello:
         sec = [""] + othello_section(args)
+        print("\n".join(sec), flush=True)
+        report += sec
+
+    if args.flops:
+        sec = [""] + flops_section(args, tokens, mask)
         print("\n".join(sec), flush=True)
         report += sec
 

@@ -64,33 +64,113 @@ class Primals:
     """The ordinary forward of ``model`` on ``tokens`` [batch, pos], with what the tangent rules need (no graph).
 
     ``resid[k]``: [batch, pos, d_model] for k = 0..n_layer (same convention as ``GPT.forward``).
+
+    **Embedding table.** Block 0's input resid[0][b, p] depends on (token, position) only, so its ln1 and its q/k/v
+    projection (a quarter of the block's matmuls) take at most vocab distinct rows per position. When the vocabulary
+    is smaller than the batch, the cache keeps them once per (token, position) in a table of ``table_tokens``
+    [R, pos] (R = vocab; else R = batch and the table is the batch itself), and the reverse and forward modes run
+    block 0's ln1 and c_attn on the table: tangents are computed per table row and gathered (``gather``), cotangents
+    are summed into table rows (``bin``) before the weight gradients. Exact: sums are only regrouped.
     """
 
     def __init__(self, model: GPT, tokens: torch.Tensor):
         cfg = model.cfg
         self.model, self.tokens = model, tokens
         self.n_head, self.eps = cfg.n_head, cfg.layer_norm_eps
-        t = tokens.shape[1]
+        bsz, t = tokens.shape
         self.shared = cfg.n_groups == 1
         self.groups = None if self.shared else model.groups[:t]
         self.named = dict(model.named_parameters())  # by name, in model.parameters() order
         self.names = list(self.named)
+        self.vocab = model.wte.shape[1]
+        self.dedupe = self.vocab < bsz
+        self.table_tokens = (torch.arange(self.vocab, device=tokens.device)[:, None].expand(-1, t) if self.dedupe
+                             else tokens)  # [R, t]
+        self._rows: dict = {}  # gather indices by prefix length (and layout)
         with torch.no_grad():
             p = _Params(self.named, self.groups, 0)
-            all_pos = slice(0, t)
-            pos = torch.arange(t, device=tokens.device)
-            if self.shared:
-                r = F.embedding(tokens, p.at("wte", all_pos)) + p.at("wpe", all_pos)[:t]
-            else:
-                vocab, d = model.wte.shape[1:]
-                r = (F.embedding(self.groups * vocab + tokens, model.wte.reshape(-1, d))
-                     + F.embedding(self.groups * cfg.n_ctx + pos, model.wpe.reshape(-1, d)))
+            r_tab = self.embed(self.table_tokens)
+            r = self.gather(r_tab)
             self.resid, self.blocks = [r], []
             for b in range(cfg.n_layer):
-                c = self._block(p, f"blocks.{b}.", r)
+                c = self._block(p, f"blocks.{b}.", r, r_tab if b == 0 else None)
                 self.blocks.append(c)
                 r = c["out"]
                 self.resid.append(r)
+
+    def embed(self, tok: torch.Tensor) -> torch.Tensor:
+        """resid[0] of tokens [R, pos] (positions from 0): [R, pos, d_model]."""
+        t = tok.shape[1]
+        pos = torch.arange(t, device=tok.device)
+        if self.shared:
+            return F.embedding(tok, self.named["wte"][0]) + self.named["wpe"][0, :t]
+        model = self.model
+        vocab, d = model.wte.shape[1:]
+        return (F.embedding(self.groups[:t] * vocab + tok, model.wte.reshape(-1, d))
+                + F.embedding(self.groups[:t] * model.cfg.n_ctx + pos, model.wpe.reshape(-1, d)))
+
+    def table_rows(self, n_pos: int) -> torch.Tensor | None:
+        """Row of each (batch row, position < n_pos) in a table [R·n_pos] (flattened [R, n_pos]): long [batch·n_pos];
+        None when the table is the batch itself."""
+        if not self.dedupe:
+            return None
+        if n_pos not in self._rows:
+            tok = self.tokens[:, :n_pos]
+            self._rows[n_pos] = (tok * n_pos + torch.arange(n_pos, device=tok.device)).reshape(-1)
+        return self._rows[n_pos]
+
+    def gather(self, tab: torch.Tensor) -> torch.Tensor:
+        """Table values [..., R, P, f] -> batch values [..., batch, P, f]."""
+        rows = self.table_rows(tab.shape[-2])
+        if rows is None:
+            return tab
+        lead, (n_tab, n_pos, f) = tab.shape[:-3], tab.shape[-3:]
+        flat = tab.reshape(*lead, n_tab * n_pos, f).index_select(len(lead), rows)
+        return flat.view(*lead, len(self.tokens), n_pos, f)
+
+    def gather_heads(self, tab: torch.Tensor) -> torch.Tensor:
+        """Table q/k/v values [m, R, P, 3d] -> batch values split by head [3, m, batch, head, P, d_head], in one
+        gather (no transposing copy of the batch-sized result)."""
+        m, n_tab, n_pos, three_d = tab.shape
+        heads, dh = self.n_head, three_d // 3 // self.n_head
+        split = tab.view(m, n_tab, n_pos, 3, heads, dh).permute(3, 0, 1, 4, 2, 5)  # [3, m, R, H, P, dh]
+        if not self.dedupe:
+            return split.contiguous()
+        flat = split.reshape(3, m, n_tab * heads * n_pos, dh).index_select(2, self._head_rows(n_pos))
+        return flat.view(3, m, len(self.tokens), heads, n_pos, dh)
+
+    def _head_rows(self, n_pos: int) -> torch.Tensor:
+        """Row (token, head, position) of a table [R·H·n_pos] for each (batch row, head, position): [B·H·n_pos]."""
+        key = ("heads", n_pos)
+        if key not in self._rows:
+            tok = self.tokens[:, :n_pos, None].transpose(1, 2)  # [B, 1, P]
+            heads, dev = self.n_head, tok.device
+            hp = torch.arange(heads, device=dev)[:, None] * n_pos + torch.arange(n_pos, device=dev)  # [H, P]
+            self._rows[key] = (tok * (heads * n_pos) + hp).reshape(-1)
+        return self._rows[key]
+
+    def bin_heads(self, *qkv: torch.Tensor) -> torch.Tensor:
+        """The adjoint of ``gather_heads``: q, k, v cotangents split by head, each [m, batch, head, P, d_head] ->
+        their sums per table row [m, R, P, 3d]."""
+        m, bsz, heads, n_pos, dh = qkv[0].shape
+        if not self.dedupe:
+            return torch.cat([z.transpose(2, 3).reshape(m, bsz, n_pos, heads * dh) for z in qkv], -1)
+        rows = self._head_rows(n_pos)
+        n_tab = len(self.table_tokens)
+        out = qkv[0].new_zeros((3, m, n_tab * heads * n_pos, dh))
+        for j, z in enumerate(qkv):
+            out[j].index_add_(1, rows, z.reshape(m, bsz * heads * n_pos, dh))
+        out = out.view(3, m, n_tab, heads, n_pos, dh).permute(1, 2, 4, 0, 3, 5)  # [m, R, P, 3, H, dh]
+        return out.reshape(m, n_tab, n_pos, 3 * heads * dh)
+
+    def bin(self, x: torch.Tensor) -> torch.Tensor:
+        """Batch cotangents [m, batch, P, f] -> their sums per table row [m, R, P, f] (the adjoint of ``gather``)."""
+        rows = self.table_rows(x.shape[2])
+        if rows is None:
+            return x
+        m, bsz, n_pos, f = x.shape
+        out = x.new_zeros((m, len(self.table_tokens) * n_pos, f))
+        return out.index_add_(1, rows, x.reshape(m, bsz * n_pos, f)).view(m, -1, n_pos, f)
 
     def _ln(self, p: _Params, name: str, x: torch.Tensor) -> dict:
         mu = x.mean(-1, keepdim=True)
@@ -105,10 +185,17 @@ class Primals:
             return F.linear(x, p.at(name + "weight", s), p.at(name + "bias", s))
         return _lin(x, p.at(name + "weight", s), self.shared) + _bias(p.at(name + "bias", s), self.shared, 0)
 
-    def _block(self, p: _Params, pre: str, r: torch.Tensor) -> dict:
+    def _block(self, p: _Params, pre: str, r: torch.Tensor, r_tab: torch.Tensor | None = None) -> dict:
+        """One block's forward and cache; ``r_tab`` [R, t, d]: block 0's input per table row (see the class)."""
         bsz, t, d = r.shape
-        c = {"in": r, "ln1": self._ln(p, pre + "ln1.", r)}
-        qkv = self._linear(p, pre + "attn.c_attn.", c["ln1"]["y"])
+        c = {"in": r}
+        if r_tab is None:
+            c["ln1"] = self._ln(p, pre + "ln1.", r)
+            qkv = self._linear(p, pre + "attn.c_attn.", c["ln1"]["y"])
+        else:  # ln1 and the q/k/v projection once per table row
+            c["tab"] = {"ln1": self._ln(p, pre + "ln1.", r_tab)}
+            c["ln1"] = {name: self.gather(x) for name, x in c["tab"]["ln1"].items()}
+            qkv = self.gather(self._linear(p, pre + "attn.c_attn.", c["tab"]["ln1"]["y"]))
         q, k, v = (z.reshape(bsz, t, self.n_head, -1).transpose(1, 2) for z in qkv.chunk(3, dim=-1))
         scores = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
         causal = torch.ones(t, t, dtype=torch.bool, device=r.device).tril()
@@ -161,12 +248,13 @@ def site_tangents(primals: Primals, layer: int, pos: "int | torch.Tensor", direc
     p, dp = primals.params(), primals.directions(directions)
     rows = torch.arange(len(directions), device=directions.device)
     with torch.no_grad():
-        dr = _embed_tangent(primals, dp, n_pos - 1)
+        dr_tab = _embed_tangent(primals, dp, n_pos - 1)  # per table row
+        dr = primals.gather(dr_tab)
         if layer == 0:
             return dr[rows, :, qpos]
         for b in range(layer - 1):
-            dr = _block_tangent(primals, p, dp, b, dr, n_pos - 1)
-        return _top_block_tangent(primals, p, dp, layer - 1, dr, qpos)
+            dr = _block_tangent(primals, p, dp, b, dr, n_pos - 1, dr_tab if b == 0 else None)
+        return _top_block_tangent(primals, p, dp, layer - 1, dr, qpos, dr_tab if layer == 1 else None)
 
 
 def all_tangents(primals: Primals, n_layers: int, n_pos: int, directions: torch.Tensor) -> list[torch.Tensor]:
@@ -175,15 +263,17 @@ def all_tangents(primals: Primals, n_layers: int, n_pos: int, directions: torch.
     call serves every site (e.g. along the full gradient and the full Adam step)."""
     p, dp = primals.params(), primals.directions(directions)
     with torch.no_grad():
-        out = [_embed_tangent(primals, dp, n_pos - 1)]
+        dr_tab = _embed_tangent(primals, dp, n_pos - 1)
+        out = [primals.gather(dr_tab)]
         for b in range(n_layers):
-            out.append(_block_tangent(primals, p, dp, b, out[-1], n_pos - 1))
+            out.append(_block_tangent(primals, p, dp, b, out[-1], n_pos - 1, dr_tab if b == 0 else None))
     return out
 
 
 def _embed_tangent(pr: Primals, dp: _Params, pos: int) -> torch.Tensor:
-    """ṙ0[b, p] = δwte[g_p, tok[b, p]] + δwpe[g_p, p] at positions ≤ pos -> [m, batch, pos+1, d]."""
-    tok = pr.tokens[:, :pos + 1]
+    """ṙ0[r, p] = δwte[g_p, tok[r, p]] + δwpe[g_p, p] per table row r (``Primals.table_tokens``) at positions ≤ pos
+    -> [m, R, pos+1, d]."""
+    tok = pr.table_tokens[:, :pos + 1]
     positions = torch.arange(pos + 1, device=tok.device)
     g = torch.zeros_like(positions) if pr.groups is None else pr.groups[:pos + 1]
     wte = dp.flat["wte"]  # [m, G, V, d]
@@ -193,8 +283,10 @@ def _embed_tangent(pr: Primals, dp: _Params, pos: int) -> torch.Tensor:
     return out.add_(dp.flat["wpe"][:, g, positions][:, None])
 
 
-def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, pos: int) -> torch.Tensor:
-    """Tangent through block b: dr [m, batch, P, d] at positions 0..pos -> [m, batch, P, d]."""
+def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, pos: int,
+                   dr_tab: torch.Tensor | None = None) -> torch.Tensor:
+    """Tangent through block b: dr [m, batch, P, d] at positions 0..pos -> [m, batch, P, d]. Block 0 also gets its
+    input's tangent per table row, dr_tab [m, R, P, d], and runs ln1 and c_attn on it."""
     c, pre, shared = pr.blocks[b], f"blocks.{b}.", pr.shared
     upto = slice(0, pos + 1)
 
@@ -208,8 +300,10 @@ def _block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tenso
                                                   dw.transpose(1, 2))
         return y.add_(_bias(dp.at(name + "bias", upto), shared, 1))
 
-    dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)
-    dz = _attention_tangent(pr, c, lin(pre + "attn.c_attn.", c["ln1"]["y"][:, upto], dx1), upto)
+    ln1 = c["ln1"] if dr_tab is None else c["tab"]["ln1"]
+    dx1 = _ln_tangent(ln1, dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr if dr_tab is None else dr_tab, upto)
+    dqkv = lin(pre + "attn.c_attn.", ln1["y"][:, upto], dx1)
+    dz = _attention_tangent(pr, c, dqkv if dr_tab is None else pr.gather_heads(dqkv), upto)
     dmid = lin(pre + "attn.c_proj.", c["z"][:, upto], dz).add_(dr)
     dx2 = _ln_tangent(c["ln2"], dp, p.at(pre + "ln2.weight", upto), pre + "ln2.", dmid, upto)
     dh = lin(pre + "mlp.c_fc.", c["ln2"]["y"][:, upto], dx2).mul_(c["gelu_slope"][:, upto])
@@ -221,9 +315,11 @@ def _rows(t: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
     return t[:, qpos].transpose(0, 1)
 
 
-def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, qpos: torch.Tensor):
+def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.Tensor, qpos: torch.Tensor,
+                       dr_tab: torch.Tensor | None = None):
     """Tangent through block b for each direction's query alone: dr [m, batch, P, d] at positions 0..P−1 ->
-    [m, batch, d] at qpos (long [m]); keys and values over positions ≤ the query."""
+    [m, batch, d] at qpos (long [m]); keys and values over positions ≤ the query. Block 0 also gets its input's
+    tangent per table row, dr_tab [m, R, P, d] (its ln1 runs on the table)."""
     c, pre = pr.blocks[b], f"blocks.{b}."
     m, n_pos = len(qpos), dr.shape[2]
     rows = torch.arange(m, device=qpos.device)
@@ -233,7 +329,7 @@ def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.T
     def at_rows(params: _Params, name):  # a parameter (or direction) at each row's query group
         t = params.flat[name]
         if params.lead:
-            return t[rows, g_rows]  # [m, *shape]
+            return t[:, 0] if pr.groups is None else t[rows, g_rows]  # [m, *shape] (a view when shared)
         return t[0] if pr.groups is None else t[g_rows]  # [*shape] or [m, *shape]
 
     def lin(name, x, dx):  # rows: x, dx [m, B, in] -> ẋWᵀ + xẆᵀ + ḃ [m, B, out]
@@ -247,10 +343,15 @@ def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.T
         return dn * (w[:, None] if w.dim() == 2 else w) + n * at_rows(dp, name + "weight")[:, None] + at_rows(
             dp, name + "bias")[:, None]
 
-    dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)  # [m, B, P, d]
+    dx1_tab = None  # the ln1 tangent per table row, block 0 of a deduplicated table only
+    if dr_tab is None:
+        dx1 = _ln_tangent(c["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr, upto)  # [m, B, P, d]
+    else:
+        dx1_tab = _ln_tangent(c["tab"]["ln1"], dp, p.at(pre + "ln1.weight", upto), pre + "ln1.", dr_tab, upto)
+        dx1 = None if pr.dedupe and pr.shared else pr.gather(dx1_tab)
     x1 = c["ln1"]["y"][:, upto]
     if pr.shared:
-        dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, qpos)
+        dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, qpos, dx1_tab if dx1 is None else None)
     else:
         name = pre + "attn.c_attn."
         dqkv = (_lin(dx1, p.at(name + "weight", upto), False) + _lin(x1, dp.at(name + "weight", upto), False)
@@ -280,15 +381,14 @@ def _query_attention_generic(pr: Primals, c: dict, dqkv: torch.Tensor, qpos: tor
 
 
 def _attention_tangent(pr: Primals, c: dict, dqkv: torch.Tensor, upto: slice) -> torch.Tensor:
-    """Attention output tangent [m, batch, P, d] from the q/k/v tangents dqkv [m, batch, P, 3d] at positions upto."""
-    m, bsz = dqkv.shape[:2]
-    dq, dk, dv = dqkv.chunk(3, dim=-1)
+    """Attention output tangent [m, batch, P, d] from the q/k/v tangents at positions upto: dqkv [m, batch, P, 3d],
+    or already split by head [3, m, batch, head, P, d_head] (``Primals.gather_heads``)."""
     heads = pr.n_head
-
-    def split(z):  # [m, batch, P, d] -> [m, batch, head, P, d_head]
-        return z.reshape(*z.shape[:3], heads, -1).transpose(2, 3)
-
-    dq, dk, dv = split(dq), split(dk), split(dv)
+    if dqkv.dim() == 6:
+        dq, dk, dv = dqkv
+    else:
+        dq, dk, dv = (z.reshape(*z.shape[:3], heads, -1).transpose(2, 3) for z in dqkv.chunk(3, dim=-1))
+    m, bsz = dq.shape[:2]
     q, k, v = c["q"][:, :, upto], c["k"][:, :, upto], c["v"][:, :, upto]
     att = c["att"][:, :, upto, upto]  # rows sum to 1 over keys ≤ query (masked entries are exactly 0)
     scale = 1 / math.sqrt(q.shape[-1])
@@ -298,13 +398,16 @@ def _attention_tangent(pr: Primals, c: dict, dqkv: torch.Tensor, upto: slice) ->
     return dz.transpose(2, 3).reshape(m, bsz, -1, heads * dz.shape[-1])
 
 
-def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: torch.Tensor, dx1: torch.Tensor,
-                             qpos: torch.Tensor) -> torch.Tensor:
+def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: torch.Tensor, dx1: torch.Tensor | None,
+                             qpos: torch.Tensor, dx1_tab: torch.Tensor | None = None) -> torch.Tensor:
     """Attention output tangent at each direction's query alone [m, batch, d], single-group parameters.
 
     Keys and values enter only through q·k̇ and Σ_t A_t v̇_t, so they regroup per head: with a = W_kᵀq and
     y = Σ_t A_t x1_t, the direction-dependent work is O(m·batch·(d² + head·P·d)) instead of the O(m·batch·P·d²)
     of k̇ and v̇ at every position. x1, dx1: ln1 output [batch, P, d] and its tangent [m, batch, P, d]; qpos [m].
+    Block 0 of a deduplicated table (``Primals.dedupe``) gives the tangent per table row instead, dx1_tab
+    [m, R, P, d] (dx1 None): the contractions with it run against the table (one batched matmul each, R·P columns)
+    and pick each (batch row, position)'s column.
     """
     c, name, heads = pr.blocks[b], f"blocks.{b}.attn.c_attn.", pr.n_head
     d, n_pos = x1.shape[-1], x1.shape[1]
@@ -317,16 +420,39 @@ def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: t
     q = c["q"][:, :, qpos].movedim(2, 0)  # [m, B, H, dh]
     k, v = c["k"][:, :, :n_pos], c["v"][:, :, :n_pos]  # [B, H, P, dh]
     att = c["att"][:, :, qpos, :n_pos].movedim(2, 0)  # [m, B, H, P], exactly 0 after the query
-    x1q, dx1q = _rows(x1, qpos), dx1[rows, :, qpos]  # [m, B, d]
+    x1q = _rows(x1, qpos)  # [m, B, d]
+    bsz = len(x1)
+    if dx1_tab is None:
+        dx1q = dx1[rows, :, qpos]
+
+        def dot_a(a, x):  # Σ_d a[m, b, h, d] x[(m,) b, t, d] -> [m, B, H, P]
+            return torch.einsum("mbhd,mbtd->mbht" if x.dim() == 4 else "mbhd,btd->mbht", a, x)
+
+        def dot_att(att, x):  # Σ_t att[m, b, h, t] x[(m,) b, t, d] -> [m, B, H, d]
+            return torch.einsum("mbht,mbtd->mbhd" if x.dim() == 4 else "mbht,btd->mbhd", att, x)
+
+        x1_, dx1_ = x1, dx1
+    else:  # x1 and dx1 per table row: [(m,) R·P, d], each (batch row, position) picks its row
+        cols = pr.table_rows(n_pos).view(bsz, n_pos)
+        x1_ = pr.blocks[b]["tab"]["ln1"]["y"][:, :n_pos].reshape(-1, d)
+        dx1_ = dx1_tab.reshape(m, -1, d)
+        dx1q = dx1_.gather(1, cols[:, qpos].T[..., None].expand(-1, -1, d))  # [m, B, d]
+        at = cols.view(1, bsz, 1, n_pos).expand(m, bsz, heads, n_pos)
+
+        def dot_a(a, x):  # one matmul against the table's R·P rows, then each (b, t)'s column
+            return (a.reshape(m, -1, d) @ x.transpose(-1, -2)).view(m, bsz, heads, -1).gather(3, at)
+
+        def dot_att(att, x):  # att spread onto the table's columns (distinct per query row), one matmul
+            spread = att.new_zeros((m, bsz, heads, x.shape[-2])).scatter_(3, at, att)
+            return (spread.view(m, -1, x.shape[-2]) @ x).view(m, bsz, heads, d)
     dq = dx1q @ w[:d].T + x1q @ dw[:, :d].transpose(1, 2) + bias_dot[:, None, :d]
     dq = dq.view(m, -1, heads, dh)  # [m, B, H, dh]
     a = torch.einsum("mbhe,hed->mbhd", q, w_k)  # W_kᵀ q per head
-    ds = (torch.einsum("mbhe,bhte->mbht", dq, k) + torch.einsum("mbhd,mbtd->mbht", a, dx1)
-          + torch.einsum("mbhd,btd->mbht", torch.einsum("mbhe,mhed->mbhd", q, dw_k), x1)
+    ds = (torch.einsum("mbhe,bhte->mbht", dq, k) + dot_a(a, dx1_)
+          + dot_a(torch.einsum("mbhe,mhed->mbhd", q, dw_k), x1_)
           + torch.einsum("mbhe,mhe->mbh", q, bias_dot[:, d:2 * d].view(m, heads, dh))[..., None]) / math.sqrt(dh)
     datt = att * (ds - (att * ds).sum(-1, keepdim=True))
-    y = torch.einsum("mbht,btd->mbhd", att, x1)  # Σ_t A_t x1_t (rows of A sum to 1)
-    dz = (torch.einsum("mbht,bhte->mbhe", datt, v) + torch.einsum("hed,mbhd->mbhe", w_v,
-                                                                   torch.einsum("mbht,mbtd->mbhd", att, dx1))
+    y = dot_att(att, x1_)  # Σ_t A_t x1_t (rows of A sum to 1)
+    dz = (torch.einsum("mbht,bhte->mbhe", datt, v) + torch.einsum("hed,mbhd->mbhe", w_v, dot_att(att, dx1_))
           + torch.einsum("mhed,mbhd->mbhe", dw_v, y) + bias_dot[:, None, 2 * d:].view(m, 1, heads, dh))
     return dz.reshape(m, -1, d)

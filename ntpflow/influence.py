@@ -180,27 +180,35 @@ class InfluenceTracker:
                           feature_types: dict[str, torch.Tensor] | None):
         """For every probe, type subset and mismatch: (probe, type, mismatch, R, a [batch]) with ``a[:, None] * w``
         the cotangent of R at the site: a = 2e/n, e = d (paper) or d − d̄ (centred) on the subset's rows, 0 elsewhere.
-        The centred a is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0.
+        The centred a is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0. R is a 0-dim tensor (no host sync per
+        risk; ``track`` reads every value back at once).
 
         resid: list of [batch, pos, d_model] for θ; final_proj: ⟨w, r*⟩ [batch, n_probes] (``final_projections``);
-        feature_types: {probe name: int [batch, pos]}. d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype.
+        feature_types: {probe name: int [batch, pos]}. d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype. The type subsets
+        of every probe (the types present in its column, ascending) come from one host sync for all probes.
         """
+        typed = [] if feature_types is None else [(j, feature_types[p.name][:, p.site.pos])
+                                                  for j, p in enumerate(self.probes) if p.name in feature_types]
+        present: dict[int, list[int]] = {}
+        if typed:  # one unique over (probe, type) pairs: one host sync per step, not one per probe
+            pairs = torch.cat([torch.stack([torch.full_like(ft, j), ft], 1) for j, ft in typed])
+            for j, t in torch.unique(pairs, dim=0).tolist():
+                present.setdefault(j, []).append(t)
+        cols = dict(typed)
         out = []
         for j, p in enumerate(self.probes):
             diff = resid[p.site.layer][:, p.site.pos].to(final_proj) @ p.w.to(final_proj) - final_proj[:, j]
-            subsets = [(-1, torch.ones_like(diff, dtype=torch.bool))]
-            types = None if feature_types is None else feature_types.get(p.name)
-            if types is not None:
-                ft = types[:, p.site.pos]
-                subsets += [(int(t), ft == t) for t in torch.unique(ft).tolist()]
+            subsets = [(-1, None)] + [(t, cols[j] == t) for t in present.get(j, [])]
             for t, rows in subsets:
-                n = rows.sum()
-                if n == 0:
-                    continue
-                d = torch.where(rows, diff, 0.0)
-                dc = torch.where(rows, diff - d.sum() / n, 0.0)
+                if rows is None:  # the whole batch
+                    n = len(diff)
+                    d, dc = diff, diff - diff.sum() / n
+                else:
+                    n = rows.sum()
+                    d = torch.where(rows, diff, 0.0)
+                    dc = torch.where(rows, diff - d.sum() / n, 0.0)
                 for mismatch, e in zip(MISMATCHES, (d, dc)):
-                    out.append((p, t, mismatch, (e.pow(2).sum() / n).item(), (2 * e / n).to(resid[0].dtype)))
+                    out.append((p, t, mismatch, e.pow(2).sum() / n, (2 * e / n).to(resid[0].dtype)))
         return out
 
     def track(self, model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
@@ -241,42 +249,44 @@ class InfluenceTracker:
         once = sum(s.layer * (s.pos + 1) for s in self.sites) > n_layers * n_pos
         shared_dirs = torch.stack(shared_dirs)
         tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
-        rows = [self._row(p, t, m, "risk", "none", risk) for p, t, m, risk, _ in risks]
         pending = []  # per site: (its risks, with_pre, influences [risks, directions]), read back at the end
+        by_site = self._risks_by_site(risks, tokens.device)
         for bucket in self.buckets(len(tokens), tokens.device):  # sites of one layer together; bounds memory
             sites = self.sites[bucket]
             k, n = sites[0].layer, len(sites)
             pos = torch.tensor([s.pos for s in sites])  # on the CPU (indices, no device sync)
             parts = passes.run_many(sites)  # [n, 2, n_params]: direct, pre-cached
             with_pre = passes.has_pre_cached(sites[0])
-            own = slice(None) if with_pre else slice(0, 1)  # pre-cached rows are exactly 0 when structurally absent
-            dirs = []  # the sites' own update directions, each [n, 1 or 2, n_params]
+            n_own = 2 if with_pre else 1  # pre-cached parts (and their moments) are exactly 0 when structurally absent
+            m_dirs = n_own * (sgd + adam) + (0 if once else len(shared_dirs))
+            dirs = parts.new_empty((n, m_dirs, parts.shape[-1]))  # the directions, written in place (no cat)
+            at = 0
             if sgd:
-                dirs.append(parts[:, own])
+                dirs[:, :n_own] = parts[:, :n_own]
+                at = n_own
             if adam:
-                moments = self._m_sites[bucket]  # [n, 2, n_params]
-                moments.mul_(self.beta1).add_((1 - self.beta1) * parts)  # same rounding as β1·m + (1−β1)·g
-                dirs.append(self._scale * moments[:, own])
+                moments = self._m_sites[bucket, :n_own]  # a view [n, n_own, n_params]
+                moments.mul_(self.beta1).add_((1 - self.beta1) * parts[:, :n_own])  # same rounding as β1·m + (1−β1)·g
+                torch.mul(self._scale, moments, out=dirs[:, at:at + n_own])
+                at += n_own
             if not once:
-                dirs.append(shared_dirs.expand(n, -1, -1))
-            dirs = torch.cat(dirs, 1)  # [n, m, n_params]
-            m_dirs = dirs.shape[1]
+                dirs[:, at:] = shared_dirs
             tau = site_tangents(primals, k, pos.repeat_interleave(m_dirs), dirs.flatten(0, 1))
             tau = tau.view(n, m_dirs, *tau.shape[1:])  # [n, m, batch, d]
             if once:
                 tau = torch.cat([tau, tau_shared[k][:, :, pos.to(tau.device)].movedim(2, 0)], 1)
             for site, tau_site in zip(sites, tau):
-                mine = [r for r in risks if r[0].site == site]  # the site's risks, probe by probe
-                if not mine:
+                if site not in by_site:
                     continue
-                probes = list(dict.fromkeys(r[0] for r in mine))
-                proj = tau_site @ torch.stack([p.w for p in probes], 1).to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
-                col = {id(p): j for j, p in enumerate(probes)}
+                mine, w, sel = by_site[site]
+                proj = tau_site @ w.to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
                 coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
-                sel = torch.tensor([col[id(r[0])] for r in mine], device=proj.device)
                 pending.append((mine, with_pre, (proj.index_select(2, sel) * coef).sum(1).T))  # [risks, m]: ∇R·δ
-        values = torch.cat([v.flatten() for *_, v in pending]).tolist() if pending else []  # one device sync
-        start = 0
+        # one device sync: the risks, then the influences
+        values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
+                           + [v.flatten().to(torch.float64) for *_, v in pending]).tolist() if risks else []
+        rows = [self._row(p, t, m, "risk", "none", v) for (p, t, m, _, _), v in zip(risks, values)]
+        start = len(risks)
         for mine, with_pre, v in pending:
             n_dirs = v.shape[1]
             for j, (p, t, m, _, _) in enumerate(mine):
@@ -285,6 +295,23 @@ class InfluenceTracker:
             start += v.numel()
         self.step += 1
         return rows
+
+    def _risks_by_site(self, risks: list, device: torch.device) -> dict:
+        """{site: (its risks, its probes' directions [d_model, probes], column of each risk's probe [risks])}: the
+        columns of every site from one host-to-device copy (none per site)."""
+        groups: dict[Site, list] = {}
+        for r in risks:
+            groups.setdefault(r[0].site, []).append(r)
+        out, cols = {}, []
+        for site, mine in groups.items():
+            probes = list(dict.fromkeys(r[0] for r in mine))
+            col = {id(p): j for j, p in enumerate(probes)}
+            cols.append([col[id(r[0])] for r in mine])
+            out[site] = (mine, torch.stack([p.w for p in probes], 1))
+        if not cols:
+            return {}
+        flat = torch.tensor([c for cs in cols for c in cs], dtype=torch.long).to(device).split([len(c) for c in cols])
+        return {site: (*out[site], sel) for site, sel in zip(out, flat)}
 
     def optimizer_step(self, model: GPT, opt: torch.optim.Optimizer) -> None:
         """The training step of the batch just tracked, on the gradient of ``track``'s own ordinary backward instead

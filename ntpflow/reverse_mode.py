@@ -19,6 +19,11 @@ own query, so the padding adds exact zeros) and through block k−1 for its own 
 shared (single-group) parameters, the key/value gradients regroup per head (dW_k[h] = Σ_b q_bh ⊗ Σ_s ds_bhs x1_bs,
 dW_v[h] = Σ_b dz_bh ⊗ Σ_s A_bhs x1_bs, and the input cotangent through W_kᵀq and W_vᵀdz), so it costs
 O(m·batch·(d² + head·P·d)) instead of O(m·batch·P·d²).
+
+Block 0's ln1 and q/k/v projection depend on (token, position) only: with a vocabulary smaller than the batch
+(``Primals.dedupe``) their cotangents are summed per (token, position) row of the cache's table (``Primals.bin``,
+``bin_heads``, or one matmul against the table in the query-only case) before the weight gradients, ln1's backward
+and the embedding's scatter.
 """
 
 import math
@@ -124,26 +129,31 @@ def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, my
     grads = _Grads(pr, m, cot)
     onehot = (torch.arange(n_pos, device=qpos.device) == qpos[:, None]).to(cot.dtype)  # [m, P]
     with torch.no_grad():
+        d_tab = None  # the cotangent of resid[0] summed per table row (block 0's ln1 path), see Primals
         if layer == 0:
             d_r = cot.new_zeros((m, cot.shape[1], n_pos, cot.shape[2]))
             d_r[grads.rows, :, qpos] = cot
         else:
-            d_r = _top_block_back(pr, grads, layer - 1, qpos, onehot, cot, myopic)
+            d_r, d_tab = _top_block_back(pr, grads, layer - 1, qpos, onehot, cot, myopic)
             for b in reversed(range(layer - 1)):
-                d_r = _block_back(pr, grads, b, d_r, myopic)
-        _embed_back(pr, grads, d_r)
+                d_r, d_tab = _block_back(pr, grads, b, d_r, myopic)
+        _embed_back(pr, grads, d_r, d_tab)
     return grads.out
 
 
-def _embed_back(pr: Primals, grads: _Grads, d_r: torch.Tensor) -> None:
-    """resid[0][b, p] = wte[g_p, tok[b, p]] + wpe[g_p, p]: scatter d_r [m, B, P, d] into both."""
-    m, bsz, n_pos, d = d_r.shape
-    pos = torch.arange(n_pos, device=d_r.device)
+def _embed_back(pr: Primals, grads: _Grads, d_r: torch.Tensor | None, d_tab: torch.Tensor | None) -> None:
+    """resid[0][b, p] = wte[g_p, tok[b, p]] + wpe[g_p, p]: scatter d_r [m, B, P, d] (if given) into both, and d_tab
+    [m, R, P, d] (per table row, ``Primals.table_tokens``) if given."""
+    m, _, n_pos, d = (d_r if d_r is not None else d_tab).shape
+    pos = torch.arange(n_pos, device=d_tab.device if d_r is None else d_r.device)
     g = torch.zeros_like(pos) if pr.groups is None else pr.groups[:n_pos]
     wte, wpe = grads.view["wte"], grads.view["wpe"]  # [m, G, V, d], [m, G, n_ctx, d]
-    tok = g * wte.shape[2] + pr.tokens[:, :n_pos]  # [B, P]
-    wte.view(m, -1, d).index_add_(1, tok.reshape(-1), d_r.reshape(m, -1, d))
-    wpe.view(m, -1, d).index_add_(1, g * wpe.shape[2] + pos, d_r.sum(1))
+    for cot, tokens in ((d_r, pr.tokens), (d_tab, pr.table_tokens)):
+        if cot is None:  # d_r None: everything was summed per table row
+            continue
+        tok = g * wte.shape[2] + tokens[:, :n_pos]  # [B or R, P]
+        wte.view(m, -1, d).index_add_(1, tok.reshape(-1), cot.reshape(m, -1, d))
+        wpe.view(m, -1, d).index_add_(1, g * wpe.shape[2] + pos, cot.sum(1))
 
 
 def _ln_params_rows(grads: _Grads, name: str, n: torch.Tensor, dy: torch.Tensor, qpos: torch.Tensor) -> None:
@@ -159,9 +169,12 @@ def _linear_rows(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, qp
 
 
 def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, onehot: torch.Tensor,
-                    d_out: torch.Tensor, myopic: str) -> torch.Tensor:
+                    d_out: torch.Tensor, myopic: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Block b for each row's query alone: cotangent d_out [m, B, d] at its output at qpos -> the cotangent of its
-    input resid[b] at positions 0..P−1 [m, B, P, d] (0 after each row's query); parameter gradients into grads."""
+    input resid[b] at positions 0..P−1 [m, B, P, d] (0 after each row's query) and, for block 0, the part through
+    ln1 per table row [m, R, P, d] (else None; see ``Primals``; with a deduplicated table and shared weights all of
+    it, the residual path included, is summed per table row and the first is None); parameter gradients into
+    grads."""
     c, pre = pr.blocks[b], f"blocks.{b}."
     m, bsz, d = d_out.shape
     n_pos = onehot.shape[1]
@@ -198,10 +211,23 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
     grads.add_rows(grads.view[name + "weight"][:, :, :d], dqf.transpose(1, 2) @ x1q, qpos)
     grads.add_rows(grads.view[name + "bias"][:, :, :d], dqf.sum(1), qpos)
     dx1_q = _matmul_rows(dqf, _weight_rows(pr, name + "weight", qpos)[..., :d, :])  # [m, B, d], at the query
+    table = b == 0 and pr.dedupe and pr.groups is None  # block 0's ln1 side per table row, see Primals
+    if table:
+        cols = pr.table_rows(n_pos).view(bsz, n_pos)  # the table row of each (batch row, position)
+        at = cols.view(1, bsz, 1, n_pos).expand(m, bsz, heads, n_pos)
+        n_tab = len(pr.table_tokens) * n_pos
+
+        def spread(w):  # [m, B, H, P] -> [m, B·H, R·P] on the table's columns (distinct per (b, h))
+            return w.new_zeros((m, bsz, heads, n_tab)).scatter_(3, at, w).view(m, bsz * heads, n_tab)
     if pr.groups is None:  # regrouped per head
         wk, wv = w_attn[d:2 * d].view(heads, dh, d), w_attn[2 * d:].view(heads, dh, d)
-        uk = torch.einsum("mbhp,bpd->mbhd", w_k, x1)
-        uv = torch.einsum("mbhp,bpd->mbhd", w_v, x1)
+        if table:  # Σ_p w_p x1_p as one matmul against the table
+            x1_tab = c["tab"]["ln1"]["y"][:, :n_pos].reshape(n_tab, d)
+            uk = (spread(w_k) @ x1_tab).view(m, bsz, heads, d)
+            uv = (spread(w_v) @ x1_tab).view(m, bsz, heads, d)
+        else:
+            uk = torch.einsum("mbhp,bpd->mbhd", w_k, x1)
+            uv = torch.einsum("mbhp,bpd->mbhd", w_v, x1)
         view_w, view_b = grads.view[name + "weight"][:, 0], grads.view[name + "bias"][:, 0]
         view_w[:, d:2 * d] += torch.einsum("mbhe,mbhd->mhed", q, uk).reshape(m, d, d)
         view_w[:, 2 * d:] += torch.einsum("mbhe,mbhd->mhed", dz, uv).reshape(m, d, d)
@@ -210,6 +236,9 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
         a, e = torch.einsum("mbhe,hed->mbhd", q, wk), torch.einsum("mbhe,hed->mbhd", dz, wv)  # W_kᵀq, W_vᵀdz
 
         def dx1_of(sk, sv):  # input cotangent at positions 0..P−1 through the keys and values [m, B, P, d]
+            if table:  # summed per table row [m, R, P, d]: one matmul over (batch, head)
+                s_kv = torch.cat([spread(sk), spread(sv)], 1).transpose(1, 2)  # [m, R·P, 2·B·H]
+                return (s_kv @ torch.cat([a, e], 1).view(m, 2 * bsz * heads, d)).view(m, -1, n_pos, d)
             return torch.einsum("mbhp,mbhd->mbpd", sk, a) + torch.einsum("mbhp,mbhd->mbpd", sv, e)
     else:  # per-position weights: explicit key and value cotangents
         def dkv_of(sk, sv):  # [m, B, P, 2d]
@@ -224,20 +253,52 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
         def dx1_of(sk, sv):
             return _matmul_pos(dkv_of(sk, sv), w_attn[..., d:, :])
     rows = grads.rows
+    if table:
+        at_q = cols[:, qpos].T[..., None].expand(-1, -1, d)  # [m, B, d]: the table row of each row's query
+
+        def add_query(x, y):  # x [m, R, P, d] += y [m, B, d] at each row's query, summed per table row
+            x.view(m, -1, d).scatter_add_(1, at_q, y)
+    else:
+        def add_query(x, y):  # x [m, B, P, d] += y [m, B, d] at each row's query
+            x[rows, :, qpos] += y
     dx1_live = dx1_of(live_k, live_v)
-    dx1_live[rows, :, qpos] += dx1_q  # the query's own input, through W_q (one position per row)
+    add_query(dx1_live, dx1_q)  # the query's own input, through W_q (one position per row)
     if w_k is live_k:
         dx1_all = dx1_live
     else:
         dx1_all = dx1_of(w_k, w_v)
-        dx1_all[rows, :, qpos] += dx1_q
-    n1, rs1 = c["ln1"]["n"][:, :n_pos], c["ln1"]["rsigma"][:, :n_pos]
+        add_query(dx1_all, dx1_q)
+    d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=table)
+    if d_tab is None:
+        d_in[rows, :, qpos] += d_mid  # the residual path at the query
+    elif table:
+        add_query(d_tab, d_mid)
+    else:
+        d_in = d_mid.new_zeros(dx1_live.shape)
+        d_in[rows, :, qpos] += d_mid
+    return d_in, d_tab
+
+
+def _ln1_back(pr: Primals, grads: _Grads, b: int, dx1_all: torch.Tensor, dx1_live: torch.Tensor,
+              binned: bool = False):
+    """Block b's ln1: its output cotangents [m, B, P, d] (all paths, for its parameters; the live paths, into the
+    residual) -> (input cotangent [m, B, P, d], None), or for block 0 (None, the input cotangent per table row
+    [m, R, P, d]) with the sums regrouped per table row (``binned``: the given cotangents already are, [m, R, P, d]);
+    parameter gradients into grads."""
+    c, pre = pr.blocks[b], f"blocks.{b}."
+    n_pos = dx1_all.shape[2]
+    cache = c["ln1"]
+    if b == 0:
+        cache = c["tab"]["ln1"]
+        if not binned:
+            same = dx1_all is dx1_live
+            dx1_live = pr.bin(dx1_live)
+            dx1_all = dx1_live if same else pr.bin(dx1_all)
+    n1, rs1 = cache["n"][:, :n_pos], cache["rsigma"][:, :n_pos]
     grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all, n1))
     grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
-    w1 = _weight(pr, pre + "ln1.weight", n_pos)
-    d_r = _ln_back(n1, rs1, w1, dx1_live)
-    d_r[rows, :, qpos] += d_mid  # the residual path at the query
-    return d_r
+    d_in = _ln_back(n1, rs1, _weight(pr, pre + "ln1.weight", n_pos), dx1_live)
+    return (None, d_in) if b == 0 else (d_in, None)
 
 
 def _linear_pos(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, n_pos: int) -> None:
@@ -246,9 +307,11 @@ def _linear_pos(grads: _Grads, name: str, dy: torch.Tensor, x: torch.Tensor, n_p
     grads.add_positions(grads.view[name + "bias"], n_pos, _summed(dy))
 
 
-def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic: str) -> torch.Tensor:
-    """Block b over positions 0..P−1: cotangent d_out [m, B, P, d] of its output -> that of its input [m, B, P, d];
-    parameter gradients into grads."""
+def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor,
+                myopic: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Block b over positions 0..P−1: cotangent d_out [m, B, P, d] of its output -> that of its input [m, B, P, d]
+    and, for block 0, the part through ln1 per table row [m, R, P, d] (else None; see ``Primals``: block 0's c_attn
+    and ln1 run on the table); parameter gradients into grads."""
     c, pre = pr.blocks[b], f"blocks.{b}."
     m, bsz, n_pos, d = d_out.shape
     heads = pr.n_head
@@ -274,21 +337,21 @@ def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor, myopic:
     live_s, live_a = (ds, att) if myopic == "none" else (ds * eye, att * eye)
     w_s, w_a = (live_s, live_a) if myopic == "kv" else (ds, att)
 
-    def dqkv_of(s, a):  # [m, B, P, 3d] with keys from s, values from a
+    def dqkv_of(s, a):  # [m, B, P, 3d] with keys from s, values from a; block 0: per table row [m, R, P, 3d]
         dk, dv = s.transpose(-1, -2) @ q, a.transpose(-1, -2) @ dz
+        if b == 0:
+            return pr.bin_heads(dq, dk, dv)
         return torch.cat([z.transpose(2, 3).reshape(m, bsz, n_pos, d) for z in (dq, dk, dv)], -1)
 
     name = pre + "attn.c_attn."
     w_attn = _weight(pr, name + "weight", n_pos)
-    x1 = c["ln1"]["y"][:, upto]
+    x1 = (c["tab"] if b == 0 else c)["ln1"]["y"][:, upto]
     dqkv = dqkv_of(w_s, w_a)
     _linear_pos(grads, name, dqkv, x1, n_pos)
     dx1_all = _matmul_pos(dqkv, w_attn)
     dx1_live = dx1_all if w_s is live_s else _matmul_pos(dqkv_of(live_s, live_a), w_attn)
-    n1 = c["ln1"]["n"][:, upto]
-    grads.add_positions(grads.view[pre + "ln1.weight"], n_pos, _summed(dx1_all, n1))
-    grads.add_positions(grads.view[pre + "ln1.bias"], n_pos, _summed(dx1_all))
-    return d_mid + _ln_back(n1, c["ln1"]["rsigma"][:, upto], _weight(pr, pre + "ln1.weight", n_pos), dx1_live)
+    d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=True)
+    return (d_mid, d_tab) if b == 0 else (d_mid + d_in, None)
 
 
 def own_cotangents(pr: Primals, layer: int, qpos: torch.Tensor, d_logits: torch.Tensor) -> torch.Tensor:

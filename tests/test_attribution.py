@@ -144,6 +144,45 @@ def test_bucketed_reverse_and_forward_mode_match_autograd(kw):
             assert abs((tangents[j] * u[j]).sum() - ref) <= 1e-12 * abs(ref), (layer, i)
 
 
+@pytest.mark.parametrize("kw", REGIMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "vanilla")
+def test_embedding_table_matches_autograd_and_oracle(kw):
+    """A batch larger than the vocabulary: block 0's ln1 and c_attn run once per (token, position) of the cache's
+    table (``Primals.dedupe``). The cached forward, every row of the reverse and forward modes (buckets of mixed
+    positions, layers 0..2, and the all-sites tangents) and the decomposition (one bucket per layer) still equal
+    autograd and the oracle."""
+    model = tiny(**kw)
+    tokens, mask = batch(seed=3, n=3 * V)
+    params = list(model.parameters())
+    n_params = sum(p.numel() for p in params)
+    g = torch.Generator().manual_seed(8)
+    primals = Primals(model, tokens[:, :T - 1])
+    assert primals.dedupe
+    _, r = model(tokens[:, :T - 1], return_resid=True, myopic="none")
+    for a, b in zip(primals.resid, r):
+        assert (a - b).abs().max() <= 1e-12 * b.abs().max()
+    directions = torch.randn(6, n_params, generator=g, dtype=torch.float64)
+    every = all_tangents(primals, 2, T - 1, directions)
+    for layer in range(3):
+        pos = torch.tensor([5, 0, 2, 6, 2, 3])
+        u = torch.randn(len(pos), len(tokens), D, generator=g, dtype=torch.float64)
+        vjps = site_vjps(primals, layer, pos, u, model.myopic)
+        tangents = site_tangents(primals, layer, pos, directions)
+        for j, i in enumerate(pos.tolist()):
+            r_i = model.resid_last(tokens[:, :i + 1], layer)
+            ref = flat_grads(torch.autograd.grad(r_i, params, u[j], allow_unused=True), params)
+            assert (vjps[j] - ref).abs().max() <= 1e-12 * ref.abs().max(), (layer, i)
+            r_i = model.resid_last(tokens[:, :i + 1], layer, myopic="none")
+            ref = flat_grads(torch.autograd.grad(r_i, params, u[j], allow_unused=True), params) @ directions[j]
+            for got in (tangents[j], every[layer][j, :, i]):
+                assert abs((got * u[j]).sum() - ref) <= 1e-12 * abs(ref), (layer, i)
+    sites = [Site(k, p) for k in range(3) for p in (T - 1, 0, 4, 2)]
+    parts = decompose(model, tokens, sites, mask, bucket_width=T)
+    for s in sites:
+        ref = oracle(model, tokens, s, mask)
+        for name, value in parts[s].as_dict().items():
+            assert (value - ref[name]).abs().max() < 1e-10 * ref["full"].abs().max(), (s, name)
+
+
 def test_decompose_leaves_state_untouched():
     model = tiny()
     tokens, mask = batch()
@@ -223,6 +262,31 @@ def test_sgd_influence_matches_oracle_components(mismatch):
         if r["optimizer"] == "sgd" and r["mismatch"] == mismatch:
             assert r["value"] == pytest.approx(0.1 * torch.dot(g_r, ref[r["component"]]).item(), rel=1e-8, abs=1e-15)
 
+
+@pytest.mark.parametrize("kw", [{}, {"myopic": "resid"}, {"position_groups": "untied"}],
+                         ids=["vanilla", "myopic=resid", "untied"])
+def test_tracker_with_embedding_table_matches_oracle_components(kw):
+    """A batch larger than the vocabulary (the cache's deduplicated table): every SGD component at sites in layers
+    0, 1 and 2 equals lr·⟨∇R, oracle component⟩ for both mismatches, whole batch and per feature type."""
+    model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
+    g = torch.Generator().manual_seed(9)
+    sites = [Site(0, 3), Site(1, 2), Site(1, 6), Site(2, 5)]
+    probes = [Probe(s, f"f{j}", torch.randn(D, generator=g, dtype=torch.float64)) for j, s in enumerate(sites)]
+    tokens, mask = batch(seed=4, n=3 * V)
+    types = {p.name: torch.randint(0, 2, tokens.shape, generator=g) for p in probes[:2]}
+    tracker = InfluenceTracker(final, probes)
+    rows = tracker.track(model, torch.optim.SGD(model.parameters(), lr=0.1), tokens, mask, feature_types=types)
+    for p in probes:
+        ref = oracle(model, tokens, p.site, mask)
+        for mismatch in MISMATCHES:
+            g_r = _risk_grad(model, final, p, tokens, mismatch)
+            mine = [r for r in rows if r["feature"] == p.name and r["optimizer"] == "sgd" and r["mismatch"] == mismatch
+                    and r["feature_type"] == -1]
+            assert len(mine) == 4
+            for r in mine:
+                expected = 0.1 * torch.dot(g_r, ref[r["component"]]).item()
+                assert r["value"] == pytest.approx(expected, rel=1e-8, abs=1e-15), (p.site, r["component"])
+    assert {r["feature_type"] for r in rows if r["feature"] == "f0"} == {-1, 0, 1}
 
 @pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}, {"position_groups": split_groups(T, 3)}],
                          ids=["vanilla", "myopic=kv", "split"])
