@@ -78,17 +78,23 @@ def test_decompose_matches_oracle(kw):
         assert any(parts[s].pre_cached.abs().max() > 1e-6 for s in sites if s.layer < 2)
 
 
-@pytest.mark.parametrize("kw", REGIMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "vanilla")
-def test_decompose_one_bucket_per_layer_matches_oracle(kw):
-    """All sites of a layer in one reverse-mode call (positions 0..T−1 mixed, padded to the longest prefix)."""
-    model = tiny(**kw)
-    tokens, mask = batch()
+def assert_one_bucket_per_layer_matches_oracle(model, tokens, mask):
+    """decompose with every site of a layer in one bucket (positions T−1, 0, 4, 2 of layers 0–2 mixed, padded to
+    the longest prefix) against the float64 oracle of the definition."""
     sites = [Site(k, p) for k in range(3) for p in (T - 1, 0, 4, 2)]
     parts = decompose(model, tokens, sites, mask, bucket_width=T)
     for s in sites:
         ref = oracle(model, tokens, s, mask)
         for name, value in parts[s].as_dict().items():
             assert (value - ref[name]).abs().max() < 1e-10 * ref["full"].abs().max(), (s, name)
+
+
+@pytest.mark.parametrize("kw", REGIMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "vanilla")
+def test_decompose_one_bucket_per_layer_matches_oracle(kw):
+    """All sites of a layer in one reverse-mode call (positions 0..T−1 mixed, padded to the longest prefix)."""
+    model = tiny(**kw)
+    tokens, mask = batch()
+    assert_one_bucket_per_layer_matches_oracle(model, tokens, mask)
 
 
 @pytest.mark.parametrize("kw", [{}, {"myopic": "resid"}, {"position_groups": "untied"},
@@ -168,12 +174,7 @@ def test_embedding_table_matches_autograd_and_oracle(kw):
     directions = torch.randn(6, n_params, generator=g, dtype=torch.float64)
     every = all_tangents(primals, 2, T - 1, directions)
     assert_site_modes_match_autograd(model, tokens, primals, directions, g, every)
-    sites = [Site(k, p) for k in range(3) for p in (T - 1, 0, 4, 2)]
-    parts = decompose(model, tokens, sites, mask, bucket_width=T)
-    for s in sites:
-        ref = oracle(model, tokens, s, mask)
-        for name, value in parts[s].as_dict().items():
-            assert (value - ref[name]).abs().max() < 1e-10 * ref["full"].abs().max(), (s, name)
+    assert_one_bucket_per_layer_matches_oracle(model, tokens, mask)
 
 
 def test_decompose_leaves_state_untouched():
