@@ -440,6 +440,29 @@ def test_replay_reproduces_and_writes_tidy_rows(finished_run, tmp_path):
         assert centred["R0_eval"] == pytest.approx((1 - paper["offset_share_R0"]) * paper["R0_eval"], rel=1e-4)
 
 
+def test_adam_only_replay_writes_the_adam_rows_of_a_full_replay(finished_run, tmp_path):
+    import pyarrow.parquet as pq
+
+    from ntpflow.replay import attribute
+
+    sites, features = [Site(1, 3), Site(0, 5)], ["is_majority_<0>"]
+    full = attribute(finished_run, sites, features, out_dir=tmp_path / "all", progress=False)
+    adam = attribute(finished_run, sites, features, out_dir=tmp_path / "adam", progress=False, sgd_rows=False)
+    rows = [pq.read_table(o / "influence.parquet").to_pylist() for o in (full, adam)]
+    key = lambda r: (r["step"], r["layer"], r["pos"], r["feature"], r["mismatch"], r["component"], r["optimizer"])
+    a = {key(r): r["value"] for r in rows[0] if r["optimizer"] != "sgd"}
+    b = {key(r): r["value"] for r in rows[1]}
+    assert {r["optimizer"] for r in rows[1]} == {"adam", "none"}
+    assert a.keys() == b.keys()
+    # the same ops on the same values, but the directions are batched differently (m rows per matmul): float32
+    # rounding of the tangents, relative to the largest influence
+    scale = max(abs(v) for v in a.values())
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5 * scale), k
+    with pytest.raises(ValueError, match="other sites/features/rows"):  # one folder never mixes the two
+        attribute(finished_run, sites, features, out_dir=tmp_path / "adam", progress=False)
+
+
 def test_replay_detects_divergence(finished_run, tmp_path):
     import shutil
 

@@ -349,7 +349,7 @@ def _stage_qvi(s: _Session, progress: bool) -> None:
         run = train(cfg, out / "toy_run", progress=False)
         load_or_probe(run, "final", "cpu")
         attribute(Run.open(out / "toy_run").dir, toy_sites(ty["layers"], ty["positions"]), list(ty["features"]),
-                  device="cpu", progress=False)
+                  device="cpu", progress=False, sgd_rows=False)
         res = q_vs_influence(out / "toy_run", n_sequences=ty["n_sequences"], device="cpu")
     finally:
         torch.set_num_threads(threads)

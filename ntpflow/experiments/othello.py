@@ -168,7 +168,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                 load_or_classify(run, which, device)
         with timer.stage("attribution", (run.dir / "attribution" / "influence.parquet").exists()):
             attribute(Run.open(run.dir).dir, list(scale.sites), list(scale.squares), device=device,
-                      progress=progress)
+                      progress=progress, sgd_rows=False)
         data = gather(scale, out)
         write_json(out / "data.json", data)
         write_report(out)

@@ -154,7 +154,8 @@ def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], device:
     run = train(cfg, run_dir, progress=False)
     load_or_probe(run, "final", device)
     load_or_probe(run, "init", device)
-    attribute(Run.open(run_dir).dir, [Site(*s) for s in sites], list(FEATURE_NAMES), device=device, progress=False)
+    attribute(Run.open(run_dir).dir, [Site(*s) for s in sites], list(FEATURE_NAMES), device=device, progress=False,
+              sgd_rows=False)
     return {"run_dir": run_dir}
 
 

@@ -142,7 +142,7 @@ def _one_replay(run_dir: str, sites: list[tuple[int, int]], features: list[str],
     from ..replay import attribute
 
     torch.set_num_threads(threads)
-    attribute(run_dir, [Site(*s) for s in sites], features, device=device, progress=False)
+    attribute(run_dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False)
     return {"run_dir": run_dir}
 
 
@@ -154,7 +154,7 @@ def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: l
     from ..replay import attribute_group
 
     torch.set_num_threads(threads)
-    attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False)
+    attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False)
     return {"run_dirs": run_dirs}
 
 
