@@ -49,6 +49,9 @@ class ToyScale:
         return cfg.regime in self.tracked and (self.tracked_seeds is None or cfg.seed in self.tracked_seeds)
 
 
+MAX_CURVE_POINTS = 200  # influence curves keep at most about this many steps per run (the last step always)
+
+
 def _sites(layers, positions) -> tuple[Site, ...]:
     return tuple(Site(k, p) for k in layers for p in positions)
 
@@ -243,12 +246,13 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
         table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
         rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
+        stride = max(scale.curve_every, last // MAX_CURVE_POINTS)  # a long run keeps its curves (and data.json) small
         for r in rows:
             site = {"layer": r["layer"], "pos": r["pos"], "feature": r["feature"], "mismatch": r["mismatch"]}
             if r["step"] == last:
                 influence.append({**key, **site, "component": r["component"], "total": r["cumulative"],
                                   "useful": bool(task.useful[r["pos"], task.feature_names.index(r["feature"])])})
-            if r["step"] % scale.curve_every == 0 or r["step"] == last:
+            if r["step"] % stride == 0 or r["step"] == last:
                 curves.append({**key, **site, "step": r["step"] + 1, "component": r["component"],
                                "cumulative": r["cumulative"]})
         for p in read_json(rd / "attribution" / "summary.json")["probes"]:  # held-out R(θ_0), R removed, offset
