@@ -1,4 +1,4 @@
-"""Command line: ``ntpflow {train,probe,attribute,reproduce,sweep,qscan,demo} ...``.
+"""Command line: ``ntpflow {train,probe,attribute,balance,reproduce,sweep,qscan,demo} ...``.
 
 Parses input, builds configs, calls library functions."""
 
@@ -14,6 +14,7 @@ examples:
   ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'
   ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_<0>'
   ntpflow attribute runs/maj-vanilla-s0 --group --sites 1-2:2-19   # every member of its run group, one replay
+  ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features 'is_majority_<0>'   # where the balance goes
   ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
   ntpflow reproduce othello --scale small
   ntpflow reproduce stories --scale small --corpus PATH   # your TinyStories folder (or hf, generated:N)
@@ -118,6 +119,24 @@ def cmd_attribute(args) -> int:
         outs = attribute_group(dirs, sites, features, device=args.device or "auto", progress=not args.quiet,
                                force_unlock=args.force_unlock, sgd_rows=not args.adam_only)
     print("\n".join(map(str, outs)))
+    return 0
+
+
+def cmd_balance(args) -> int:
+    """``ntpflow balance``: replay a run and split the gap between its integrated full influence and the mismatch
+    removed on held-out data; print the out folder and one line per probe and mismatch."""
+    from .balance import audit_balance
+    from .io import read_json
+    from .sites import parse_sites
+
+    features = [f for f in args.features.split(",") if f] if args.features else None
+    out = audit_balance(args.run_dir, parse_sites(args.sites), features, out_dir=args.out, n_held_out=args.held_out,
+                        device=args.device or "auto", progress=not args.quiet)
+    print(out)
+    for e in read_json(out / "summary.json")["probes"]:
+        print(f"⟨{e['layer']}, {e['pos']}⟩ {e['feature']} {e['mismatch']}: Σ full influence {e['full_batch']:.4g} "
+              f"= removed on held-out {e['removed_held_out']:.4g} + same batch {e['same_batch']:.4g} "
+              f"+ beyond first order {e['beyond_first_order']:.4g}")
     return 0
 
 
@@ -283,6 +302,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take over the output folder's lock left by a process on another host that is gone")
     a.add_argument("--device", help="auto (default), cpu, cuda, ...")
     a.set_defaults(fn=cmd_attribute)
+
+    b = sub.add_parser("balance", help="replay a finished run and split the gap between its integrated full "
+                       "influence and the mismatch removed on held-out data",
+                       epilog="example: ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features "
+                              "'is_majority_<0>'\n"
+                              "Python: ntpflow.balance.audit_balance('runs/maj-vanilla-s0', "
+                              "ntpflow.sites.parse_sites('1:4,1:6'), ['is_majority_<0>'])\n"
+                              "writes OUT/summary.json: per probe and mismatch, Σ full influence = R removed on "
+                              "held-out data + a same-batch part + a beyond-first-order part (docs/engine.md)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("run_dir", help="a finished run directory (ntpflow train)")
+    b.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:4,1:6 or 1:2-9")
+    b.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
+    b.add_argument("--held-out", type=int, default=1024,
+                   help="size of the held-out set H, the first examples of the eval set (default 1024)")
+    b.add_argument("--out", help="output folder (default RUN_DIR/balance)")
+    b.add_argument("--device", help="auto (default), cpu, cuda, ...")
+    b.set_defaults(fn=cmd_balance)
 
     rp = sub.add_parser("reproduce", help="reproduce an experiment of the paper and write its report",
                         epilog=REPRODUCE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -227,23 +227,24 @@ class _Tracked:
         if (step + 1) % self.block == 0 or step + 1 == self.run.cfg.steps:
             _write_part(self.out / "parts" / f"part_{self.block_start:06d}.parquet", self.rows)
             self.rows, self.block_start = [], step + 1
-            _save_resume_point(self.out, self.model, self.opt, self.tracker, step + 1)
+            save_resume_point(self.out, self.model, self.opt, step + 1,
+                              {f"tracker.{k}": v for k, v in self.tracker.state_dict().items()})
 
     def finish(self) -> None:
         """Check the final weights against the run's (bit for bit) and write influence.parquet and summary.json."""
-        _check_replay(self.run, self.model)
+        check_replay(self.run, self.model)
         _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev)
 
 
-def _save_resume_point(out: Path, model, opt, tracker, step: int) -> None:
-    """Write ``out/state/step_NNNNNN`` (state tensors and sidecar) in a temporary folder and rename it into place: a
-    resume point exists whole or not at all. Keeps this one and the one before (the fallback if this one rots)."""
+def save_resume_point(out: Path, model, opt, step: int, extra: dict[str, torch.Tensor]) -> None:
+    """Write ``out/state/step_NNNNNN`` (model, Adam and ``extra`` tensors, and a sidecar) in a temporary folder and
+    rename it into place: a resume point exists whole or not at all. Keeps this one and the one before (the fallback
+    if this one rots)."""
     states = out / "state"
     states.mkdir(exist_ok=True)
     tmp = states / f".tmp-{step:06d}-{secrets.token_hex(4)}"
     tmp.mkdir()
-    save_state(tmp / "state.safetensors", model, opt, {"step": step},
-               {f"tracker.{k}": v for k, v in tracker.state_dict().items()})
+    save_state(tmp / "state.safetensors", model, opt, {"step": step}, extra)
     fault_point("attribute:before_state_rename")
     final = states / f"step_{step:06d}"
     if final.exists():  # a state that failed its checksum before, now recomputed
@@ -251,31 +252,36 @@ def _save_resume_point(out: Path, model, opt, tracker, step: int) -> None:
     os.rename(tmp, final)
     fsync_dir(states)
     fault_point("attribute:after_state_rename")
-    for old in _resume_points(out)[:-2]:
+    for old in resume_points(out)[:-2]:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _resume_points(out: Path) -> list[Path]:
+def resume_points(out: Path) -> list[Path]:
     """The complete resume points ``out/state/step_*``, oldest first."""
     return sorted(p for p in (out / "state").glob("step_*") if (p / "state.json").exists())
 
 
-def _resume(out: Path, model, opt, tracker, dev):
-    cums: dict[tuple, float] = defaultdict(float)
+def load_resume_point(out: Path, model, opt, dev) -> tuple[int, dict[str, torch.Tensor]]:
+    """Remove what a kill left half-written in ``out``, then load the newest intact resume point into ``model`` and
+    ``opt``: (its step, all its tensors), or (0, {}) when there is none."""
     for stale in [*(out / "state").glob(".tmp-*"), out / "state.safetensors", out / "state.json"]:
         if stale.is_dir():  # a resume point cut short by a kill, or the single state of older versions
             shutil.rmtree(stale, ignore_errors=True)
         else:
             stale.unlink(missing_ok=True)
-    start, state = 0, {}
-    for point in reversed(_resume_points(out)):
+    for point in reversed(resume_points(out)):
         try:
             meta, state = load_state(point / "state.safetensors", model, opt, dev)
         except (CorruptFileError, FileNotFoundError) as e:
             log.warning("warning: %s; falling back to the previous resume point", e)
             continue
-        start = meta["step"]
-        break
+        return meta["step"], state
+    return 0, {}
+
+
+def _resume(out: Path, model, opt, tracker, dev):
+    cums: dict[tuple, float] = defaultdict(float)
+    start, state = load_resume_point(out, model, opt, dev)
     if not start:
         for p in (out / "parts").glob("part_*.parquet"):
             p.unlink()
@@ -304,7 +310,7 @@ def _write_part(path: Path, rows: list[dict]):
     tmp.replace(path)
 
 
-def _check_replay(run: Run, model):
+def check_replay(run: Run, model):
     final = load_tensors(run.weights_path("final"))
     worst = 0.0
     for k, v in model.state_dict().items():

@@ -36,7 +36,7 @@ def wiggle(seed: int, ri: int, scale: float) -> float:
 
 
 def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_OK, centred=INFL_OK, paper=INFL_BAD,
-              first_acc=1.0, steps=4) -> dict:
+              first_acc=1.0, steps=4, overshoot=1.0) -> dict:
     runs, probes, influence, curves, mismatch, eval_curves = [], [], [], [], [], []
     for task in tasks:
         for ri, regime in enumerate(REGIMES):
@@ -73,7 +73,8 @@ def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_O
                                     curves.append({**key, **site, "step": s, "component": c,
                                                    "cumulative": v * s / steps})
                             mismatch.append({**key, **site, "useful": useful, "R0_eval": 2.0 if m == "paper" else 0.5,
-                                             "R0_minus_RT_eval": 0.4,
+                                             # R_c removed: the full influence / overshoot (R: 0.4)
+                                             "R0_minus_RT_eval": 0.4 if m == "paper" else comp["full"] / overshoot,
                                              "offset_share_R0": 0.7 + 0.02 * seed + 0.01 * TRACKED[task].index(f)})
     return {"scale": "synthetic", "seeds": list(seeds), "sites": SITES, "tracked_seeds": list(seeds),
             "train": {"d_model": 32, "n_train": 1024, "n_eval": 256}, "task_train": {t: {"steps": steps} for t in tasks},
@@ -163,6 +164,18 @@ def test_regenerate_is_identical(good):
 def test_bad_numbers_give_not_reproduced():
     s = summarize(make_data(gains=GAIN_BAD, centred=INFL_BAD, paper=INFL_OK))
     assert set(verdicts(s).values()) == {"not reproduced"}
+
+
+def test_an_unbalanced_first_order_makes_c_not_testable():
+    # Σ full influence on R_c 3× the R_c removed at the useless sites (means over seeds, hand-worked: 3.0)
+    s = summarize(make_data(overshoot=3.0))
+    v = verdicts(s)
+    assert v[("c", "majority")] == v[("c", "cond_majority")] == NOT_TESTABLE
+    assert v[("a", "majority")] == v[("b", "cond_majority")] == "reproduced"
+    c = next(c for c in s["claims"] if (c["id"], c["context"]) == ("c", "majority"))
+    check = next(p for p in c["preconditions"] if p["name"].startswith("first-order balance"))
+    assert check["value"] == pytest.approx(3.0) and not check["ok"]
+    assert verdicts(summarize(make_data(overshoot=0.6)))[("c", "majority")] == "reproduced"  # within 2×, either way
 
 
 def test_the_paper_mismatch_does_not_decide():

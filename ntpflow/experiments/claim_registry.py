@@ -29,6 +29,7 @@ CLAIM_LAYERS, CLAIM_POSITIONS = (1, 2), tuple(range(2, 10))  # input positions: 
 B_LEARNED = 0.9  # claim b: vanilla's prev_is_<0> probe r (window mean) on every seed
 B_THRESHOLD = 0.05  # claim b: a gain below this counts as "not learned"
 C_RATIO = 0.25  # claim c: |direct| < C_RATIO · (pre_cached + shared) counts as "small"
+C_BALANCE = 2.0  # claim c: Σ full influence on R_c within this factor of the R_c actually removed (first order holds)
 WINDOW = "layers 1–2, input positions 2–9"
 
 
@@ -41,6 +42,21 @@ def gate_checks(summary: dict, task: str) -> tuple[Check, ...]:
             Check(f"vanilla {task} eval loss within {GATE_GAP} of the exact optimum "
                   f"{fmt_g(g.get('optimal_loss'))} on every seed (largest gap)",
                   None if gap is None else round(gap, 4), gap is not None and gap <= GATE_GAP))
+
+
+def balance_check(summary: dict, task: str) -> Check:
+    """Claim c's precondition that the first-order decomposition accounts for what training did: at the claim's
+    sites (NTP-useless, below the last layer; means over the tracked seeds), Σ full influence on R_c lies within a
+    factor C_BALANCE of Σ R_c removed on held-out data."""
+    rows = [r for r in summary.get("sites_detail") or [] if r["task"] == task and not r["useful"]
+            and r["layer"] < summary["n_layer"] and None not in (r.get("centred_full"), r.get("centred_removed"))]
+    full, removed = sum(r["centred_full"] for r in rows), sum(r["centred_removed"] for r in rows)
+    ratio = full / removed if rows and removed else None
+    factor = None if ratio is None or ratio <= 0 else max(ratio, 1 / ratio)
+    return Check(f"first-order balance: Σ full influence on R_c at these sites within a factor {C_BALANCE:g} of the "
+                 "R_c removed on held-out data (means over the tracked seeds; the factor)",
+                 "no data" if not rows else "opposite signs" if factor is None else round(factor, 2),
+                 factor is not None and factor <= C_BALANCE)
 
 
 def _toy_rule_a() -> Rule:
@@ -141,7 +157,7 @@ def toy_claims(summary: dict) -> list[Claim]:
             "Othello only: direct ≈ 0 for useless squares; toy tasks reported as probe quality only", _toy_rule_c(),
             {"centred": c, "paper": p},
             f"integrated influence at NTP-useless sites (+ = toward the final value), {text}. n = {n_tr} seeds",
-            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t)), t))
+            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t), balance_check(summary, t)), t))
     return out
 
 

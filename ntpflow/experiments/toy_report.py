@@ -372,7 +372,7 @@ FIGURES = {"probe_majority": _fig_probe("majority"), "probe_cond_majority": _fig
 
 
 def _document(summary: dict, figures) -> list[tuple]:
-    return template_blocks("toy", summary["claims"], s=summary, figures=figures, sign=fs.SIGN, unit=INFLUENCE_UNIT,
+    return template_blocks("toy", [c.to_dict() for c in toy_claims(summary)], s=summary, figures=figures, sign=fs.SIGN, unit=INFLUENCE_UNIT,
                            titles=TASK_TITLES)
 
 

@@ -1,0 +1,112 @@
+"""The balance audit: its directional derivatives against autograd in float64, its sums against an attribution and
+against the mismatch computed from the initial and final weights, resuming, and its errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ntpflow.balance import audit_balance, directional_terms, final_projections
+from ntpflow.config import TrainConfig
+from ntpflow.influence import Probe
+from ntpflow.model import GPT, GPTConfig
+from ntpflow.replay import attribute, make_probes
+from ntpflow.sites import Site
+from ntpflow.training import Run, make_datasets, train
+
+TINY = {"n_layer": 2, "d_model": 32, "n_head": 2, "steps": 16, "batch_size": 32, "n_train": 512, "n_eval": 256,
+        "eval_every": 8, "ckpt_every": 8, "log_every": 4}
+SITES, FEATURE = [Site(1, 3), Site(1, 5)], "is_majority_<0>"
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "maj"
+    train(TrainConfig(**TINY), path, progress=False)
+    return path
+
+
+@pytest.mark.parametrize("position_groups", [None, (0,) * 5 + (1,) * 4])
+def test_directional_terms_match_autograd_in_float64(position_groups):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=7, n_ctx=9, n_layer=2, d_model=16, n_head=2, position_groups=position_groups)
+    model, final = GPT(cfg, seed=1).double(), GPT(cfg, seed=2).double()
+    tokens = torch.randint(0, 7, (12, 9))
+    probes = [Probe(Site(1, 4), "a", torch.randn(16, dtype=torch.float64)),
+              Probe(Site(2, 6), "b", torch.randn(16, dtype=torch.float64)),
+              Probe(Site(0, 2), "c", torch.randn(16, dtype=torch.float64))]
+    direction = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
+    star = final_projections(final, tokens, probes)
+    got = directional_terms(model, direction, tokens, probes, star)
+    # oracle: the mismatch from the full forward, its gradient by autograd, dotted with the direction
+    _, resid = model(tokens, return_resid=True, myopic="none")
+    _, resid_star = final(tokens, return_resid=True, myopic="none")
+    for n, p in enumerate(probes):
+        d = (resid[p.site.layer][:, p.site.pos] - resid_star[p.site.layer][:, p.site.pos].detach()) @ p.w
+        for mismatch, r in (("paper", d.pow(2).mean()), ("centred", d.var(unbiased=False))):
+            grads = torch.autograd.grad(r, list(model.parameters()), retain_graph=True, allow_unused=True)
+            dr = sum((g.flatten() @ v).item() for g, v in zip(grads, direction.split(
+                [q.numel() for q in model.parameters()])) if g is not None)
+            assert got[mismatch][0, n].item() == pytest.approx(r.item(), rel=1e-10, abs=1e-12)
+            assert got[mismatch][1, n].item() == pytest.approx(dr, rel=1e-9, abs=1e-12)
+
+
+def test_audit_agrees_with_attribution_and_the_weights(finished_run, tmp_path):
+    out = audit_balance(finished_run, SITES, [FEATURE], out_dir=tmp_path / "b", n_held_out=TINY["n_eval"],
+                        progress=False)
+    audit = json.loads((out / "summary.json").read_text())
+    att = attribute(finished_run, SITES, [FEATURE], out_dir=tmp_path / "a", progress=False, sgd_rows=False)
+    tracked = {(p["layer"], p["pos"], p["mismatch"]): p for p in json.loads((att / "summary.json").read_text())["probes"]}
+    # the held-out mismatch of the initial and final weights, computed here from the run's files
+    run = Run.open(finished_run)
+    _, eval_set = make_datasets(run.cfg, run.task)
+    held = torch.as_tensor(eval_set.tokens)
+    _, r0 = run.load_model("init")(held, return_resid=True, myopic="none")
+    _, rT = run.load_model("final")(held, return_resid=True, myopic="none")
+    probes = {p.site: p for p in make_probes(run, SITES, [FEATURE])}
+    assert len(audit["probes"]) == 2 * len(SITES)
+    for e in audit["probes"]:
+        t = tracked[e["layer"], e["pos"], e["mismatch"]]
+        scale = abs(t["adam_full"]) + abs(e["full_held_out"])
+        # Σ −⟨∇R_B, Δθ⟩ along the real step is the tracker's full Adam influence (float32 rounding per step)
+        assert e["full_batch"] == pytest.approx(t["adam_full"], abs=1e-4 * scale)
+        w, k, i = probes[Site(e["layer"], e["pos"])].w, e["layer"], e["pos"]
+        with torch.no_grad():
+            d0, dT = ((r[k][:, i] - rT[k][:, i]) @ w for r in (r0, rT))
+        removed = (d0.pow(2).mean() if e["mismatch"] == "paper" else d0.var(unbiased=False)).item()
+        assert e["removed_held_out"] == pytest.approx(removed, rel=1e-4)
+        assert e["removed_held_out"] == pytest.approx(t["R0_minus_RT_eval"], rel=1e-4)
+        assert e["same_batch"] + e["beyond_first_order"] == pytest.approx(e["full_batch"] - e["removed_held_out"])
+        assert len(e["curve"]["full_batch"]) == len(audit["curve_steps"]) == 2  # every ckpt_every = 8 steps
+        assert e["curve"]["removed_held_out"][-1] == e["removed_held_out"]
+
+
+def test_audit_resumes_after_kill(finished_run, tmp_path):
+    cmd = [sys.executable, "-m", "ntpflow", "-q", "balance", str(finished_run), "--sites", "1:3",
+           "--features", FEATURE, "--held-out", "64"]
+    ref, out = tmp_path / "ref", tmp_path / "killed"
+    assert subprocess.run([*cmd, "--out", str(ref)], check=False).returncode == 0
+    env = {**os.environ, "NTPFLOW_FAULT": "attribute:after_state_rename:kill"}  # right after the first resume point
+    assert subprocess.run([*cmd, "--out", str(out)], check=False, env=env).returncode == -signal.SIGKILL
+    assert list((out / "state").glob("step_*")) and not (out / "summary.json").exists()
+    assert subprocess.run([*cmd, "--out", str(out)], check=False, capture_output=True).returncode == 0
+    a, b = (json.loads((d / "summary.json").read_text()) for d in (ref, out))
+    assert a == b
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--sites", "1:3", "--held-out", "1"], "n_held_out must be at least 2"),
+    (["--sites", "5:3"], "layer"),
+    (["--sites", "1:3", "--features", "nope"], "unknown feature"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(finished_run, tmp_path, args, message):
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, "-m", "ntpflow", "balance", str(finished_run), "--out", str(out), *args],
+                         check=False, capture_output=True, text=True)
+    assert res.returncode == 2
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not out.exists()
