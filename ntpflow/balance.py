@@ -23,6 +23,7 @@ Output folder (default ``RUN_DIR/balance``)::
 
 import logging
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from .model import GPT
 from .replay import check_replay, load_resume_point, make_probes, save_resume_point
 from .run_group import replay_stepper
 from .sites import Site
+from .threads import follow_threads
 from .training import DataOrder, Run, make_datasets, make_optimizer, to_torch
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,8 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
         s.check(run.model_config().n_layer, run.task.seq_len)
     probes = [Probe(p.site, p.name, p.w.to(dev)) for p in make_probes(run, sites, features, device)]
     out = ensure_writable_dir(out_dir or run.dir / "balance")
-    with DirLock(out):
+    with ExitStack() as locks:
+        locks.enter_context(DirLock(out))
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in probes}),
                 "n_held_out": n_held_out, "config_hash": cfg.hash()}
         if (out / "spec.json").exists() and read_json(out / "spec.json") != spec:
@@ -127,8 +130,10 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
             sums, curve = state["sums"], list(state["curve"].unbind(0))
             log.info("resuming the audit in %s from step %d", out, start)
         advance, order = replay_stepper(run, model, opt, dev), DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
+        threads_at = locks.enter_context(follow_threads(run.dir, dev))
         for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
                          desc=f"audit {run.dir.name}", leave=False):
+            threads_at(step)
             i = order(step).to(dev)
             tokens, mask = data["tokens"][i], data["loss_mask"][i]
             with torch.no_grad():

@@ -42,6 +42,7 @@ from .io import (
 from .probe_runs import load_or_probe
 from .run_group import GroupReplay, member_indices, replay_stepper
 from .sites import Site
+from .threads import follow_threads
 from .training import (
     DataOrder,
     Run,
@@ -129,8 +130,10 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
         if todo:
             group = GroupReplay(runs[0], dev)
             first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
+            threads_at = locks.enter_context(follow_threads(runs[0].dir, dev))  # the group trained as one
             for step in tqdm(range(first, steps), initial=first, total=steps, disable=not progress,
                              desc=f"attribute the group of {runs[0].dir.name} ({len(todo)} runs)", leave=False):
+                threads_at(step)
                 active = [(r, m) for r, m in todo if m.start <= step]  # a member resumed later joins at its state
                 for r, m in active:
                     if m.start == step:
@@ -161,14 +164,16 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
         return out
     advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
     alone = not (run.dir / "group.json").exists()  # then track()'s backward is train_step's, bit for bit
-    for step in tqdm(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps, disable=not progress,
-                     desc=f"attribute {run.dir.name}", leave=False):
-        tokens, mask = m.track(step)
-        if alone:
-            m.tracker.optimizer_step(m.model, m.opt)
-        else:
-            advance(step, tokens, mask)
-        m.end_step(step)
+    with follow_threads(run.dir, dev) as threads_at:
+        for step in tqdm(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps, disable=not progress,
+                         desc=f"attribute {run.dir.name}", leave=False):
+            threads_at(step)
+            tokens, mask = m.track(step)
+            if alone:
+                m.tracker.optimizer_step(m.model, m.opt)
+            else:
+                advance(step, tokens, mask)
+            m.end_step(step)
     m.finish()
     return out
 

@@ -32,6 +32,7 @@ from .config import TrainConfig
 from .io import CorruptFileError, DirLock, ensure_writable_dir, read_json, resolve_device, save_tensors, write_json
 from .loss import lm_loss
 from .model import GPT
+from .threads import record_threads
 from .tracking import MetricsLog
 from .training import (
     DataOrder,
@@ -240,6 +241,7 @@ def _train_group(cfgs: list[TrainConfig], runs: list[Run], progress: bool) -> No
     start = _resume(runs, models, opts, device, cfg.steps)
     if start:
         log.info("resuming the group of %s from step %d", runs[0].dir, start)
+    record_threads([run.dir for run in runs], start, device)
     stack, group_opt = stack_runs(models, opts, cfg)
     for run in runs:
         _truncate_metrics(run.dir / "metrics.jsonl", start)

@@ -38,6 +38,7 @@ from .io import (
 from .loss import lm_loss
 from .model import GPT, GPTConfig, split_groups
 from .tasks import Batch, Task, make_task
+from .threads import record_threads
 from .tracking import MetricsLog, make_sinks
 
 log = logging.getLogger(__name__)
@@ -339,6 +340,7 @@ def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence) -> Run:
     start = run.resume(model, opt, device)
     if start:
         log.info("resuming %s from step %d", run_dir, start)
+    record_threads([run_dir], start, device)
     _truncate_metrics(run_dir / "metrics.jsonl", start)
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
     metrics_file = MetricsLog(run_dir / "metrics.jsonl", make_sinks(track, run_dir, cfg.to_dict()))
