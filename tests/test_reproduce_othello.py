@@ -10,6 +10,7 @@ import pytest
 import torch
 from _util import all_numbers
 
+from ntpflow.experiments.claims import NOT_TESTABLE
 from ntpflow.experiments.othello import CENTRAL_SQUARES, SCALES, run_othello
 from ntpflow.experiments.othello_probes import (
     ClassifierProbes,
@@ -213,6 +214,7 @@ def _hand_data():
                            {"step": 5, "legal_acc": 0.9, "first_acc": 1.0, "eval_loss": 2.0}],
             "train_curve": [{"step": 5, "loss": 2.0}], "probes": probes, "influence": influence,
             "curves": [{"step": 5, "type": "useful", "component": "direct", "mean_cumulative": 2.0}],
+            "sanity": [{"layer": 1, "pos": 10, "square": "sq_C3", "R0_minus_RT_eval": 1.0, "adam_full": 1.5}],
             "timings": {"train": 10.0, "attribution": 50.0}}
 
 
@@ -249,6 +251,17 @@ def test_report_statistics_on_hand_made_data(tmp_path):
     assert "| direct |" in text and "[2.85, 12.38]" in text and "NOT the paper's setting" in text
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [c["verdict"] for c in summary["claims"]] == ["reproduced", "reproduced", "not reproduced", "inconclusive"]
+
+
+def test_influence_claims_need_the_first_order_balance():
+    # Σ full influence 10.5 against 1.0 removed on held-out data: the decomposition does not account for training,
+    # so the influence claims (ii–iv) are not testable; the probe claim (i) does not rest on it
+    data = {**_hand_data(), "sanity": [{"layer": 1, "pos": 10, "square": "sq_C3", "R0_minus_RT_eval": 1.0,
+                                        "adam_full": 10.5}]}
+    s = summarize(data)
+    assert [c["verdict"] for c in s["claims"]] == ["reproduced"] + [NOT_TESTABLE] * 3
+    check = next(p for p in s["claims"][1]["preconditions"] if p["name"].startswith("first-order balance"))
+    assert check["value"] == pytest.approx(10.5) and not check["ok"]
 
 
 def _with_centred(data):

@@ -14,6 +14,7 @@ import math
 import pytest
 from _util import all_numbers
 
+from ntpflow.experiments.claims import NOT_TESTABLE
 from ntpflow.experiments import stories as S
 from ntpflow.experiments import stories_report as R
 
@@ -124,14 +125,14 @@ SEEDS = (0, 1, 2)
 NOISE = {0: -0.01, 1: 0.0, 2: 0.01}
 
 
-def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3):
+def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3, overshoot=1.25):
     runs = [{"regime": "vanilla", "seed": s, "eval_loss": 2.5 + NOISE[s], "train_loss": 2.4, "steps": 10}
             for s in SEEDS]
     runs += [{"regime": "myopic", "seed": s, "eval_loss": myopic_loss[s], "train_loss": 3.2, "steps": 10}
              for s in SEEDS]
     final_r = {"vanilla": {"tags": 0.8, "deps": 0.7, "position": 0.7},
                "myopic": {"tags": 0.79, "deps": 0.69, "position": pos_myopic_r}}
-    probes, profiles, influence, curves = [], [], [], []
+    probes, profiles, influence, curves, mismatch = [], [], [], [], []
     for rg in ("vanilla", "myopic"):
         for s in SEEDS:
             for g, feats in GROUPS.items():
@@ -160,6 +161,9 @@ def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3):
                     for c, v in vals.items():
                         influence.append({"regime": rg, "seed": s, "layer": 1, "pos": 2, "feature": f, "group": g,
                                           "component": c, "total": v})
+                    mismatch.append({"regime": rg, "seed": s, "layer": 1, "pos": 2, "feature": f, "mismatch": "paper",
+                                     "R0_eval": 2 * vals["full"], "R0_minus_RT_eval": vals["full"] / overshoot,
+                                     "offset_share_R0": 0.5})
                 for step in (1, 2):
                     for c in ("direct", "pre_cached", "shared", "full"):
                         curves.append({"regime": rg, "seed": s, "step": step, "group": g, "component": c,
@@ -172,7 +176,7 @@ def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3):
             "train": {"steps": 10, "n_train": 100, "n_eval": 50}, "n_layer": 2, "seq_len": 64,
             "tokenizer": {"source": "bpe", "vocab_size": 4096, "name": None}, "feature_groups": GROUPS,
             "runs": runs, "probes": probes, "profiles": profiles, "influence": influence, "curves": curves,
-            "samples": samples}
+            "mismatch": mismatch, "samples": samples}
 
 
 def _verdicts(summary):
@@ -206,7 +210,7 @@ def test_report_statistics_on_hand_made_data():
 
 def _with_centred(data):
     """``data`` as written since R_c exists: centred influence and held-out records per run × site × feature."""
-    out = {**data, "influence_centred": [], "mismatch": []}
+    out = {**data, "influence_centred": [], "mismatch": list(data["mismatch"])}
     for rg in ("vanilla", "myopic"):
         for s in SEEDS:
             for f in [f for feats in GROUPS.values() for f in feats]:
@@ -215,10 +219,8 @@ def _with_centred(data):
                 parts["full"] = sum(parts.values())
                 out["influence_centred"] += [{**site, "group": "x", "component": c, "total": v}
                                              for c, v in parts.items()]
-                out["mismatch"] += [{**site, "mismatch": "paper", "R0_eval": 2.0, "R0_minus_RT_eval": 1.0 + s,
-                                     "offset_share_R0": 0.5 + 0.1 * s},
-                                    {**site, "mismatch": "centred", "R0_eval": 1.0, "R0_minus_RT_eval": 0.5,
-                                     "offset_share_R0": 0.5 + 0.1 * s}]
+                out["mismatch"].append({**site, "mismatch": "centred", "R0_eval": 1.0, "R0_minus_RT_eval": 0.5,
+                                        "offset_share_R0": 0.5 + 0.1 * s})
     return out
 
 
@@ -230,7 +232,7 @@ def test_report_mismatch_table_on_hand_made_data(tmp_path):
     # means over the seeds 0, 1, 2 (the paper's parts: 3 + e, 0.5 + e, 1.5 + e with Σ e = 0)
     expect = {"centred_direct": 0.2, "centred_pre_cached": 0.2, "centred_shared": -0.1, "centred_full": 0.3,
               "centred_removed": 0.5, "paper_direct": 3.0, "paper_pre_cached": 0.5, "paper_shared": 1.5,
-              "paper_full": 5.0, "paper_removed": 2.0, "offset_share": 0.6}
+              "paper_full": 5.0, "paper_removed": 4.0, "offset_share": 0.5}  # R removed: full / 1.25
     assert rows["vanilla", 1, "tag_NN"] == pytest.approx({"regime": "vanilla", "layer": 1, "feature": "tag_NN",
                                                           **expect})
     assert rows["myopic", 1, "pos_int"]["paper_direct"] == pytest.approx(50.0)
@@ -239,12 +241,13 @@ def test_report_mismatch_table_on_hand_made_data(tmp_path):
     (tmp_path / "data.json").write_text(json.dumps(_with_centred(_hand_data())))
     text = R.write_report(tmp_path).read_text()
     assert "## The paper's mismatch R and the centred R_c" in text and "docs/experiments/toy.md" in text
-    assert "| vanilla | 1 | tag_NN | 0.6 | 0.2 / 0.2 / -0.1 | 0.3 → 0.5 | 3 / 0.5 / 1.5 | 5 → 2 |" in text
+    assert "| vanilla | 1 | tag_NN | 0.5 | 0.2 / 0.2 / -0.1 | 0.3 → 0.5 | 3 / 0.5 / 1.5 | 5 → 4 |" in text
     assert "not recorded in this run" not in text
 
 
 def test_report_mismatch_table_on_data_before_centred(tmp_path):
     old = _hand_data()  # no influence_centred and no mismatch records; the paper's R removed as an influence row
+    del old["mismatch"]
     old["influence"] += [{"regime": "vanilla", "seed": s, "layer": 1, "pos": 2, "feature": "tag_NN", "group": "tags",
                           "component": "mismatch_removed", "total": 1.0 + s} for s in SEEDS]
     s = R.summarize(old)
@@ -268,11 +271,19 @@ def test_report_verdicts_flip_with_the_data():
             r["total"] = {"direct": 0.5, "pre_cached": 3.0}[r["component"]] + NOISE[r["seed"]]
     assert _verdicts(R.summarize(data))[2] == "not reproduced"
     one = _hand_data()
-    for key in ("runs", "probes", "profiles", "influence", "curves"):
+    for key in ("runs", "probes", "profiles", "influence", "curves", "mismatch"):
         one[key] = [r for r in one[key] if r["seed"] == 0]
     one["seeds"] = [0]
     assert _verdicts(R.summarize(one)) == ["not testable at this scale"] * 4  # precondition: seeds ≥ 2
     assert _verdicts(R.summarize({"runs": []})) == ["not testable at this scale"] * 4
+
+
+def test_influence_claims_need_the_first_order_balance():
+    # Σ full influence 3× the R removed on held-out data: (c) and (d) rest on the decomposition, so not testable
+    s = R.summarize(_hand_data(overshoot=3.0))
+    assert _verdicts(s) == ["reproduced", "reproduced", NOT_TESTABLE, NOT_TESTABLE]
+    check = next(p for p in s["claims"][2]["preconditions"] if p["name"].startswith("first-order balance"))
+    assert check["value"] == pytest.approx(3.0) and not check["ok"]
 
 
 def test_write_report_files_and_determinism(tmp_path):

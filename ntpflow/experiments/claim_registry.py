@@ -22,6 +22,20 @@ from .claims import (
 )
 from .report_kit import COMPONENT_LABELS, COMPONENTS, fmt, fmt_ci, fmt_g, fmt_interval, fmt_sigma, has_ci, stats
 
+BALANCE = 2.0  # every influence claim: Σ full influence within this factor of the mismatch removed (docs/balance.md)
+
+
+def balance_check(full: float | None, removed: float | None, where: str) -> Check:
+    """The precondition of a claim on integrated influence that the first-order decomposition accounts for what
+    training did: Σ full influence within a factor BALANCE of the mismatch actually removed on held-out data."""
+    ratio = full / removed if full is not None and removed else None
+    factor = None if ratio is None or ratio <= 0 else max(ratio, 1 / ratio)
+    return Check(f"first-order balance: Σ full influence within a factor {BALANCE:g} of the mismatch removed on "
+                 f"held-out data ({where}; the factor)",
+                 "no data" if ratio is None else "opposite signs" if factor is None else round(factor, 2),
+                 factor is not None and factor <= BALANCE)
+
+
 # --------------------------------------------------------------------------------- toy tasks (docs/paper.md#toy-tasks)
 
 GATE_ACC, GATE_GAP = 0.99, 0.01  # vanilla must learn the task on every seed
@@ -29,7 +43,6 @@ CLAIM_LAYERS, CLAIM_POSITIONS = (1, 2), tuple(range(2, 10))  # input positions: 
 B_LEARNED = 0.9  # claim b: vanilla's prev_is_<0> probe r (window mean) on every seed
 B_THRESHOLD = 0.05  # claim b: a gain below this counts as "not learned"
 C_RATIO = 0.25  # claim c: |direct| < C_RATIO · (pre_cached + shared) counts as "small"
-C_BALANCE = 2.0  # claim c: Σ full influence on R_c within this factor of the R_c actually removed (first order holds)
 WINDOW = "layers 1–2, input positions 2–9"
 
 
@@ -44,19 +57,12 @@ def gate_checks(summary: dict, task: str) -> tuple[Check, ...]:
                   None if gap is None else round(gap, 4), gap is not None and gap <= GATE_GAP))
 
 
-def balance_check(summary: dict, task: str) -> Check:
-    """Claim c's precondition that the first-order decomposition accounts for what training did: at the claim's
-    sites (NTP-useless, below the last layer; means over the tracked seeds), Σ full influence on R_c lies within a
-    factor C_BALANCE of Σ R_c removed on held-out data."""
+def _toy_balance(summary: dict, task: str) -> Check:
+    """Claim c's balance on R_c at its sites (NTP-useless, below the last layer; means over the tracked seeds)."""
     rows = [r for r in summary.get("sites_detail") or [] if r["task"] == task and not r["useful"]
             and r["layer"] < summary["n_layer"] and None not in (r.get("centred_full"), r.get("centred_removed"))]
-    full, removed = sum(r["centred_full"] for r in rows), sum(r["centred_removed"] for r in rows)
-    ratio = full / removed if rows and removed else None
-    factor = None if ratio is None or ratio <= 0 else max(ratio, 1 / ratio)
-    return Check(f"first-order balance: Σ full influence on R_c at these sites within a factor {C_BALANCE:g} of the "
-                 "R_c removed on held-out data (means over the tracked seeds; the factor)",
-                 "no data" if not rows else "opposite signs" if factor is None else round(factor, 2),
-                 factor is not None and factor <= C_BALANCE)
+    return balance_check(sum(r["centred_full"] for r in rows) if rows else None,
+                         sum(r["centred_removed"] for r in rows), "R_c, summed over these sites")
 
 
 def _toy_rule_a() -> Rule:
@@ -157,7 +163,7 @@ def toy_claims(summary: dict) -> list[Claim]:
             "Othello only: direct ≈ 0 for useless squares; toy tasks reported as probe quality only", _toy_rule_c(),
             {"centred": c, "paper": p},
             f"integrated influence at NTP-useless sites (+ = toward the final value), {text}. n = {n_tr} seeds",
-            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t), balance_check(summary, t)), t))
+            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t), _toy_balance(summary, t)), t))
     return out
 
 
@@ -213,8 +219,13 @@ def othello_claims(summary) -> list[Claim]:
         return "; ".join(f"{k.replace('_', '-').replace('/', ' ')} {fmt_ci(row[k], fmt_g)} (n={row[k]['n']})"
                          for k in keys)
 
+    sanity = summary.get("sanity") or {}
+    balance = balance_check((sanity.get("adam_full") or {}).get("mean"),
+                            (sanity.get("R0_minus_RT_eval") or {}).get("mean"),
+                            "R of the whole batch, mean over the tracked sites and squares")
+
     def units(*keys):
-        return tuple(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys)
+        return (*(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys), balance)
 
     def component(cid, statement, comp, tests, shown=("useful", "useless")):
         """Claim ``cid`` on the influence of ``comp``: ``tests`` maps a square type to its interval rule; ``shown``
@@ -307,6 +318,17 @@ def stories_claims(summary) -> list[Claim]:
     b_text = (f"syntactic probe r: vanilla {fmt_ci(v['final'])}, myopic {fmt_ci(m['final'])}, init "
               f"{fmt_ci(syn.get('init'))}; gain over init: vanilla {fmt_ci(v['gain'])}, myopic {fmt_ci(m['gain'])}; "
               f"D = vanilla − myopic {fmt_ci(big_d)}") if v and m else "no probe data for vanilla and myopic"
+    def balance(group):  # vanilla, R, summed over the group's tracked (layer, feature) rows (means over positions, seeds)
+        members = set((summary.get("feature_groups") or {}).get(group) or ())
+        rows = [r for r in summary.get("mismatch_by_site") or [] if r["regime"] == "vanilla" and r["feature"] in members
+                and None not in (r.get("paper_full"), r.get("paper_removed"))]
+        if rows:
+            full, removed = sum(r["paper_full"] for r in rows), sum(r["paper_removed"] for r in rows)
+        else:  # results written before the mismatch records: the group's means
+            raw = infl.get(group, {}).get("per_regime", {}).get("vanilla", {}).get("raw", {})
+            full, removed = ((raw.get(k) or {}).get("mean") for k in ("full", "mismatch_removed"))
+        return balance_check(full, removed, f"R of the vanilla runs, {group} features")
+
     # (c) syntax through the direct path
     sv = infl.get("syntax", {}).get("per_regime", {}).get("vanilla")
     e = sv["direct_minus_pre_cached_share"] if sv else empty
@@ -334,12 +356,13 @@ def stories_claims(summary) -> list[Claim]:
                "gain_vanilla": v["gain"]["mean"] if v else None}, b_text, seeds),
         Claim("c", "syntactic features are learned mainly through the direct path (pre-cached influence ≪ direct)",
               "pre-cached ≪ direct (no number given)", _stories_rule_c(),
-              {"E": e, "direct_share": sv["share"]["direct"]["mean"] if sv else None}, c_text, seeds),
+              {"E": e, "direct_share": sv["share"]["direct"]["mean"] if sv else None}, c_text,
+              (*seeds, balance("syntax"))),
         Claim("d", "story-position features come from pre-caching, and their probe quality drops under myopic "
               "training", "high pre-cached influence (one secondary source, low confidence)",
               every(interval_above("P = share(pre-cached) − share(direct) of the position features (vanilla)", "P"),
                     interval_above("D = q(vanilla) − q(myopic) of the position features' probe r", "D")),
-              {"P": big_p, "D": pos_d}, d_text, seeds),
+              {"P": big_p, "D": pos_d}, d_text, (*seeds, balance("position"))),
     ]
 
 
