@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .forward_mode import Primals, all_tangents
-from .influence import MISMATCHES, Probe
+from .influence import MISMATCHES, Probe, mismatch_value
 from .io import DirLock, ensure_writable_dir, read_json, resolve_device, write_json
 from .model import GPT
 from .replay import check_replay, load_resume_point, make_probes, save_resume_point
@@ -61,21 +61,21 @@ def directional_terms(model: GPT, direction: torch.Tensor, tokens: torch.Tensor,
     d = torch.stack([primals.resid[p.site.layer][:, p.site.pos] @ p.w for p in probes], 1) - final_proj
     dd = torch.stack([tangents[p.site.layer][0, :, p.site.pos] @ p.w for p in probes], 1)  # [batch, n_probes]
     out = {}
-    for mismatch in MISMATCHES:
+    for mismatch in MISMATCHES:  # dR/dε = mean_b 2 e_b ė_b, e = d (R) or d − d̄ (R_c)
         x, dx = (v if mismatch == "paper" else v - v.mean(0) for v in (d, dd))
-        out[mismatch] = torch.stack([x.pow(2).mean(0), 2 * (x * dx).mean(0)])
+        out[mismatch] = torch.stack([mismatch_value(d, mismatch), 2 * (x * dx).mean(0)])
     return out
 
 
 def _mismatches(model: GPT, tokens: torch.Tensor, probes: Sequence[Probe], final_proj: torch.Tensor) -> torch.Tensor:
     """[n_mismatch, n_probes]: R and R_c of every probe at ``model``'s weights on ``tokens``."""
-    d = final_projections(model, tokens, probes) - final_proj
-    return torch.stack([d.pow(2).mean(0) if m == "paper" else d.var(0, unbiased=False) for m in MISMATCHES])
+    d = probe_projections(model, tokens, probes) - final_proj
+    return torch.stack([mismatch_value(d, m) for m in MISMATCHES])
 
 
-def final_projections(final: GPT, tokens: torch.Tensor, probes: Sequence[Probe]) -> torch.Tensor:
-    """⟨w, r*⟩ [batch, n_probes] of θ* (``final``) on ``tokens`` [batch, pos]."""
-    resid = Primals(final, tokens[:, :max(p.site.pos for p in probes) + 1]).resid
+def probe_projections(model: GPT, tokens: torch.Tensor, probes: Sequence[Probe]) -> torch.Tensor:
+    """⟨w, r^k_i⟩ [batch, n_probes] of every probe under ``model`` (ordinary forward) on ``tokens`` [batch, pos]."""
+    resid = Primals(model, tokens[:, :max(p.site.pos for p in probes) + 1]).resid
     return torch.stack([resid[p.site.layer][:, p.site.pos] @ p.w for p in probes], 1)
 
 
@@ -118,7 +118,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
         data = to_torch(train_set, dev)
         held = torch.as_tensor(eval_set.tokens[:n_held_out], device=dev)
         final = run.load_model("final", dev)
-        held_star = final_projections(final, held, probes)
+        held_star = probe_projections(final, held, probes)
         model, block = run.load_model("init", dev).train(), block or cfg.ckpt_every
         before = run.load_model("init", dev)  # θ_t while the model steps to θ_t+1
         opt = make_optimizer(model, cfg)
@@ -142,7 +142,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
             advance(step, tokens, mask)
             with torch.no_grad():
                 delta = torch.cat([(p - b).flatten() for p, b in zip(model.parameters(), before.parameters())])
-                on_batch = directional_terms(before, delta, tokens, probes, final_projections(final, tokens, probes))
+                on_batch = directional_terms(before, delta, tokens, probes, probe_projections(final, tokens, probes))
                 on_held = directional_terms(before, delta, held, probes, held_star)
             for j, mismatch in enumerate(MISMATCHES):  # f = −dR/dε: positive moves toward θ*
                 sums[j] -= torch.stack([on_batch[mismatch][1], on_held[mismatch][1]]).double()

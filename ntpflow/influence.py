@@ -34,8 +34,9 @@ MISMATCHES = ("paper", "centred")  # R = mean_b d_b², and R_c = mean_b (d_b −
 
 
 def mismatch_value(d: torch.Tensor, mismatch: str) -> torch.Tensor:
-    """R (``"paper"``: mean_b d_b²) or R_c (``"centred"``: mean_b (d_b − d̄)²) of projection differences d [batch]."""
-    return d.pow(2).mean() if mismatch == "paper" else (d - d.mean()).pow(2).mean()
+    """R (``"paper"``: mean_b d_b²) or R_c (``"centred"``: mean_b (d_b − d̄)²) of projection differences d [batch,
+    ...]: a mean over the batch (dim 0), one value per trailing index."""
+    return d.pow(2).mean(0) if mismatch == "paper" else (d - d.mean(0)).pow(2).mean(0)
 
 
 @dataclass(frozen=True)

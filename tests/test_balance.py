@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from ntpflow.balance import audit_balance, directional_terms, final_projections
+from ntpflow.balance import audit_balance, directional_terms, probe_projections
 from ntpflow.config import TrainConfig
 from ntpflow.influence import Probe
 from ntpflow.model import GPT, GPTConfig
@@ -40,7 +40,7 @@ def test_directional_terms_match_autograd_in_float64(position_groups):
               Probe(Site(2, 6), "b", torch.randn(16, dtype=torch.float64)),
               Probe(Site(0, 2), "c", torch.randn(16, dtype=torch.float64))]
     direction = torch.randn(sum(p.numel() for p in model.parameters()), dtype=torch.float64)
-    star = final_projections(final, tokens, probes)
+    star = probe_projections(final, tokens, probes)
     got = directional_terms(model, direction, tokens, probes, star)
     # oracle: the mismatch from the full forward, its gradient by autograd, dotted with the direction
     _, resid = model(tokens, return_resid=True, myopic="none")
