@@ -39,12 +39,15 @@ from .threads import follow_threads
 from .training import DataOrder, Run, make_datasets, make_optimizer, to_torch
 
 log = logging.getLogger(__name__)
-TERMS = ("full_batch", "full_held_out", "removed_held_out")
+TERMS = ("full_batch", "full_held_out", "midpoint_batch", "midpoint_held_out", "removed_held_out")
 TERM_DOCS = {"full_batch": "Σ_t −⟨∇R_B(θ_t), Δθ_t⟩ on each step's training batch (the tracker's full influence)",
              "full_held_out": "Σ_t −⟨∇R_H(θ_t), Δθ_t⟩ on the fixed held-out set H",
+             "midpoint_batch": "Σ_t −⟨∇R_B(θ_t + Δθ_t/2), Δθ_t⟩: the gradient read at the step's midpoint",
+             "midpoint_held_out": "Σ_t −⟨∇R_H(θ_t + Δθ_t/2), Δθ_t⟩",
              "removed_held_out": "R_H(θ_0) − R_H(θ_t), the mismatch removed on H",
              "same_batch": "full_batch − full_held_out",
-             "beyond_first_order": "full_held_out − removed_held_out"}
+             "beyond_first_order": "full_held_out − removed_held_out",
+             "beyond_midpoint": "midpoint_held_out − removed_held_out (third order and above)"}
 
 
 def directional_terms(model: GPT, direction: torch.Tensor, tokens: torch.Tensor, probes: Sequence[Probe],
@@ -108,9 +111,9 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
     with ExitStack() as locks:
         locks.enter_context(DirLock(out))
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in probes}),
-                "n_held_out": n_held_out, "config_hash": cfg.hash()}
+                "n_held_out": n_held_out, "config_hash": cfg.hash(), "terms": list(TERMS)}
         if (out / "spec.json").exists() and read_json(out / "spec.json") != spec:
-            raise ValueError(f"{out} holds an audit of other sites/features/held-out size; choose another --out")
+            raise ValueError(f"{out} holds an audit of other sites/features/held-out size/terms; choose another --out")
         write_json(out / "spec.json", spec)
         if (out / "summary.json").exists():
             return out
@@ -121,9 +124,10 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
         held_star = probe_projections(final, held, probes)
         model, block = run.load_model("init", dev).train(), block or cfg.ckpt_every
         before = run.load_model("init", dev)  # θ_t while the model steps to θ_t+1
+        middle = run.load_model("init", dev)  # θ_t + Δθ_t/2
         opt = make_optimizer(model, cfg)
         r0 = _mismatches(model, held, probes, held_star)  # [n_mismatch, n_probes]
-        sums = torch.zeros(len(MISMATCHES), 2, len(probes), dtype=torch.float64, device=dev)  # Σ f_B, Σ f_H
+        sums = torch.zeros(len(MISMATCHES), len(TERMS) - 1, len(probes), dtype=torch.float64, device=dev)
         curve = []
         start, state = load_resume_point(out, model, opt, dev)
         if start:
@@ -142,10 +146,13 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
             advance(step, tokens, mask)
             with torch.no_grad():
                 delta = torch.cat([(p - b).flatten() for p, b in zip(model.parameters(), before.parameters())])
-                on_batch = directional_terms(before, delta, tokens, probes, probe_projections(final, tokens, probes))
-                on_held = directional_terms(before, delta, held, probes, held_star)
+                for m, b, p in zip(middle.parameters(), before.parameters(), model.parameters()):
+                    torch.lerp(b, p, 0.5, out=m)
+                batch_star = probe_projections(final, tokens, probes)
+                derivs = [directional_terms(at, delta, x, probes, star) for at in (before, middle)
+                          for x, star in ((tokens, batch_star), (held, held_star))]
             for j, mismatch in enumerate(MISMATCHES):  # f = −dR/dε: positive moves toward θ*
-                sums[j] -= torch.stack([on_batch[mismatch][1], on_held[mismatch][1]]).double()
+                sums[j] -= torch.stack([d[mismatch][1] for d in derivs]).double()
             if (step + 1) % block == 0 or step + 1 == cfg.steps:
                 removed = (r0 - _mismatches(model, held, probes, held_star)).double()
                 curve.append(torch.cat([sums, removed[:, None]], 1))
@@ -156,7 +163,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
 
 
 def _summary(probes: Sequence[Probe], curve: list[torch.Tensor], block: int, steps: int) -> dict:
-    """Per probe and mismatch: the three sums at the end, the two parts of the gap, and their curves."""
+    """Per probe and mismatch: the sums at the end, the parts of the gap, and their curves."""
     entries = []
     for j, mismatch in enumerate(MISMATCHES):
         for n, p in enumerate(probes):
@@ -164,6 +171,7 @@ def _summary(probes: Sequence[Probe], curve: list[torch.Tensor], block: int, ste
             entries.append({"layer": p.site.layer, "pos": p.site.pos, "feature": p.name, "mismatch": mismatch, **s,
                             "same_batch": s["full_batch"] - s["full_held_out"],
                             "beyond_first_order": s["full_held_out"] - s["removed_held_out"],
+                            "beyond_midpoint": s["midpoint_held_out"] - s["removed_held_out"],
                             "curve": {t: [c[j, k, n].item() for c in curve] for k, t in enumerate(TERMS)}})
     return {"probes": entries, "steps": steps, "curve_steps": [min((k + 1) * block, steps) for k in range(len(curve))],
             "terms": TERM_DOCS}

@@ -85,6 +85,30 @@ def test_audit_agrees_with_attribution_and_the_weights(finished_run, tmp_path):
         assert e["curve"]["removed_held_out"][-1] == e["removed_held_out"]
 
 
+def test_one_step_audit_matches_autograd_at_both_points(tmp_path):
+    # one training step: Δθ = θ_1 − θ_0 is the run's final minus initial weights, so every term has a float64 oracle
+    path = tmp_path / "one"
+    train(TrainConfig(**{**TINY, "steps": 1, "ckpt_every": 1, "eval_every": 1, "log_every": 1}), path, progress=False)
+    out = audit_balance(path, [Site(1, 3)], [FEATURE], n_held_out=64, progress=False)
+    audit = {e["mismatch"]: e for e in json.loads((out / "summary.json").read_text())["probes"]}
+    run = Run.open(path)
+    init, final = run.load_model("init").double(), run.load_model("final").double()
+    w = make_probes(run, [Site(1, 3)], [FEATURE])[0].w.double()
+    held = torch.as_tensor(make_datasets(run.cfg, run.task)[1].tokens[:64])
+    star = final(held, return_resid=True, myopic="none")[1][1][:, 3].detach() @ w
+    delta = [f.detach() - i.detach() for f, i in zip(final.parameters(), init.parameters())]
+    for name, s in (("full_held_out", 0.0), ("midpoint_held_out", 0.5)):
+        at = run.load_model("init").double()
+        with torch.no_grad():
+            for p, i, dlt in zip(at.parameters(), init.parameters(), delta):
+                p.copy_(i + s * dlt)
+        d = at(held, return_resid=True, myopic="none")[1][1][:, 3] @ w - star
+        for mismatch, r in (("paper", d.pow(2).mean()), ("centred", d.var(unbiased=False))):
+            grads = torch.autograd.grad(r, list(at.parameters()), retain_graph=True, allow_unused=True)
+            f = -sum((g * dlt).sum().item() for g, dlt in zip(grads, delta) if g is not None)
+            assert audit[mismatch][name] == pytest.approx(f, rel=1e-3, abs=1e-9), (name, mismatch)
+
+
 def test_audit_resumes_after_kill(finished_run, tmp_path):
     cmd = [sys.executable, "-m", "ntpflow", "-q", "balance", str(finished_run), "--sites", "1:3",
            "--features", FEATURE, "--held-out", "64"]
