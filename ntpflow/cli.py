@@ -136,7 +136,8 @@ def cmd_balance(args) -> int:
     for e in read_json(out / "summary.json")["probes"]:
         print(f"⟨{e['layer']}, {e['pos']}⟩ {e['feature']} {e['mismatch']}: Σ full influence {e['full_batch']:.4g} "
               f"= removed on held-out {e['removed_held_out']:.4g} + same batch {e['same_batch']:.4g} "
-              f"+ beyond first order {e['beyond_first_order']:.4g}")
+              f"+ beyond first order {e['beyond_first_order']:.4g}; read at each step's midpoint: "
+              f"{e['midpoint_held_out']:.4g} on held-out")
     return 0
 
 
