@@ -112,12 +112,14 @@ def cmd_attribute(args) -> int:
         dirs = group_dirs(Run.open(dirs[0]))
     if len(dirs) == 1 and not args.group:
         outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
-                          progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only)]
+                          progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
+                          midpoint=args.midpoint)]
     elif args.out:
         raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
     else:
         outs = attribute_group(dirs, sites, features, device=args.device or "auto", progress=not args.quiet,
-                               force_unlock=args.force_unlock, sgd_rows=not args.adam_only)
+                               force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
+                               midpoint=args.midpoint)
     print("\n".join(map(str, outs)))
     return 0
 
@@ -299,6 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
     a.add_argument("--adam-only", action="store_true",
                    help="write the Adam rows only, not the SGD variant's (about 30%% less tracking work)")
+    a.add_argument("--midpoint", action="store_true",
+                   help="read each step's gradient of R at the midpoint of the step taken: the components then "
+                        "add up to the change of R to second order (docs/balance.md)")
     a.add_argument("--force-unlock", action="store_true",
                    help="take over the output folder's lock left by a process on another host that is gone")
     a.add_argument("--device", help="auto (default), cpu, cuda, ...")

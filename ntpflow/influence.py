@@ -19,13 +19,14 @@ subtracted* (θ ← θ − Σ_c Δ_c). **Positive influence means the component 
   Δ_direct + Δ_pre_cached + Δ_shared equals the real Adam step.
 """
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .attribution import SitePasses, flat_grads
-from .forward_mode import all_tangents, site_tangents
+from .forward_mode import Primals, all_tangents, site_tangents
 from .model import GPT
 from .sites import Site
 
@@ -81,8 +82,11 @@ class InfluenceTracker:
     """
 
     def __init__(self, final_model: GPT, probes: Sequence[Probe], sgd_rows: bool = True,
-                 bucket_width: int | None = None, bucket_elements: int = 2**25):
-        """``sgd_rows=False`` drops the SGD rows of an Adam run. Sites of one layer are tracked together in buckets
+                 bucket_width: int | None = None, bucket_elements: int = 2**25, midpoint: bool = False):
+        """``sgd_rows=False`` drops the SGD rows of an Adam run. ``midpoint=True`` reads ∇R at the midpoint of the
+        step actually taken, θ_t − Δ/2 (Δ the real Adam or SGD step), instead of at θ_t: the components then add up
+        to the change of R along the step to second order, where at θ_t they do to first order only (see
+        docs/balance.md); the components' update directions are the same in both. Sites of one layer are tracked together in buckets
         (one reverse-mode and one forward-mode call each, see ``buckets``): ``bucket_width`` is the widest spread of
         positions in a bucket of sites above the embedding (None: 1 on a CPU, where padding costs
         FLOPs, 4 elsewhere, where few large kernels win); ``bucket_elements`` caps rows × batch × positions ×
@@ -99,7 +103,8 @@ class InfluenceTracker:
         for p in self.probes:
             if p.w.shape != (d,):
                 raise ValueError(f"probe {p.name} at {p.site} has shape {tuple(p.w.shape)}, expected ({d},)")
-        self.sgd_rows = sgd_rows
+        self.sgd_rows, self.midpoint = sgd_rows, midpoint
+        self._middle: GPT | None = None  # scratch weights θ_t − Δ/2 (midpoint mode)
         # Adam first moments, stacked: per site [n_sites, 2 (direct, pre-cached), n_params], and the full one
         self._m_sites: torch.Tensor | None = None
         self._m_full: torch.Tensor | None = None
@@ -244,6 +249,11 @@ class InfluenceTracker:
         if adam:
             self._ensure_moments(g_full)
         shared_dirs = ([g_full] if sgd else []) + ([self._adam_full(opt, group, params, g_full)] if adam else [])
+        if self.midpoint:  # ∇R read at θ_t − Δ/2: its own forward, risk coefficients and tangents
+            primals = self._midpoint_primals(model, shared_dirs[-1] if adam else lr * g_full, primals.tokens)
+            coef_risks = self.risk_coefficients(primals.resid, final_proj, feature_types)
+        else:
+            coef_risks = risks
         n_layers = max(s.layer for s in self.sites)
         # the shared directions once for all sites (full blocks over n_pos positions), unless the sites' own prefixes
         # are less work (e.g. a single site): then they ride along in each site's tangents
@@ -251,7 +261,7 @@ class InfluenceTracker:
         shared_dirs = torch.stack(shared_dirs)
         tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
         pending = []  # per site: (its risks, with_pre, influences [risks, directions]), read back at the end
-        by_site = self._risks_by_site(risks, tokens.device)
+        by_site = self._risks_by_site(coef_risks, tokens.device)
         for bucket in self.buckets(len(tokens), tokens.device):  # sites of one layer together; bounds memory
             sites = self.sites[bucket]
             k, n = sites[0].layer, len(sites)
@@ -296,6 +306,16 @@ class InfluenceTracker:
             start += v.numel()
         self.step += 1
         return rows
+
+    def _midpoint_primals(self, model: GPT, step: torch.Tensor, tokens: torch.Tensor) -> Primals:
+        """The cached ordinary forward at θ − step/2 (``step`` flat [n_params], the update as subtracted)."""
+        if self._middle is None:
+            self._middle = copy.deepcopy(model)
+        with torch.no_grad():
+            for m, p, s in zip(self._middle.parameters(), model.parameters(),
+                               step.split([p.numel() for p in model.parameters()])):
+                torch.sub(p, s.view_as(p), alpha=0.5, out=m)
+        return Primals(self._middle, tokens)
 
     def _risks_by_site(self, risks: list, device: torch.device) -> dict:
         """{site: (its risks, its probes' directions [d_model, probes], column of each risk's probe [risks])}: the

@@ -77,13 +77,15 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
 
 def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str] | None = None, *,
               out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
-              progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True) -> Path:
+              progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
+              midpoint: bool = False) -> Path:
     """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
     its last saved state when interrupted. ``block`` (default: the run's ``ckpt_every``) is the number of steps
     between saved states. ``force_unlock`` takes over a lock left by a process on another host. ``sgd_rows=False``
     writes the Adam rows only (about 30 % less tracking work at the toy load; what the experiments read).
+    ``midpoint=True`` reads each step's ∇R at the midpoint of the step taken (``InfluenceTracker``; docs/balance.md).
     """
     run = Run.open(run_dir)
     if not run.done:
@@ -93,12 +95,13 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     sites = _checked_sites(run, sites)
     out = ensure_writable_dir(out_dir or run.dir / "attribution")
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
-        return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows)
+        return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, midpoint)
 
 
 def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], features: Sequence[str] | None = None, *,
                     out_dirs: Sequence[str | Path | None] | None = None, device: str = "auto", block: int | None = None,
-                    progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True) -> list[Path]:
+                    progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
+                    midpoint: bool = False) -> list[Path]:
     """Replay members of one run group together, tracking each at ``sites`` × ``features``; returns the output dirs.
 
     One pass over the steps: before each step every member's tracker runs on its own model and Adam, then the
@@ -125,8 +128,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     with ExitStack() as locks:
         for o in outs:  # one writer per attribution folder
             locks.enter_context(DirLock(o, force=force_unlock))
-        todo = [(r, m) for r, m in zip(index, (_Tracked(run, o, sites, features, dev, device, block,
-                                                        sgd_rows) for run, o in zip(runs, outs))) if not m.done]
+        todo = [(r, m) for r, m in zip(index, (_Tracked(run, o, sites, features, dev, device, block, sgd_rows,
+                                                        midpoint) for run, o in zip(runs, outs))) if not m.done]
         if todo:
             group = GroupReplay(runs[0], dev)
             first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
@@ -158,8 +161,9 @@ def _checked_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
     return sites
 
 
-def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress, sgd_rows) -> Path:
-    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows)
+def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress, sgd_rows,
+            midpoint) -> Path:
+    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint)
     if m.done:
         return out
     advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
@@ -183,13 +187,15 @@ class _Tracked:
     and the rows of the block being written. Per step: ``track(step)`` before the update, ``end_step(step)`` after
     it; ``finish()`` at the end. ``done``: the folder already holds a finished attribution (nothing else is set)."""
 
-    def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool):
+    def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool,
+                 midpoint: bool):
         cfg = run.cfg
         self.run, self.out, self.dev = run, out, dev
         self.probes = make_probes(run, sites, features, device)
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
-                "config_hash": cfg.hash(), "sgd_rows": sgd_rows}
-        if (out / "spec.json").exists() and {"sgd_rows": True, **read_json(out / "spec.json")} != spec:
+                "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint}
+        if (out / "spec.json").exists() and {"sgd_rows": True, "midpoint": False,
+                                             **read_json(out / "spec.json")} != spec:
             raise ValueError(f"{out} holds an attribution with other sites/features/rows; choose another --out")
         write_json(out / "spec.json", spec)
         (out / "parts").mkdir(exist_ok=True)
@@ -207,7 +213,8 @@ class _Tracked:
         self.model = run.load_model("init", dev).train()
         self.opt = make_optimizer(self.model, cfg)
         self.tracker = InfluenceTracker(run.load_model("final", dev),
-                                        [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes], sgd_rows=sgd_rows)
+                                        [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes], sgd_rows=sgd_rows,
+                                        midpoint=midpoint)
         self.tracker.use_dataset(self.data["tokens"])  # θ* projections once per example, not a θ* forward per step
         self.start, self.cums = _resume(out, self.model, self.opt, self.tracker, dev)
         self.block = block or cfg.ckpt_every

@@ -241,6 +241,56 @@ def test_influence_of_full_step_is_real_step(opt_name, kw, sgd_rows):
                                                                                          abs=1e-15)
 
 
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+@pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}, {"position_groups": split_groups(T, 3)}])
+def test_midpoint_influence_reads_the_gradient_halfway_along_the_real_step(opt_name, kw):
+    """midpoint=True: full influence = ∇R(θ − Δ/2)·Δ with Δ the real (subtracted) step; the SGD components are
+    lr·∇R(θ − Δ/2)·g_c with g_c the oracle's components at θ; risk rows stay R(θ)."""
+    model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
+    g = torch.Generator().manual_seed(3)
+    probes = [Probe(Site(1, 3), "a", torch.randn(D, generator=g, dtype=torch.float64)),
+              Probe(Site(2, 5), "b", torch.randn(D, generator=g, dtype=torch.float64))]
+    tracker = InfluenceTracker(final, probes, midpoint=True)
+    lr = 1e-2 if opt_name == "adam" else 1e-1
+    opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam"
+           else torch.optim.SGD(model.parameters(), lr=lr))
+    middle = tiny(seed=0, **kw)
+    for step in range(3):
+        tokens, mask = batch(seed=step)
+        before = torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+        ref = oracle(model, tokens, probes[0].site, mask)
+        rows = tracker.track(model, opt, tokens, mask)
+        risks = {(r["feature"], r["mismatch"]): r["value"] for r in rows if r["component"] == "risk"
+                 and r["feature_type"] == -1}
+        tracker.optimizer_step(model, opt)
+        real = before - torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # subtracted step
+        with torch.no_grad():
+            for q, b in zip(middle.parameters(), (before - real / 2).split([q.numel() for q in middle.parameters()])):
+                q.copy_(b.view_as(q))
+        for p, m in ((p, m) for p in probes for m in MISMATCHES):
+            vals = {(r["optimizer"], r["component"]): r["value"] for r in rows if r["feature"] == p.name
+                    and r["mismatch"] == m and r["feature_type"] == -1}
+            g_mid = _risk_grad(middle, final, p, tokens, m)
+            assert vals[opt_name, "full"] == pytest.approx(torch.dot(g_mid, real).item(), rel=1e-8, abs=1e-14)
+            if p.name == "a":  # the oracle's components are of site ⟨1, 3⟩
+                for c in ("direct", "pre_cached", "shared"):
+                    assert vals["sgd", c] == pytest.approx(lr * torch.dot(g_mid, ref[c]).item(), rel=1e-8, abs=1e-14)
+            d = (probe_resid(before, model, tokens, p) - probe_resid(None, final, tokens, p))
+            r_at_theta = d.pow(2).mean() if m == "paper" else d.var(unbiased=False)
+            assert risks[p.name, m] == pytest.approx(r_at_theta.item(), rel=1e-10)
+
+
+def probe_resid(flat, model, tokens, probe):
+    """⟨w, r^k_i⟩ [batch] of ``model`` with its weights set to ``flat`` (None: as they are)."""
+    if flat is not None:
+        model = __import__("copy").deepcopy(model)
+        with torch.no_grad():
+            for q, b in zip(model.parameters(), flat.split([q.numel() for q in model.parameters()])):
+                q.copy_(b.view_as(q))
+    _, r = model(tokens, return_resid=True, myopic="none")
+    return r[probe.site.layer][:, probe.site.pos].detach() @ probe.w
+
+
 @pytest.mark.parametrize("mismatch", MISMATCHES)
 def test_sgd_influence_matches_oracle_components(mismatch):
     model, final = tiny(seed=0), tiny(seed=1)

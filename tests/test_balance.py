@@ -61,6 +61,9 @@ def test_audit_agrees_with_attribution_and_the_weights(finished_run, tmp_path):
     audit = json.loads((out / "summary.json").read_text())
     att = attribute(finished_run, SITES, [FEATURE], out_dir=tmp_path / "a", progress=False, sgd_rows=False)
     tracked = {(p["layer"], p["pos"], p["mismatch"]): p for p in json.loads((att / "summary.json").read_text())["probes"]}
+    mid = attribute(finished_run, SITES, [FEATURE], out_dir=tmp_path / "m", progress=False, sgd_rows=False,
+                    midpoint=True)
+    at_mid = {(p["layer"], p["pos"], p["mismatch"]): p for p in json.loads((mid / "summary.json").read_text())["probes"]}
     # the held-out mismatch of the initial and final weights, computed here from the run's files
     run = Run.open(finished_run)
     _, eval_set = make_datasets(run.cfg, run.task)
@@ -74,6 +77,9 @@ def test_audit_agrees_with_attribution_and_the_weights(finished_run, tmp_path):
         scale = abs(t["adam_full"]) + abs(e["full_held_out"])
         # Σ −⟨∇R_B, Δθ⟩ along the real step is the tracker's full Adam influence (float32 rounding per step)
         assert e["full_batch"] == pytest.approx(t["adam_full"], abs=1e-4 * scale)
+        # read at the midpoints, it is the midpoint tracker's full influence
+        m = at_mid[e["layer"], e["pos"], e["mismatch"]]["adam_full"]
+        assert e["midpoint_batch"] == pytest.approx(m, abs=1e-4 * (abs(m) + abs(e["midpoint_held_out"])))
         w, k, i = probes[Site(e["layer"], e["pos"])].w, e["layer"], e["pos"]
         with torch.no_grad():
             d0, dT = ((r[k][:, i] - rT[k][:, i]) @ w for r in (r0, rT))
