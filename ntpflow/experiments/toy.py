@@ -108,7 +108,7 @@ def run_dir_name(cfg: TrainConfig) -> str:
 
 
 def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
-             threads: int) -> dict:
+             threads: int, midpoint: bool = False) -> dict:
     """Train, probe (final and step 0) and attribute one run (if ``sites``); each stage skips itself when done."""
     import torch
 
@@ -120,7 +120,7 @@ def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], feature
     load_or_probe(run, "final", device)
     load_or_probe(run, "init", device)
     if sites:
-        _one_replay(run_dir, sites, features, device, threads)
+        _one_replay(run_dir, sites, features, device, threads, midpoint)
     return {"run_dir": run_dir}
 
 
@@ -138,36 +138,41 @@ def _one_group(cfg_dicts: list[dict], run_dirs: list[str], device: str, threads:
     return {"run_dirs": run_dirs}
 
 
-def _one_replay(run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str, threads: int) -> dict:
-    """Replay one finished run with influence tracking at ``sites`` (skipped when done)."""
+def _one_replay(run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str, threads: int,
+                midpoint: bool = False) -> dict:
+    """Replay one finished run with influence tracking at ``sites`` (skipped when done); ``midpoint``: see
+    ``InfluenceTracker``."""
     import torch
 
     from ..replay import attribute
 
     torch.set_num_threads(threads)
-    attribute(run_dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False)
+    attribute(run_dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
+              midpoint=midpoint)
     return {"run_dir": run_dir}
 
 
 def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: list[str], device: str,
-                  threads: int) -> dict:
+                  threads: int, midpoint: bool = False) -> dict:
     """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped)."""
     import torch
 
     from ..replay import attribute_group
 
     torch.set_num_threads(threads)
-    attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False)
+    attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
+                    midpoint=midpoint)
     return {"run_dirs": run_dirs}
 
 
 def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
             progress: bool = True, tasks: tuple[str, ...] = TASKS, regimes: tuple[str, ...] = REGIMES,
-            seeds: tuple[int, ...] | None = None, replays: bool = True) -> Path:
+            seeds: tuple[int, ...] | None = None, replays: bool = True, midpoint: bool = False) -> Path:
     """Run (or resume) every run of ``scale`` (for ``tasks``, ``regimes`` and ``seeds``, a subset of the scale's)
     into ``out/runs`` and gather ``out/data.json``.
     ``replays=False`` trains and probes only: the tracked replays (the costly part) are skipped, and the influence
-    claims come out not testable; a later call with ``replays=True`` adds them. Returns ``out``."""
+    claims come out not testable; a later call with ``replays=True`` adds them. ``midpoint=True`` replays with the
+    influence read at each step's midpoint (``InfluenceTracker``; docs/balance.md). Returns ``out``."""
     if isinstance(scale, str):
         if scale not in SCALES:
             raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
@@ -199,12 +204,12 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
         run_jobs(_one_group, [([c.to_dict() for c in g], [run_dir[c] for c in g], device, threads)
                               for g in groups.values()], workers, f"toy {scale.name} groups", progress)
         replays_of = [[run_dir[c] for c in g if tracked(c)] for g in groups.values()]  # one replay per group
-        run_jobs(_group_replay, [(dirs, sites, list(TRACKED[g[0].task]), device, threads)
+        run_jobs(_group_replay, [(dirs, sites, list(TRACKED[g[0].task]), device, threads, midpoint)
                                  for g, dirs in zip(groups.values(), replays_of) if dirs], workers,
                  f"toy {scale.name} replays", progress)
     else:
-        jobs = [(c.to_dict(), run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), device, threads)
-                for c in configs]
+        jobs = [(c.to_dict(), run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), device, threads,
+                 midpoint) for c in configs]
         run_jobs(_one_run, jobs, workers, f"toy {scale.name}", progress)
     data = gather(scale, out, configs, replays)
     write_json(out / "data.json", data)
@@ -222,7 +227,7 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
 
     from ..training import Run
 
-    runs, probes, influence, curves, mismatch, eval_curves = [], [], [], [], [], []
+    runs, probes, influence, curves, mismatch, eval_curves, read_at = [], [], [], [], [], [], set()
     for cfg in configs:
         rd = out / "runs" / run_dir_name(cfg)
         key = {"task": cfg.task, "regime": cfg.regime, "seed": cfg.seed}
@@ -242,6 +247,7 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
                                        "useful": bool(task.useful[pos, f])})
         if not (replays and scale.is_tracked(cfg)):
             continue
+        read_at.add("midpoint" if read_json(rd / "attribution" / "spec.json").get("midpoint") else "start")
         table = pq.read_table(rd / "attribution" / "influence.parquet")
         table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
         rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "cumulative"]).to_pylist()
@@ -259,8 +265,11 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             mismatch.append({**key, **{k: p[k] for k in ("layer", "pos", "feature", "mismatch", "R0_eval",
                                                          "R0_minus_RT_eval", "offset_share_R0")},
                              "useful": bool(task.useful[p["pos"], task.feature_names.index(p["feature"])])})
+    if len(read_at) > 1:
+        raise ValueError(f"the tracked runs in {out / 'runs'} were replayed both with and without --midpoint; "
+                         "replay them all one way (remove the other attribution folders)")
     tasks = sorted({c.task for c in configs}, key=TASKS.index)
-    return {"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
+    return {"influence_read_at": next(iter(read_at), None),"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
             "train": scale.train, "task_train": {t: scale.task_train.get(t, {}) for t in tasks},
             "tracked": {t: list(TRACKED[t]) for t in tasks},
             "tracked_seeds": list(scale.tracked_seeds if scale.tracked_seeds is not None else scale.seeds)
