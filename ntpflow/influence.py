@@ -86,10 +86,10 @@ class InfluenceTracker:
         """``sgd_rows=False`` drops the SGD rows of an Adam run. ``midpoint=True`` reads ∇R at the midpoint of the
         step actually taken, θ_t − Δ/2 (Δ the real Adam or SGD step), instead of at θ_t: the components then add up
         to the change of R along the step to second order, where at θ_t they do to first order only (see
-        docs/balance.md); the components' update directions are the same in both. Sites of one layer are tracked together in buckets
-        (one reverse-mode and one forward-mode call each, see ``buckets``): ``bucket_width`` is the widest spread of
-        positions in a bucket of sites above the embedding (None: 1 on a CPU, where padding costs
-        FLOPs, 4 elsewhere, where few large kernels win); ``bucket_elements`` caps rows × batch × positions ×
+        docs/balance.md); the components' update directions are the same in both. Sites of one layer are tracked
+        together in buckets (one reverse-mode and one forward-mode call each, see ``buckets``): ``bucket_width`` is
+        the widest spread of positions in a bucket of sites above the embedding (None: 1 on a CPU, where padding
+        costs FLOPs, 4 elsewhere, where few large kernels win); ``bucket_elements`` caps rows × batch × positions ×
         d_model of a bucket's largest intermediate (memory)."""
         self.bucket_width, self.bucket_elements = bucket_width, bucket_elements
         self._dataset: torch.Tensor | None = None  # see use_dataset

@@ -269,8 +269,8 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
         raise ValueError(f"the tracked runs in {out / 'runs'} were replayed both with and without --midpoint; "
                          "replay them all one way (remove the other attribution folders)")
     tasks = sorted({c.task for c in configs}, key=TASKS.index)
-    return {"influence_read_at": next(iter(read_at), None),"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
-            "train": scale.train, "task_train": {t: scale.task_train.get(t, {}) for t in tasks},
+    return {"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
+            "influence_read_at": next(iter(read_at), None), "train": scale.train, "task_train": {t: scale.task_train.get(t, {}) for t in tasks},
             "tracked": {t: list(TRACKED[t]) for t in tasks},
             "tracked_seeds": list(scale.tracked_seeds if scale.tracked_seeds is not None else scale.seeds)
             if replays else [], "replays": replays,
