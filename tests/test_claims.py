@@ -16,6 +16,7 @@ from ntpflow.experiments.claims import (
     interval_above,
     interval_contains,
 )
+from ntpflow.experiments.claim_registry import ROW_LIMIT, row_balance_check
 from ntpflow.experiments.figure_style import ci_label, clip
 from ntpflow.experiments.render import read_blocks, to_html, to_markdown, write_documents
 
@@ -150,3 +151,19 @@ def test_welch_and_sd_ratio_intervals_against_scipy():
         stat = f / bound ** 2
         assert min(st.f.cdf(stat, 11, 6), st.f.sf(stat, 11, 6)) == pytest.approx(0.025, rel=1e-6)
     assert sd_ratio_ci(a[:2], b)["ratio"] is None
+
+
+@pytest.mark.parametrize(("rows", "ok"), [
+    ([(2.0, 1.0)], True), ([(0.5, 1.0)], True),  # a factor 2 either way: the boundary, inside
+    ([(2.2, 1.0)], False), ([(0.45, 1.0)], False), ([(-1.0, 1.0)], False),
+    ([(2.0, 0.0), (0.0, 2.0)], False),  # the sums balance (2 = 2), the rows do not: each row's change is elsewhere
+    ([(1.0, 4.0), (1.0, -2.0)], False),  # the same: first order says both rose by 1; one rose by 4, one fell by 2
+    ([(1.1, 1.0), (-0.5, -0.6), (3.0, 2.5)], True),
+])
+def test_row_balance_is_a_factor_2_per_row_and_sees_cancellation(rows, ok):
+    check = row_balance_check(rows, "hand-worked rows")
+    # hand-worked: 2 Σ|F − D| / Σ(|F| + |D|); a factor 2 on one row gives 2 · 1/3 = 2/3
+    expected = 2 * sum(abs(f - d) for f, d in rows) / sum(abs(f) + abs(d) for f, d in rows)
+    assert check.value == pytest.approx(round(expected, 3)) and check.ok == ok
+    assert ROW_LIMIT == pytest.approx(2 / 3)
+    assert row_balance_check([], "none").value == "no data" and not row_balance_check([], "none").ok

@@ -125,7 +125,7 @@ SEEDS = (0, 1, 2)
 NOISE = {0: -0.01, 1: 0.0, 2: 0.01}
 
 
-def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3, overshoot=1.25):
+def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3, overshoot=1.25, row_skew=0.0):
     runs = [{"regime": "vanilla", "seed": s, "eval_loss": 2.5 + NOISE[s], "train_loss": 2.4, "steps": 10}
             for s in SEEDS]
     runs += [{"regime": "myopic", "seed": s, "eval_loss": myopic_loss[s], "train_loss": 3.2, "steps": 10}
@@ -157,13 +157,14 @@ def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3, overshoot=1.25)
                 scale = 100.0 if g == "position" else 1.0  # shares must not depend on a feature's units
                 vals = {c: scale * (v + NOISE[s]) if v else 0.0 for c, v in comp.items()}
                 vals["full"] = sum(vals.values())
-                for f in feats:
+                for j, f in enumerate(feats):
                     for c, v in vals.items():
                         influence.append({"regime": rg, "seed": s, "layer": 1, "pos": 2, "feature": f, "group": g,
                                           "component": c, "total": v})
                     mismatch.append({"regime": rg, "seed": s, "layer": 1, "pos": 2, "feature": f, "mismatch": "paper",
-                                     "R0_eval": 2 * vals["full"], "R0_minus_RT_eval": vals["full"] / overshoot,
-                                     "offset_share_R0": 0.5})
+                                     "R0_eval": 2 * vals["full"], "offset_share_R0": 0.5,
+                                     # row_skew: the group's two features share the change unevenly, same sum
+                                     "R0_minus_RT_eval": vals["full"] / overshoot * (1 + row_skew * (1 - 2 * j))})
                 for step in (1, 2):
                     for c in ("direct", "pre_cached", "shared", "full"):
                         curves.append({"regime": rg, "seed": s, "step": step, "group": g, "component": c,
@@ -284,6 +285,15 @@ def test_influence_claims_need_the_first_order_balance():
     assert _verdicts(s) == ["reproduced", "reproduced", NOT_TESTABLE, NOT_TESTABLE]
     check = next(p for p in s["claims"][2]["preconditions"] if p["name"].startswith("first-order balance"))
     assert check["value"] == pytest.approx(3.0) and not check["ok"]
+
+
+def test_influence_claims_need_the_balance_row_by_row():
+    # the sums balance as before (factor 1.25), but the features share the change unevenly: the rows fail
+    assert _verdicts(R.summarize(_hand_data(row_skew=0.3)))[2:] == ["reproduced", "reproduced"]
+    s = R.summarize(_hand_data(row_skew=2.0))
+    assert _verdicts(s)[2:] == [NOT_TESTABLE, NOT_TESTABLE]
+    checks = {p["name"].split(":")[0]: p for p in s["claims"][2]["preconditions"]}
+    assert checks["first-order balance"]["ok"] and not checks["first-order balance row by row"]["ok"]
 
 
 def test_write_report_files_and_determinism(tmp_path):

@@ -36,7 +36,7 @@ def wiggle(seed: int, ri: int, scale: float) -> float:
 
 
 def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_OK, centred=INFL_OK, paper=INFL_BAD,
-              first_acc=1.0, steps=4, overshoot=1.0) -> dict:
+              first_acc=1.0, steps=4, overshoot=1.0, row_skew=0.0) -> dict:
     runs, probes, influence, curves, mismatch, eval_curves = [], [], [], [], [], []
     for task in tasks:
         for ri, regime in enumerate(REGIMES):
@@ -74,7 +74,10 @@ def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_O
                                                    "cumulative": v * s / steps})
                             mismatch.append({**key, **site, "useful": useful, "R0_eval": 2.0 if m == "paper" else 0.5,
                                              # R_c removed: the full influence / overshoot (R: 0.4)
-                                             "R0_minus_RT_eval": 0.4 if m == "paper" else comp["full"] / overshoot,
+                                             "R0_minus_RT_eval": 0.4 if m == "paper" else comp["full"] / overshoot
+                                             # row_skew: features 0 and 1 share the change unevenly, same sum
+                                             * (1 + row_skew * ([1, -1, 0][TRACKED[task].index(f)]
+                                                                if len(TRACKED[task]) == 3 else 0)),
                                              "offset_share_R0": 0.7 + 0.02 * seed + 0.01 * TRACKED[task].index(f)})
     return {"scale": "synthetic", "seeds": list(seeds), "sites": SITES, "tracked_seeds": list(seeds),
             "train": {"d_model": 32, "n_train": 1024, "n_eval": 256}, "task_train": {t: {"steps": steps} for t in tasks},
@@ -176,6 +179,19 @@ def test_an_unbalanced_first_order_makes_c_not_testable():
     check = next(p for p in c["preconditions"] if p["name"].startswith("first-order balance"))
     assert check["value"] == pytest.approx(3.0) and not check["ok"]
     assert verdicts(summarize(make_data(overshoot=0.6)))[("c", "majority")] == "reproduced"  # within 2×, either way
+
+
+def test_rows_that_cancel_make_c_not_testable():
+    # at each useless site, feature 0 removed 2.5× and feature 1 −0.5× its full influence: the sums balance (factor
+    # 1), the rows do not (hand-worked: 2 · 3F / (3F + 2.5F + 0.5F + F) = 0.857 > 2/3). Conditioned majority has one
+    # feature per site, so nothing to cancel.
+    s = summarize(make_data(row_skew=1.5))
+    c = next(c for c in s["claims"] if (c["id"], c["context"]) == ("c", "majority"))
+    checks = {p["name"].split(":")[0]: p for p in c["preconditions"]}
+    assert checks["first-order balance"]["ok"] and checks["first-order balance"]["value"] == pytest.approx(1.0)
+    assert checks["first-order balance row by row"]["value"] == pytest.approx(0.857, abs=2e-3)
+    assert verdicts(s)[("c", "majority")] == NOT_TESTABLE and verdicts(s)[("c", "cond_majority")] == "reproduced"
+    assert verdicts(summarize(make_data(row_skew=0.5)))[("c", "majority")] == "reproduced"  # 0.4 ≤ 2/3
 
 
 def test_the_paper_mismatch_does_not_decide():

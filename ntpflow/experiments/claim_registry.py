@@ -23,6 +23,7 @@ from .claims import (
 from .report_kit import COMPONENT_LABELS, COMPONENTS, fmt, fmt_ci, fmt_g, fmt_interval, fmt_sigma, has_ci, stats
 
 BALANCE = 2.0  # every influence claim: Σ full influence within this factor of the mismatch removed (docs/balance.md)
+ROW_LIMIT = 2 * (BALANCE - 1) / (BALANCE + 1)  # the same, row by row: see row_balance_check
 
 
 def balance_check(full: float | None, removed: float | None, where: str) -> Check:
@@ -34,6 +35,17 @@ def balance_check(full: float | None, removed: float | None, where: str) -> Chec
                  f"held-out data ({where}; the factor)",
                  "no data" if ratio is None else "opposite signs" if factor is None else round(factor, 2),
                  factor is not None and factor <= BALANCE)
+
+
+def row_balance_check(rows: "list[tuple[float, float]]", where: str) -> Check:
+    """The same precondition row by row, so that rows cannot cancel in a sum: over ``rows`` of (Σ full influence F,
+    mismatch removed D), the symmetric relative error 2 Σ|F − D| / Σ(|F| + |D|) at most ROW_LIMIT, which for one row
+    is exactly "F within a factor BALANCE of D" (F = B·D and F = D/B both give 2(B − 1)/(B + 1))."""
+    scale = sum(abs(f) + abs(d) for f, d in rows)
+    error = 2 * sum(abs(f - d) for f, d in rows) / scale if scale else None
+    return Check(f"first-order balance row by row: 2 Σ|full − removed| / Σ(|full| + |removed|) at most "
+                 f"{ROW_LIMIT:.3g}, a factor {BALANCE:g} for one row ({where})",
+                 "no data" if error is None else round(error, 3), error is not None and error <= ROW_LIMIT)
 
 
 # --------------------------------------------------------------------------------- toy tasks (docs/paper.md#toy-tasks)
@@ -57,12 +69,15 @@ def gate_checks(summary: dict, task: str) -> tuple[Check, ...]:
                   None if gap is None else round(gap, 4), gap is not None and gap <= GATE_GAP))
 
 
-def _toy_balance(summary: dict, task: str) -> Check:
-    """Claim c's balance on R_c at its sites (NTP-useless, below the last layer; means over the tracked seeds)."""
-    rows = [r for r in summary.get("sites_detail") or [] if r["task"] == task and not r["useful"]
-            and r["layer"] < summary["n_layer"] and None not in (r.get("centred_full"), r.get("centred_removed"))]
-    return balance_check(sum(r["centred_full"] for r in rows) if rows else None,
-                         sum(r["centred_removed"] for r in rows), "R_c, summed over these sites")
+def _toy_balance(summary: dict, task: str) -> tuple[Check, Check]:
+    """Claim c's balance on R_c at its sites (NTP-useless, below the last layer; means over the tracked seeds), as a
+    sum and row by row (site × feature)."""
+    rows = [(r["centred_full"], r["centred_removed"]) for r in summary.get("sites_detail") or []
+            if r["task"] == task and not r["useful"] and r["layer"] < summary["n_layer"]
+            and None not in (r.get("centred_full"), r.get("centred_removed"))]
+    return (balance_check(sum(f for f, _ in rows) if rows else None, sum(d for _, d in rows),
+                          "R_c, summed over these sites"),
+            row_balance_check(rows, "R_c, rows: these sites × features"))
 
 
 def _toy_rule_a() -> Rule:
@@ -163,7 +178,7 @@ def toy_claims(summary: dict) -> list[Claim]:
             "Othello only: direct ≈ 0 for useless squares; toy tasks reported as probe quality only", _toy_rule_c(),
             {"centred": c, "paper": p},
             f"integrated influence at NTP-useless sites (+ = toward the final value), {text}. n = {n_tr} seeds",
-            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t), _toy_balance(summary, t)), t))
+            (at_least("tracked seeds", n_tr, 2), *gate_checks(summary, t), *_toy_balance(summary, t)), t))
     return out
 
 
@@ -318,16 +333,18 @@ def stories_claims(summary) -> list[Claim]:
     b_text = (f"syntactic probe r: vanilla {fmt_ci(v['final'])}, myopic {fmt_ci(m['final'])}, init "
               f"{fmt_ci(syn.get('init'))}; gain over init: vanilla {fmt_ci(v['gain'])}, myopic {fmt_ci(m['gain'])}; "
               f"D = vanilla − myopic {fmt_ci(big_d)}") if v and m else "no probe data for vanilla and myopic"
-    def balance(group):  # vanilla, R, summed over the group's tracked (layer, feature) rows (means over positions, seeds)
+    def balance(group):  # vanilla, R, the group's tracked (layer, feature) rows (means over positions, seeds)
         members = set((summary.get("feature_groups") or {}).get(group) or ())
-        rows = [r for r in summary.get("mismatch_by_site") or [] if r["regime"] == "vanilla" and r["feature"] in members
+        rows = [(r["paper_full"], r["paper_removed"]) for r in summary.get("mismatch_by_site") or []
+                if r["regime"] == "vanilla" and r["feature"] in members
                 and None not in (r.get("paper_full"), r.get("paper_removed"))]
         if rows:
-            full, removed = sum(r["paper_full"] for r in rows), sum(r["paper_removed"] for r in rows)
+            full, removed = sum(f for f, _ in rows), sum(d for _, d in rows)
         else:  # results written before the mismatch records: the group's means
             raw = infl.get(group, {}).get("per_regime", {}).get("vanilla", {}).get("raw", {})
             full, removed = ((raw.get(k) or {}).get("mean") for k in ("full", "mismatch_removed"))
-        return balance_check(full, removed, f"R of the vanilla runs, {group} features")
+        where = f"R of the vanilla runs, {group} features"
+        return (balance_check(full, removed, where), row_balance_check(rows, f"{where}; rows: layer × feature"))
 
     # (c) syntax through the direct path
     sv = infl.get("syntax", {}).get("per_regime", {}).get("vanilla")
@@ -357,12 +374,12 @@ def stories_claims(summary) -> list[Claim]:
         Claim("c", "syntactic features are learned mainly through the direct path (pre-cached influence ≪ direct)",
               "pre-cached ≪ direct (no number given)", _stories_rule_c(),
               {"E": e, "direct_share": sv["share"]["direct"]["mean"] if sv else None}, c_text,
-              (*seeds, balance("syntax"))),
+              (*seeds, *balance("syntax"))),
         Claim("d", "story-position features come from pre-caching, and their probe quality drops under myopic "
               "training", "high pre-cached influence (one secondary source, low confidence)",
               every(interval_above("P = share(pre-cached) − share(direct) of the position features (vanilla)", "P"),
                     interval_above("D = q(vanilla) − q(myopic) of the position features' probe r", "D")),
-              {"P": big_p, "D": pos_d}, d_text, (*seeds, balance("position"))),
+              {"P": big_p, "D": pos_d}, d_text, (*seeds, *balance("position"))),
     ]
 
 
