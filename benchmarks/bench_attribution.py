@@ -17,6 +17,8 @@ interleaved round-robin with the order rotating every round, after a warm-up; me
     tracked_cached  the same with θ*'s probe projections from a replay's per-example cache (``use_dataset``; the
                warm-up fills it, as a replay's first epoch does), so no θ* forward per step
     adam_only  the same as tracked with ``InfluenceTracker(..., sgd_rows=False)`` (Adam rows only; ``--no-adam-only`` skips it)
+    adam_midpoint  (``--midpoint``) adam_only with ``midpoint=True``: ∇R read at each step's midpoint, what
+               ``ntpflow reproduce`` replays by default; adam_midpoint / adam_only is the midpoint's cost
     reference  ``ReferenceTracker.track`` (below; our own code following the digest's description of the reference's
                ``probe_grads_adam``) + ``train_step``. Per step: 1 no-grad forward of θ*, 1 non-myopic forward with
                residuals, 1 logits forward; per probe 1 backward of its risk (the full-length ∇θR is stored); 1
@@ -50,7 +52,7 @@ Extra sections:
 Usage:
     python benchmarks/bench_attribution.py [--repeats 3] [--ref-repeats 1] [--skip-reference]
         [--sites-curve 1,4,16,36,63 | --no-curve] [--curve-order layer,spread] [--curve-repeats 1]
-        [--no-memory] [--mem-reference] [--flops] [--profile] [--othello] [--no-adam-only] [--threads N]
+        [--no-memory] [--mem-reference] [--flops] [--profile] [--othello] [--no-adam-only] [--midpoint] [--threads N]
         [--device auto|cpu|cuda] [--markdown PATH] [--smoke]
 
 On a shared, busy machine use ``--threads 1``: with 2 threads on 2 busy cores, small ops (the plain step) slow down
@@ -132,6 +134,8 @@ def parse_args(argv=None):
                    help="count the matmul FLOPs of one tracked step (all rows, Adam rows only) against a plain step")
     p.add_argument("--othello", action="store_true", help="also time the Othello small tracking load")
     p.add_argument("--no-adam-only", action="store_true", help="do not time the Adam-rows-only variant")
+    p.add_argument("--midpoint", action="store_true", help="also time adam_only with the influence read at each "
+                   "step's midpoint (needs the Adam-rows-only variant)")
     p.add_argument("--no-check", action="store_true", help="skip the start-up agreement check")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="model seed (θ* uses seed+1000, data seed+1, probes seed+2)")
@@ -346,6 +350,10 @@ def main_table(args, tokens, mask, lines):
         ad_m, ad_o = make_model(args.seed, args.device)
         adam_tracker = InfluenceTracker(final, probes, sgd_rows=False, bucket_width=args.bucket_width)
         variants["adam_only"] = None
+        if args.midpoint:
+            mid_m, mid_o = make_model(args.seed, args.device)
+            mid_tracker = InfluenceTracker(final, probes, sgd_rows=False, midpoint=True, bucket_width=args.bucket_width)
+            variants["adam_midpoint"] = None
     if not args.skip_reference:
         ref_m, ref_o = make_model(args.seed, args.device)
         reference = ReferenceTracker(make_model(args.seed + 1000, args.device)[0], probes)
@@ -369,6 +377,10 @@ def main_table(args, tokens, mask, lines):
         timer.times.setdefault("adam_only: track() only", []).append(now() - t0)
         adam_tracker.optimizer_step(ad_m, ad_o)
 
+    def midpoint_step():
+        mid_tracker.track(mid_m, mid_o, tokens, mask)
+        mid_tracker.optimizer_step(mid_m, mid_o)
+
     def reference_step():
         t0 = now()
         reference.track(ref_m, ref_o, tokens, mask)
@@ -378,12 +390,14 @@ def main_table(args, tokens, mask, lines):
     # warm-up (allocator, Adam state); the reference code paths were warmed up by the agreement check
     pairs = [(plain_m, plain_o), (tr_m, tr_o), (ca_m, ca_o)] + ([(ref_m, ref_o)] if "reference" in variants else [])
     pairs += [(ad_m, ad_o)] if "adam_only" in variants else []
+    pairs += [(mid_m, mid_o)] if "adam_midpoint" in variants else []
     for m, o in pairs:
         for _ in range(3):
             train_step(m, o, tokens, mask)
     for _ in range(args.warmup):
         for name, trk, m, o in [("tracked", tracker, tr_m, tr_o)] + (
-                [("adam_only", adam_tracker, ad_m, ad_o)] if "adam_only" in variants else []):
+                [("adam_only", adam_tracker, ad_m, ad_o)] if "adam_only" in variants else []) + (
+                [("adam_midpoint", mid_tracker, mid_m, mid_o)] if "adam_midpoint" in variants else []):
             t0 = now()
             trk.track(m, o, tokens, mask)
             print(f"  warm-up {name} step: {now() - t0:.1f} s", flush=True)
@@ -410,6 +424,8 @@ def main_table(args, tokens, mask, lines):
                     timer.run("tracked_cached", cached_step)
                 elif name == "adam_only":
                     timer.run("adam_only", adam_only_step)
+                elif name == "adam_midpoint":
+                    timer.run("adam_midpoint", midpoint_step)
                 else:
                     timer.run("reference", reference_step)
                 print(f"  round {r + 1}/{args.repeats}: {name} {now() - t0:.1f} s", flush=True)
@@ -855,7 +871,7 @@ def main(argv=None) -> int:
     plain = med["plain"]
     table = lines + ["", "| variant | timed steps | median ms | min ms | / plain |", "|---|---:|---:|---:|---:|"]
     for n in ("plain", "tracked", "tracked: track() only", "tracked_cached", "adam_only", "adam_only: track() only",
-              "reference", "reference: tracking only"):
+              "adam_midpoint", "reference", "reference: tracking only"):
         if n in med:
             table.append(f"| {n} | {len(timer.times[n])} | {med[n]:.1f} | {min(timer.times[n]) * 1e3:.1f} | "
                          f"{med[n] / plain:.1f}x |")
@@ -868,6 +884,9 @@ def main(argv=None) -> int:
         adam_ratio = med["adam_only"] / plain
         table.append(f"| adam_only / plain (Adam rows only) | {adam_ratio:.1f}x | <= {ADAM_TARGET:.0f}x: "
                      f"{'PASS' if adam_ratio <= ADAM_TARGET else 'FAIL'} |")
+    if "adam_midpoint" in med:
+        table.append(f"| adam_midpoint / adam_only (the cost of reading ∇R at each step's midpoint) | "
+                     f"{med['adam_midpoint'] / med['adam_only']:.2f}x | (info) |")
     if "reference" in med:
         table += [f"| reference / plain | {med['reference'] / plain:.1f}x | (info) |",
                   f"| reference / tracked | {med['reference'] / med['tracked']:.2f}x | (info) |"]

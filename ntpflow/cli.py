@@ -157,8 +157,8 @@ def cmd_reproduce(args) -> int:
     from .io import resolve_device
 
     check_extras(args.experiment)  # before hours of training, not after
-    if args.midpoint and args.experiment != "toy":
-        raise ValueError("--midpoint applies to the toy experiment only")
+    if args.at_start and args.experiment == "llm":
+        raise ValueError("--at-start applies to the experiments with replays: toy, othello, stories, all")
     if args.device:
         resolve_device(args.device)
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
@@ -166,7 +166,7 @@ def cmd_reproduce(args) -> int:
                "corpus": args.corpus, "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
                "regimes": tuple(args.regimes.split(",")) if args.regimes else None,
                "seeds": _int_list(args.seeds, "--seeds") if args.seeds else None,
-               "replays": False if args.no_replays else None, "midpoint": True if args.midpoint else None}
+               "replays": False if args.no_replays else None, "midpoint": False if args.at_start else None}
     if args.experiment == "all":
         print(run_all(args.scale, out, **options))
     else:
@@ -344,9 +344,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: all four)")
     rp.add_argument("--seeds", help="toy only: comma-separated subset of the scale's seeds, for every regime "
                     "(default: all)")
-    rp.add_argument("--midpoint", action="store_true",
-                    help="toy only: replay with each step's influence read at the step's midpoint, so that the "
-                         "components add up to second order (docs/balance.md); a folder holds one kind")
+    rp.add_argument("--at-start", action="store_true",
+                    help="replay with each step's influence read at the step's start θ_t, as the paper defines it, "
+                         "instead of at its midpoint (the default: there the components add up to second order, "
+                         "which the influence claims need; docs/balance.md). A folder holds one kind")
     rp.add_argument("--no-replays", action="store_true",
                     help="toy only: train and probe, skip the tracked replays (hours at medium scale); the influence "
                     "claims are then not testable. Rerun without it to add them")

@@ -151,6 +151,17 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     return outs
 
 
+def influence_read_at(attribution_dirs: Sequence[str | Path]) -> str | None:
+    """Where the finished attributions in ``attribution_dirs`` read each step's ∇R: "midpoint" (``midpoint=True``)
+    or "start" (θ_t, the paper's); None for no folders. Raises ValueError if they differ: one report reads one kind."""
+    kinds = {"midpoint" if read_json(Path(d) / "spec.json").get("midpoint") else "start" for d in attribution_dirs}
+    if len(kinds) > 1:
+        raise ValueError("these runs were replayed both at each step's start and at its midpoint: "
+                         + ", ".join(str(d) for d in attribution_dirs) + "; replay them all one way "
+                         "(remove the attribution folders of the other kind)")
+    return next(iter(kinds), None)
+
+
 def _checked_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
     """The distinct ``sites``, sorted, checked against the run's model (before anything is written)."""
     sites = sorted(set(sites))
@@ -194,9 +205,12 @@ class _Tracked:
         self.probes = make_probes(run, sites, features, device)
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
                 "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint}
-        if (out / "spec.json").exists() and {"sgd_rows": True, "midpoint": False,
-                                             **read_json(out / "spec.json")} != spec:
-            raise ValueError(f"{out} holds an attribution with other sites/features/rows; choose another --out")
+        old = {"sgd_rows": True, "midpoint": False, **read_json(out / "spec.json")} if (out / "spec.json").exists() else spec
+        if old != spec:
+            what = (f"read at each step's {'midpoint' if old['midpoint'] else 'start'}"
+                    if {**old, "midpoint": midpoint} == spec else "with other sites/features/rows")
+            raise ValueError(f"{out} holds an attribution {what}; write to another folder (attribute --out) or "
+                             "remove it")
         write_json(out / "spec.json", spec)
         (out / "parts").mkdir(exist_ok=True)
         self.done = (out / "influence.parquet").exists()

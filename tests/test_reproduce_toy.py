@@ -58,7 +58,7 @@ def test_unknown_scale_is_a_clean_error(tmp_path, capsys):
     assert "--seeds takes comma-separated integers" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-def test_no_replays_skips_the_tracked_replays_and_a_rerun_adds_them(tmp_path):
+def test_no_replays_skips_the_tracked_replays_and_a_rerun_adds_them(tmp_path, capsys):
     out = tmp_path / "toy"
     args = ["-q", "reproduce", "toy", "--scale", "smoke", "--tasks", "majority", "--regimes", "myopic,vanilla",
             "--seeds", "0", "--out", str(out), "--workers", "1"]
@@ -77,3 +77,19 @@ def test_no_replays_skips_the_tracked_replays_and_a_rerun_adds_them(tmp_path):
     assert data["replays"] is True and data["influence"]
     replayed = sorted(p.parent.name for p in (out / "runs").glob("*/attribution"))
     assert replayed == ["majority-myopic-s0", "majority-vanilla-s0"]  # smoke tracks every regime
+    # the default reads each step's influence at its midpoint; the report says so, a folder holds one kind
+    assert data["influence_read_at"] == "midpoint"
+    assert all(json.loads((out / "runs" / r / "attribution" / "spec.json").read_text())["midpoint"] for r in replayed)
+    assert "| ∇R of an influence read at | each step's midpoint (docs/balance.md) | each step's start θ_t |" in (
+        out / "report.md").read_text()
+    before = (out / "data.json").read_bytes()
+    assert main([*args, "--at-start"]) == 2
+    assert "holds an attribution read at each step's midpoint" in capsys.readouterr().err
+    assert (out / "data.json").read_bytes() == before
+
+
+def test_at_start_needs_an_experiment_with_replays(tmp_path, capsys):
+    assert main(["reproduce", "llm", "--at-start", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--at-start applies to the experiments with replays" in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()

@@ -134,7 +134,8 @@ class _Timer:
             write_json(self.path, self.data)
 
 
-def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "auto", progress: bool = True) -> Path:
+def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "auto", progress: bool = True,
+                midpoint: bool = True) -> Path:
     """Run (or resume) every stage of ``scale`` into ``out`` and write the report. Returns ``out``.
 
     ``out/run`` is the run directory; ``out/data.json``, ``out/report.{md,html}``, ``out/summary.json`` and
@@ -168,7 +169,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                 load_or_classify(run, which, device)
         with timer.stage("attribution", (run.dir / "attribution" / "influence.parquet").exists()):
             attribute(Run.open(run.dir).dir, list(scale.sites), list(scale.squares), device=device,
-                      progress=progress, sgd_rows=False)
+                      progress=progress, sgd_rows=False, midpoint=midpoint)
         data = gather(scale, out)
         write_json(out / "data.json", data)
         write_report(out)
@@ -190,6 +191,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
     import pyarrow.parquet as pq
 
     from ..probes import ProbeSet
+    from ..replay import influence_read_at
     from ..training import Run
     from .othello_probes import ClassifierProbes, classifier_path
 
@@ -271,7 +273,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         "run": {k: v for k, v in done.items() if k != "step"}, "eval_curve": eval_curve, "train_curve": train_curve,
         "probes": probes, "influence": influence, "curves": curves, "sanity": sanity,
         "influence_centred": by_mismatch["centred"], "mismatch": mismatch,
-        "timings": timings,
+        "timings": timings, "influence_read_at": influence_read_at([run.dir / "attribution"] if summ.exists() else []),
     }
 
 

@@ -20,6 +20,7 @@ from .report_kit import (
     mean_of,
     mismatch_summary,
     plain_number,
+    read_at_settings,
     report_main,
     select,
     sites_text,
@@ -172,7 +173,7 @@ def _settings(data: dict) -> list[dict]:
     rows.append({"setting": "seed", "this_run": str(data.get("seed")), "paper": "0", "differs": data.get("seed") != 0})
     rows.append({"setting": "parameters", "this_run": str(data.get("n_params")), "paper": "4771840",
                  "differs": data.get("n_params") != 4771840})
-    return rows
+    return rows + [{**r, "differs": r["this_run"] != r["paper"]} for r in read_at_settings(data)]
 
 
 # ---------------------------------------------------------------------------------------------------- figures

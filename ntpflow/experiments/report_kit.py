@@ -259,6 +259,14 @@ def plain_number(v) -> str:
     return str(v)
 
 
+def read_at_settings(data: dict) -> list[dict]:
+    """The setting row "∇R of an influence read at" (none when no replay recorded it: before the record, or no
+    replays)."""
+    at = data.get("influence_read_at")
+    text = {"start": "each step's start θ_t", "midpoint": "each step's midpoint (docs/balance.md)"}
+    return [{"setting": "∇R of an influence read at", "this_run": text[at], "paper": text["start"]}] if at else []
+
+
 def train_settings(train: dict, paper: dict) -> list[dict]:
     """Setting rows {setting, this_run, paper} of the training settings (:data:`TRAIN_KEYS`): this run's value
     (TrainConfig's default where ``train`` lacks it) and the ``paper``'s."""

@@ -139,7 +139,8 @@ def run_dir_name(cfg: TrainConfig) -> str:
     return f"{cfg.regime}-s{cfg.seed}"
 
 
-def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], device: str, threads: int) -> dict:
+def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], device: str, threads: int,
+             midpoint: bool) -> dict:
     """Train, probe (final and step 0) and attribute one run at ``sites`` × all 22 features; each stage skips
     itself when done."""
     import torch
@@ -155,7 +156,7 @@ def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], device:
     load_or_probe(run, "final", device)
     load_or_probe(run, "init", device)
     attribute(Run.open(run_dir).dir, [Site(*s) for s in sites], list(FEATURE_NAMES), device=device, progress=False,
-              sgd_rows=False)
+              sgd_rows=False, midpoint=midpoint)
     return {"run_dir": run_dir}
 
 
@@ -167,7 +168,7 @@ def _prepare_data(cfg: TrainConfig) -> None:
 
 
 def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
-                progress: bool = True, corpus: str | None = None) -> Path:
+                progress: bool = True, corpus: str | None = None, midpoint: bool = True) -> Path:
     """Run (or resume) every run of ``scale`` into ``out/runs``, sample, gather ``out/data.json`` and write the
     report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). Returns ``out``.
     """
@@ -186,7 +187,7 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     threads = max(1, (os.cpu_count() or 1) // workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
-    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, device, threads) for c in configs]
+    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, device, threads, midpoint) for c in configs]
     run_jobs(_one_run, jobs, workers, f"stories {scale.name}", progress)
     sample_continuations(scale, out, configs, device=device)
     write_json(out / "data.json", gather(scale, out, configs))
@@ -263,6 +264,7 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
     import pyarrow.parquet as pq
 
     from ..probes import ProbeSet
+    from ..replay import influence_read_at
     from ..stories import FEATURE_GROUPS, FEATURE_NAMES
     from ..training import Run
 
@@ -326,6 +328,7 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
     samples = read_json(samples_path) if samples_path.exists() else None
     first = configs[0]
     return {"scale": scale.name, "corpus": first.corpus, "seeds": list(scale.seeds),
+            "influence_read_at": influence_read_at([out / "runs" / run_dir_name(c) / "attribution" for c in configs]),
             "sites": [[s.layer, s.pos] for s in scale.sites], "train": scale.train,
             "n_layer": first.n_layer, "seq_len": 64,
             "tokenizer": {"source": tokenizer.get("source", "?") if tokenizer else "?",

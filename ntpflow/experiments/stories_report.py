@@ -25,6 +25,7 @@ from .report_kit import (
     mean_of,
     mismatch_summary,
     paired,
+    read_at_settings,
     report_main,
     select,
     sites_text,
@@ -69,6 +70,7 @@ def _settings(data: dict, seeds) -> list[dict]:
              "paper": PAPER_SETTINGS["seeds"]}]
     rows += train_settings(data.get("train") or {}, PAPER_SETTINGS)
     rows.append({"setting": "sites", "this_run": sites_text(data.get("sites") or []), "paper": PAPER_SETTINGS["sites"]})
+    rows += read_at_settings(data)
     for r in rows:
         r["differs"] = r["setting"] != "scale" and r["this_run"].split(" (")[0] != r["paper"].split(" (")[0]
     return rows

@@ -167,7 +167,7 @@ def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: l
 
 def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
             progress: bool = True, tasks: tuple[str, ...] = TASKS, regimes: tuple[str, ...] = REGIMES,
-            seeds: tuple[int, ...] | None = None, replays: bool = True, midpoint: bool = False) -> Path:
+            seeds: tuple[int, ...] | None = None, replays: bool = True, midpoint: bool = True) -> Path:
     """Run (or resume) every run of ``scale`` (for ``tasks``, ``regimes`` and ``seeds``, a subset of the scale's)
     into ``out/runs`` and gather ``out/data.json``.
     ``replays=False`` trains and probes only: the tracked replays (the costly part) are skipped, and the influence
@@ -223,11 +223,12 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
     import pyarrow.parquet as pq
 
     from ..probes import ProbeSet
+    from ..replay import influence_read_at
     from ..tasks import make_task
 
     from ..training import Run
 
-    runs, probes, influence, curves, mismatch, eval_curves, read_at = [], [], [], [], [], [], set()
+    runs, probes, influence, curves, mismatch, eval_curves, attributed = [], [], [], [], [], [], []
     for cfg in configs:
         rd = out / "runs" / run_dir_name(cfg)
         key = {"task": cfg.task, "regime": cfg.regime, "seed": cfg.seed}
@@ -247,7 +248,7 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
                                        "useful": bool(task.useful[pos, f])})
         if not (replays and scale.is_tracked(cfg)):
             continue
-        read_at.add("midpoint" if read_json(rd / "attribution" / "spec.json").get("midpoint") else "start")
+        attributed.append(rd / "attribution")
         table = pq.read_table(rd / "attribution" / "influence.parquet")
         table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
         rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "cumulative"]).to_pylist()
@@ -265,12 +266,10 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             mismatch.append({**key, **{k: p[k] for k in ("layer", "pos", "feature", "mismatch", "R0_eval",
                                                          "R0_minus_RT_eval", "offset_share_R0")},
                              "useful": bool(task.useful[p["pos"], task.feature_names.index(p["feature"])])})
-    if len(read_at) > 1:
-        raise ValueError(f"the tracked runs in {out / 'runs'} were replayed both with and without --midpoint; "
-                         "replay them all one way (remove the other attribution folders)")
     tasks = sorted({c.task for c in configs}, key=TASKS.index)
     return {"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
-            "influence_read_at": next(iter(read_at), None), "train": scale.train, "task_train": {t: scale.task_train.get(t, {}) for t in tasks},
+            "influence_read_at": influence_read_at(attributed), "train": scale.train,
+            "task_train": {t: scale.task_train.get(t, {}) for t in tasks},
             "tracked": {t: list(TRACKED[t]) for t in tasks},
             "tracked_seeds": list(scale.tracked_seeds if scale.tracked_seeds is not None else scale.seeds)
             if replays else [], "replays": replays,

@@ -35,6 +35,7 @@ from .report_kit import (
     paired,
     plain_number,
     r_stats,
+    read_at_settings,
     report_main,
     select,
     sites_text,
@@ -225,10 +226,8 @@ def _settings(data: dict, n_seeds: int) -> list[dict]:
     tracked = sites_text(data.get("sites") or []) if data.get("replays", True) else "none (replays skipped)"
     rows.append({"setting": "tracked sites", "this_run": tracked,
                  "paper": "layers 1–2 × positions 2–19"})
-    if data.get("replays", True) and data.get("influence_read_at"):
-        rows.append({"setting": "∇R of an influence read at", "paper": "each step's start θ_t",
-                     "this_run": {"start": "each step's start θ_t",
-                                  "midpoint": "each step's midpoint (docs/balance.md)"}[data["influence_read_at"]]})
+    if data.get("replays", True):
+        rows += read_at_settings(data)
     for r in rows:
         r["differs"] = r["this_run"] != r["paper"]
     return rows
