@@ -122,6 +122,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
         held = torch.as_tensor(eval_set.tokens[:n_held_out], device=dev)
         final = run.load_model("final", dev)
         held_star = probe_projections(final, held, probes)
+        train_star = torch.cat([probe_projections(final, c, probes) for c in data["tokens"].split(256)])  # per example
         model, block = run.load_model("init", dev).train(), block or cfg.ckpt_every
         before = run.load_model("init", dev)  # θ_t while the model steps to θ_t+1
         middle = run.load_model("init", dev)  # θ_t + Δθ_t/2
@@ -148,9 +149,8 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
                 delta = torch.cat([(p - b).flatten() for p, b in zip(model.parameters(), before.parameters())])
                 for m, b, p in zip(middle.parameters(), before.parameters(), model.parameters()):
                     torch.lerp(b, p, 0.5, out=m)
-                batch_star = probe_projections(final, tokens, probes)
                 derivs = [directional_terms(at, delta, x, probes, star) for at in (before, middle)
-                          for x, star in ((tokens, batch_star), (held, held_star))]
+                          for x, star in ((tokens, train_star[i]), (held, held_star))]
             for j, mismatch in enumerate(MISMATCHES):  # f = −dR/dε: positive moves toward θ*
                 sums[j] -= torch.stack([d[mismatch][1] for d in derivs]).double()
             if (step + 1) % block == 0 or step + 1 == cfg.steps:
