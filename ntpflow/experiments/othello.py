@@ -140,6 +140,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
 
     ``out/run`` is the run directory; ``out/data.json``, ``out/report.{md,html}``, ``out/summary.json`` and
     ``out/figures/`` the results. A second call with finished stages only regathers and rewrites the report.
+    ``midpoint`` (default): the replay reads each step's ∇R at the step's midpoint; False: at θ_t, as the paper.
     """
     from ..probe_runs import load_or_probe, probe_dir_name
     from ..replay import attribute

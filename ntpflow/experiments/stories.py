@@ -170,7 +170,8 @@ def _prepare_data(cfg: TrainConfig) -> None:
 def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
                 progress: bool = True, corpus: str | None = None, midpoint: bool = True) -> Path:
     """Run (or resume) every run of ``scale`` into ``out/runs``, sample, gather ``out/data.json`` and write the
-    report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). Returns ``out``.
+    report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). ``midpoint``
+    (default): the replays read each step's ∇R at the step's midpoint; False: at θ_t, as the paper. Returns ``out``.
     """
     from .stories_report import write_report
 
