@@ -205,7 +205,8 @@ class _Tracked:
         self.probes = make_probes(run, sites, features, device)
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
                 "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint}
-        old = {"sgd_rows": True, "midpoint": False, **read_json(out / "spec.json")} if (out / "spec.json").exists() else spec
+        old = {"sgd_rows": True, "midpoint": False, **read_json(out / "spec.json")} if (
+            out / "spec.json").exists() else spec  # keys missing in specs written before they existed
         if old != spec:
             what = (f"read at each step's {'midpoint' if old['midpoint'] else 'start'}"
                     if {**old, "midpoint": midpoint} == spec else "with other sites/features/rows")
