@@ -736,6 +736,8 @@ def profile_section(args, tokens, mask) -> list[str]:
         (attribution, "site_vjp", lambda top: f"{ctx(top)}: batched VJP backward"),
         (InfluenceTracker, "_adam_deltas", "Adam bookkeeping (_adam_deltas)"),
         (InfluenceTracker, "_adam_full", "Adam bookkeeping (_adam_full)"),
+        (influence.AdamStep, "scale", "Adam bookkeeping (AdamStep.scale)") if hasattr(influence, "AdamStep") else (
+            influence, "AdamStep", "Adam bookkeeping"),
         (InfluenceTracker, "risk_cotangents", "risk values and cotangents"),
         (InfluenceTracker, "risk_coefficients", "risk values and cotangents"),
         (influence, "Primals", "forward mode: cached ordinary forward (Primals)"),

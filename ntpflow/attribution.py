@@ -107,25 +107,21 @@ def sites_vjp(model: GPT, tokens: torch.Tensor, requests: Sequence[tuple[Site, t
 
 
 def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, sites: Sequence[Site],
-                    primals: Primals):
+                    primals: Primals, functional: bool = False):
     """(full gradient [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i, filled at the sites' positions},
-    detached residuals, the per-parameter gradients as autograd returned them), cotangents [batch, pos, d_model]: one forward and backward in the model's own regime,
-    plus ``reverse_mode.own_cotangents`` on ``primals`` (the cached ordinary forward) where a later loss can reach
+    the per-parameter gradients), cotangents [batch, pos, d_model]: one forward and backward in the model's own
+    regime (``torch.autograd``, or ``torch.func`` with ``functional``, which runs under ``vmap``), plus
+    ``reverse_mode.own_cotangents`` on ``primals`` (the cached ordinary forward) where a later loss can reach
     r^k_i."""
     params = list(model.parameters())
     layers = sorted({s.layer for s in sites})
-    logits, resid = model.run_with_resid(tokens)
-    loss = lm_loss(logits, tokens, loss_mask)
-    grads = torch.autograd.grad(loss, params + [resid[k] for k in layers] + [logits], allow_unused=True)
-    param_grads = grads[:len(params)]
+    backward = _functional_backward if functional else _autograd_backward
+    param_grads, c_all, d_logits = backward(model, tokens, loss_mask, layers)
     full = flat_grads(param_grads, params)
-    c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
-    d_logits = grads[-1]  # [batch, pos, vocab]
-    resid = [r.detach() for r in resid]
     if model.myopic != "none" or all(k == model.cfg.n_layer for k in layers):
-        return full, c_all, c_all, resid, param_grads  # a myopic loss, or any loss at the last layer, reaches r^k_i
+        return full, c_all, c_all, param_grads  # a myopic loss, or any loss at the last layer, reaches r^k_i
         # only from i
-    c_own = {k: torch.zeros_like(resid[k]) for k in layers}
+    c_own = {k: torch.zeros_like(c_all[k]) for k in layers}
     for k in layers:
         if k == model.cfg.n_layer:
             c_own[k] = c_all[k]
@@ -134,7 +130,43 @@ def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | 
         for chunk in pos.split(16):  # bounds the [rows, batch, vocab] cotangents
             at = chunk.to(tokens.device)
             c_own[k][:, at] = own_cotangents(primals, k, chunk, d_logits[:, at].transpose(0, 1)).transpose(0, 1)
-    return full, c_all, c_own, resid, param_grads
+    return full, c_all, c_own, param_grads
+
+
+def _autograd_backward(model: GPT, tokens, loss_mask, layers):
+    """(per-parameter gradients, {k: ∂L/∂r^k} [batch, pos, d_model], ∂L/∂logits [batch, pos, vocab]) by one
+    ``torch.autograd.grad``: the ops of ``training.train_step``, so the parameter gradients are its bits."""
+    params = list(model.parameters())
+    logits, resid = model.run_with_resid(tokens)
+    loss = lm_loss(logits, tokens, loss_mask)
+    grads = torch.autograd.grad(loss, params + [resid[k] for k in layers] + [logits], allow_unused=True)
+    c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
+    return grads[:len(params)], c_all, grads[-1]
+
+
+def _functional_backward(model: GPT, tokens, loss_mask, layers):
+    """As :func:`_autograd_backward`, by ``torch.func.vjp`` (which ``vmap`` sees through, ``torch.autograd`` does
+    not): the loss as a function of the parameters and of zero perturbations added to each r^k (by the hook after
+    its block, or after the token embedding for k = 0), whose cotangents are ∂L/∂r^k."""
+    named = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    points = [model.hook_embed if k == 0 else model.blocks[k - 1].hook_resid_post for k in layers]
+
+    def loss_of(values, zeros):
+        handles = [pt.add_hook(lambda act, _hook, z=z: act + z) for pt, z in zip(points, zeros)]
+        try:
+            logits = torch.func.functional_call(model, ({**dict(zip(named, values)), **buffers}), (tokens,))
+        finally:
+            for h in handles:
+                h.remove()
+        return lm_loss(logits, tokens, loss_mask), logits
+
+    zeros = [tokens.new_zeros((*tokens.shape, model.cfg.d_model), dtype=next(iter(named.values())).dtype)
+             for _ in layers]
+    loss, pull, logits = torch.func.vjp(loss_of, tuple(named.values()), zeros, has_aux=True)
+    grads, c_all = pull(torch.ones_like(loss))
+    d_logits = torch.func.grad(lambda lg: lm_loss(lg, tokens, loss_mask))(logits)
+    return grads, dict(zip(layers, c_all)), d_logits
 
 
 def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, layers: Sequence[int]):
@@ -157,15 +189,16 @@ class SitePasses:
     call (one layer, any positions) share every kernel.
     """
 
-    def __init__(self, model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None):
+    def __init__(self, model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None,
+                 functional: bool = False):
         for s in sites:
             s.check(model.cfg.n_layer, tokens.shape[1])
         self.model, self.tokens = model, tokens
         self.params = list(model.parameters())
         self.n_params = sum(p.numel() for p in self.params)
         self.primals = Primals(model, tokens[:, :max(s.pos for s in sites) + 1])
-        self.full, self.c_all, self.c_own, self.resid, self.param_grads = _cotangent_pass(model, tokens, loss_mask,
-                                                                                          sites, self.primals)
+        self.full, self.c_all, self.c_own, self.param_grads = _cotangent_pass(model, tokens, loss_mask, sites,
+                                                                              self.primals, functional)
 
     def has_pre_cached(self, site: Site) -> bool:
         """False where pre-caching is structurally zero: a myopic model, or the last layer (only ln_final reads it)."""

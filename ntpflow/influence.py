@@ -69,6 +69,40 @@ def _projection_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
+@dataclass(frozen=True)
+class AdamStep:
+    """One Adam step as the tracker sees it: the optimizer's second moment before it ``v_prev`` [n_params], its
+    step number ``t`` (1 for the first), ``betas``, ``eps``, and the tracker's first moments, which the step updates
+    in place: the full one ``m_full`` [n_params] and the sites' ``m_sites`` [n_sites, 2 (direct, pre-cached),
+    n_params]."""
+
+    v_prev: torch.Tensor
+    t: int
+    betas: tuple[float, float]
+    eps: float
+    m_full: torch.Tensor
+    m_sites: torch.Tensor
+
+    @property
+    def beta1(self) -> float:
+        return self.betas[0]
+
+    def scale(self, lr: float, g_full: torch.Tensor) -> torch.Tensor:
+        """The per-parameter step scale lr/(1−β1^t)/(sqrt(v̂)+eps) [n_params], v the second moment updated with
+        this step's gradient ``g_full`` [n_params]: shared by every component (Adam's step is scale · m)."""
+        beta1, beta2 = self.betas
+        v = beta2 * self.v_prev + (1 - beta2) * g_full * g_full
+        return lr / (1 - beta1**self.t) / ((v / (1 - beta2**self.t)).sqrt() + self.eps)
+
+
+def adam_second_moment(opt: torch.optim.Adam, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """The optimizer's second moment of ``params`` flat [n_params] (zero before the first step) and the number of
+    the step about to be taken."""
+    states = [opt.state.get(p, {}) for p in params]
+    t = int(states[0]["step"]) + 1 if states[0] else 1
+    return flat_grads([s.get("exp_avg_sq") for s in states], params), t
+
+
 class InfluenceTracker:
     """Accumulates, before every optimizer step, the influence of each component on each probe.
 
@@ -183,14 +217,15 @@ class InfluenceTracker:
         return self._proj[example_ids.to(self._proj.device)]
 
     def risk_coefficients(self, resid: list[torch.Tensor], final_proj: torch.Tensor,
-                          feature_types: dict[str, torch.Tensor] | None):
+                          feature_types: dict[str, torch.Tensor] | None, w: torch.Tensor | None = None):
         """For every probe, type subset and mismatch: (probe, type, mismatch, R, a [batch]) with ``a[:, None] * w``
         the cotangent of R at the site: a = 2e/n, e = d (paper) or d − d̄ (centred) on the subset's rows, 0 elsewhere.
         The centred a is the exact gradient of R_c, since Σ_b (d_b − d̄) = 0. R is a 0-dim tensor (no host sync per
         risk; ``track`` reads every value back at once).
 
         resid: list of [batch, pos, d_model] for θ; final_proj: ⟨w, r*⟩ [batch, n_probes] (``final_projections``);
-        feature_types: {probe name: int [batch, pos]}. d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype. The type subsets
+        feature_types: {probe name: int [batch, pos]}; w: the probes' directions [n_probes, d_model] (default: the
+        probes' own). d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype. The type subsets
         of every probe (the types present in its column, ascending) come from one host sync for all probes.
         """
         typed = [] if feature_types is None else [(j, feature_types[p.name][:, p.site.pos])
@@ -203,7 +238,8 @@ class InfluenceTracker:
         cols = dict(typed)
         out = []
         for j, p in enumerate(self.probes):
-            diff = resid[p.site.layer][:, p.site.pos].to(final_proj) @ p.w.to(final_proj) - final_proj[:, j]
+            w_j = p.w if w is None else w[j]
+            diff = resid[p.site.layer][:, p.site.pos].to(final_proj) @ w_j.to(final_proj) - final_proj[:, j]
             subsets = [(-1, None)] + [(t, cols[j] == t) for t in present.get(j, [])]
             for t, rows in subsets:
                 if rows is None:  # the whole batch
@@ -224,44 +260,73 @@ class InfluenceTracker:
         [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks.
         ``example_ids`` [batch]: the batch's rows in the dataset given to ``use_dataset`` (θ* projections cached).
 
-        How (docs/engine.md): one ordinary backward and one cached ordinary forward (``Primals``) serve everything.
-        The decomposition gives each site's direct and pre-cached gradients explicitly (``SitePasses.run_many``:
-        the hand-written reverse mode on the cache, prefix ≤ i, needed for the per-site Adam moments). A risk's
-        influence along an update δ is ``∇θR · δ = Σ_b a_b ⟨w, (J δ)_b⟩`` with J = ∂r^k_i/∂θ in the ordinary graph,
-        so forward-mode tangents do the rest: along the full gradient and the full Adam step once for every site
-        (``all_tangents``), along each site's direct and pre-cached updates (``site_tangents``, prefix ≤ i only).
-        Both run per bucket of sites of one layer (``buckets``). Shared parts follow as full − direct − pre. No
-        per-risk gradient vector is formed, and the cost does not grow with the number of probes, mismatches or
-        type subsets.
+        How (docs/engine.md): one ordinary backward and one cached ordinary forward (``Primals``) serve everything;
+        the tensor work is :meth:`influences`, the rows come from one host sync of its values.
         """
         kind, group = _check_optimizer(opt)
         params = list(model.parameters())
         passes = SitePasses(model, tokens, self.sites, loss_mask)  # backward, own cotangents, cached forward
-        n_pos = max(s.pos for s in self.sites) + 1
-        primals = passes.primals  # the ordinary forward over positions < n_pos, also for a myopic model
         final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
                       else self._cached_projections(example_ids))
-        risks = self.risk_coefficients(primals.resid, final_proj, feature_types)
         self._last_grads = (model, passes.param_grads)
-        g_full, lr = passes.full, group["lr"]
-        adam = kind == "adam"
-        sgd = kind == "sgd" or self.sgd_rows
-        if adam:
-            self._ensure_moments(g_full)
-        shared_dirs = ([g_full] if sgd else []) + ([self._adam_full(opt, group, params, g_full)] if adam else [])
-        if self.midpoint:  # ∇R read at θ_t − Δ/2: its own forward, risk coefficients and tangents
-            primals = self._midpoint_primals(model, shared_dirs[-1] if adam else lr * g_full, primals.tokens)
-            coef_risks = self.risk_coefficients(primals.resid, final_proj, feature_types)
+        adam = None
+        if kind == "adam":
+            self._ensure_moments(passes.full)
+            adam = AdamStep(*adam_second_moment(opt, params), group["betas"], group["eps"], self._m_full,
+                            self._m_sites)
+        midpoint = ((lambda step: self._midpoint_primals(model, step, passes.primals.tokens)) if self.midpoint
+                    else None)
+        values, layout = self.influences(passes, final_proj, self.directions, feature_types, group["lr"], adam,
+                                         midpoint)
+        rows = self.rows(values.tolist(), layout, group["lr"])  # one device sync
+        self.step += 1
+        return rows
+
+    @property
+    def directions(self) -> torch.Tensor:
+        """The probes' directions w stacked, [n_probes, d_model] (probe order)."""
+        return torch.stack([p.w for p in self.probes])
+
+    def influences(self, passes: SitePasses, final_proj: torch.Tensor, w: torch.Tensor,
+                   feature_types: dict[str, torch.Tensor] | None, lr: float, adam: "AdamStep | None",
+                   midpoint=None) -> tuple[torch.Tensor, tuple]:
+        """The tensor work of one tracked step: (values [n_values] float64, their layout for :meth:`rows`).
+
+        passes: the batch's ``SitePasses``; final_proj: ⟨w, r*⟩ [batch, n_probes]; w: the probes' directions
+        [n_probes, d_model]; adam: this step's Adam quantities, whose first moments are updated in place (None for
+        SGD); midpoint: ``step [n_params] -> Primals`` at
+        θ − step/2, or None to read ∇R at θ. Free of host syncs and of optimizer lookups without ``feature_types``,
+        so it runs under ``torch.func.vmap`` over a run axis (``ntpflow.run_axis``) with every argument batched.
+
+        A risk's influence along an update δ is ``∇θR · δ = Σ_b a_b ⟨w, (J δ)_b⟩`` with J = ∂r^k_i/∂θ in the
+        ordinary graph: forward-mode tangents along the full gradient and the full Adam step once for every site
+        (``all_tangents``), along each site's direct and pre-cached updates (``site_tangents``, prefix ≤ i only; the
+        parts from ``SitePasses.run_many``, the hand-written reverse mode). Both run per bucket of sites of one layer
+        (``buckets``). Shared parts follow as full − direct − pre. No per-risk gradient vector is formed.
+        """
+        primals = passes.primals  # the ordinary forward over positions < n_pos, also for a myopic model
+        tokens = primals.tokens
+        risks = self.risk_coefficients(primals.resid, final_proj, feature_types, w)
+        g_full = passes.full
+        sgd = adam is None or self.sgd_rows
+        shared_dirs, scale = [g_full] if sgd else [], None
+        if adam is not None:
+            scale = adam.scale(lr, g_full)
+            adam.m_full.mul_(adam.beta1).add_((1 - adam.beta1) * g_full)
+            shared_dirs.append(scale * adam.m_full)  # the real Adam step
+        if midpoint is not None:  # ∇R read at θ_t − Δ/2: its own forward, risk coefficients and tangents
+            primals = midpoint(shared_dirs[-1] if adam is not None else lr * g_full)
+            coef_risks = self.risk_coefficients(primals.resid, final_proj, feature_types, w)
         else:
             coef_risks = risks
-        n_layers = max(s.layer for s in self.sites)
+        n_layers, n_pos = max(s.layer for s in self.sites), max(s.pos for s in self.sites) + 1
         # the shared directions once for all sites (full blocks over n_pos positions), unless the sites' own prefixes
         # are less work (e.g. a single site): then they ride along in each site's tangents
         once = sum(s.layer * (s.pos + 1) for s in self.sites) > n_layers * n_pos
         shared_dirs = torch.stack(shared_dirs)
         tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
-        pending = []  # per site: (its risks, with_pre, influences [risks, directions]), read back at the end
-        by_site = self._risks_by_site(coef_risks, tokens.device)
+        pending = []  # per site: (its risks, with_pre, influences [risks, directions])
+        by_site = self._risks_by_site(coef_risks, w, tokens.device)
         for bucket in self.buckets(len(tokens), tokens.device):  # sites of one layer together; bounds memory
             sites = self.sites[bucket]
             k, n = sites[0].layer, len(sites)
@@ -269,16 +334,16 @@ class InfluenceTracker:
             parts = passes.run_many(sites)  # [n, 2, n_params]: direct, pre-cached
             with_pre = passes.has_pre_cached(sites[0])
             n_own = 2 if with_pre else 1  # pre-cached parts (and their moments) are exactly 0 when structurally absent
-            m_dirs = n_own * (sgd + adam) + (0 if once else len(shared_dirs))
+            m_dirs = n_own * (sgd + (adam is not None)) + (0 if once else len(shared_dirs))
             dirs = parts.new_empty((n, m_dirs, parts.shape[-1]))  # the directions, written in place (no cat)
             at = 0
             if sgd:
                 dirs[:, :n_own] = parts[:, :n_own]
                 at = n_own
-            if adam:
-                moments = self._m_sites[bucket, :n_own]  # a view [n, n_own, n_params]
-                moments.mul_(self.beta1).add_((1 - self.beta1) * parts[:, :n_own])  # same rounding as β1·m + (1−β1)·g
-                torch.mul(self._scale, moments, out=dirs[:, at:at + n_own])
+            if adam is not None:
+                moments = adam.m_sites[bucket, :n_own]  # a view [n, n_own, n_params]
+                moments.mul_(adam.beta1).add_((1 - adam.beta1) * parts[:, :n_own])  # as β1·m + (1−β1)·g rounds
+                dirs[:, at:at + n_own] = scale * moments
                 at += n_own
             if not once:
                 dirs[:, at:] = shared_dirs
@@ -289,22 +354,26 @@ class InfluenceTracker:
             for site, tau_site in zip(sites, tau):
                 if site not in by_site:
                     continue
-                mine, w, sel = by_site[site]
-                proj = tau_site @ w.to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
+                mine, w_site, sel = by_site[site]
+                proj = tau_site @ w_site.to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
                 coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
                 pending.append((mine, with_pre, (proj.index_select(2, sel) * coef).sum(1).T))  # [risks, m]: ∇R·δ
-        # one device sync: the risks, then the influences
         values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
-                           + [v.flatten().to(torch.float64) for *_, v in pending]).tolist() if risks else []
-        rows = [self._row(p, t, m, "risk", "none", v) for (p, t, m, _, _), v in zip(risks, values)]
+                           + [v.flatten().to(torch.float64) for *_, v in pending]) if risks else g_full.new_zeros(0)
+        layout = ([r[:3] for r in risks], [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending],
+                  sgd, adam is not None)
+        return values, layout
+
+    def rows(self, values: list[float], layout: tuple, lr: float) -> list[dict]:
+        """This step's rows from :meth:`influences`' values (as Python floats) and layout."""
+        risks, pending, sgd, adam = layout
+        rows = [self._row(p, t, m, "risk", "none", v) for (p, t, m), v in zip(risks, values)]
         start = len(risks)
-        for mine, with_pre, v in pending:
-            n_dirs = v.shape[1]
-            for j, (p, t, m, _, _) in enumerate(mine):
+        for mine, with_pre, n_dirs in pending:
+            for j, (p, t, m) in enumerate(mine):
                 at = start + j * n_dirs
                 rows += self._influence_rows(p, t, m, values[at:at + n_dirs], with_pre, sgd, adam, lr)
-            start += v.numel()
-        self.step += 1
+            start += len(mine) * n_dirs
         return rows
 
     def _midpoint_primals(self, model: GPT, step: torch.Tensor, tokens: torch.Tensor) -> Primals:
@@ -317,18 +386,19 @@ class InfluenceTracker:
                 torch.sub(p, s.view_as(p), alpha=0.5, out=m)
         return Primals(self._middle, tokens)
 
-    def _risks_by_site(self, risks: list, device: torch.device) -> dict:
+    def _risks_by_site(self, risks: list, w: torch.Tensor, device: torch.device) -> dict:
         """{site: (its risks, its probes' directions [d_model, probes], column of each risk's probe [risks])}: the
-        columns of every site from one host-to-device copy (none per site)."""
+        columns of every site from one host-to-device copy (none per site); w: [n_probes, d_model]."""
         groups: dict[Site, list] = {}
         for r in risks:
             groups.setdefault(r[0].site, []).append(r)
+        index = {id(p): j for j, p in enumerate(self.probes)}
         out, cols = {}, []
         for site, mine in groups.items():
             probes = list(dict.fromkeys(r[0] for r in mine))
             col = {id(p): j for j, p in enumerate(probes)}
             cols.append([col[id(r[0])] for r in mine])
-            out[site] = (mine, torch.stack([p.w for p in probes], 1))
+            out[site] = (mine, w[[index[id(p)] for p in probes]].T)
         if not cols:
             return {}
         flat = torch.tensor([c for cs in cols for c in cs], dtype=torch.long).to(device).split([len(c) for c in cols])
@@ -368,20 +438,6 @@ class InfluenceTracker:
         if self._m_sites is None or self._m_sites.shape[-1] != g_full.numel():
             self._m_sites = g_full.new_zeros((len(self.sites), 2, g_full.numel()))
             self._m_full = g_full.new_zeros(g_full.numel())
-
-    def _adam_full(self, opt, group, params, g_full) -> torch.Tensor:
-        """Set ``self._scale`` (per-parameter step scale lr/(1−β1^t)/(sqrt(v̂)+eps) [n_params], v the optimizer's
-        second moment updated with this step's gradient, shared by every component) and update the full first
-        moment; return the real Adam step [n_params]."""
-        beta1, beta2 = group["betas"]
-        self.beta1 = beta1
-        states = [opt.state.get(p, {}) for p in params]
-        t = int(states[0]["step"]) + 1 if states[0] else 1
-        v_prev = flat_grads([s.get("exp_avg_sq") for s in states], params)
-        v = beta2 * v_prev + (1 - beta2) * g_full * g_full
-        self._scale = group["lr"] / (1 - beta1**t) / ((v / (1 - beta2**t)).sqrt() + group["eps"])
-        self._m_full.mul_(beta1).add_((1 - beta1) * g_full)
-        return self._scale * self._m_full
 
     def _row(self, p: Probe, t: int, mismatch: str, component: str, optimizer: str, value: float) -> dict:
         return {"step": self.step, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -40,6 +41,7 @@ from .io import (
     write_json,
 )
 from .probe_runs import load_or_probe
+from .run_axis import RunAxisTracker
 from .run_group import GroupReplay, member_indices, replay_stepper
 from .sites import Site
 from .threads import follow_threads
@@ -101,14 +103,17 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
 def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], features: Sequence[str] | None = None, *,
                     out_dirs: Sequence[str | Path | None] | None = None, device: str = "auto", block: int | None = None,
                     progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-                    midpoint: bool = False) -> list[Path]:
+                    midpoint: bool = False, run_axis: bool = True) -> list[Path]:
     """Replay members of one run group together, tracking each at ``sites`` × ``features``; returns the output dirs.
 
-    One pass over the steps: before each step every member's tracker runs on its own model and Adam, then the
-    group takes the step once for all (``GroupReplay``). Each member's folder (``out_dirs``, default
-    ``RUN_DIR/attribution``) comes out bit for bit as :func:`attribute` writes it. Members already finished are
-    skipped; the others resume from their own last saved state (the group from the earliest of them). Arguments as
-    in :func:`attribute`.
+    One pass over the steps: before each step the members are tracked, then the group takes the step once for all
+    (``GroupReplay``). With ``run_axis`` (the default, for tasks without feature types) the members are tracked in
+    one vmapped pass over the run axis (``ntpflow.run_axis``): their values agree with :func:`attribute`'s to
+    rounding, and all members resume from one step (a member saved later goes back to its previous resume
+    point). Without it, each member's tracker runs on its own model and Adam, one after another, and each folder
+    comes out bit for bit as :func:`attribute` writes it; members resume from their own last saved state. Each
+    member writes to its own folder (``out_dirs``, default ``RUN_DIR/attribution``); members already finished are
+    skipped. Other arguments as in :func:`attribute`.
     """
     runs = [Run.open(d) for d in run_dirs]
     if not runs:
@@ -125,13 +130,22 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     if len({o.resolve() for o in outs}) < len(outs):
         raise ValueError("the members need distinct output folders")
     dev = resolve_device(device if device != "auto" else runs[0].cfg.device)
+    run_axis = run_axis and runs[0].task.sample(1, np.random.default_rng(0)).feature_types is None
     with ExitStack() as locks:
         for o in outs:  # one writer per attribution folder
             locks.enter_context(DirLock(o, force=force_unlock))
         todo = [(r, m) for r, m in zip(index, (_Tracked(run, o, sites, features, dev, device, block, sgd_rows,
-                                                        midpoint) for run, o in zip(runs, outs))) if not m.done]
+                                                        midpoint, run_axis) for run, o in zip(runs, outs)))
+                if not m.done]
         if todo:
             group = GroupReplay(runs[0], dev)
+            axis = None
+            if run_axis:
+                while len({m.start for _, m in todo}) > 1:  # one step for all: the later ones go back
+                    first = min(m.start for _, m in todo)
+                    for _, m in todo:
+                        m.rewind(first)
+                axis = RunAxisTracker([m.tracker for _, m in todo])
             first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
             threads_at = locks.enter_context(follow_threads(runs[0].dir, dev))  # the group trained as one
             for step in tqdm(range(first, steps), initial=first, total=steps, disable=not progress,
@@ -141,8 +155,16 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
                 for r, m in active:
                     if m.start == step:
                         group.join(r, m.model, m.opt)
-                for _, m in active:
-                    m.track(step)
+                if axis is not None:
+                    batches = [m.batch(step) for _, m in active]
+                    stack, group_opt = group.state(step)
+                    per_member = axis.track(stack, group_opt, [r for r, _ in active],
+                                            *(torch.stack(b) for b in zip(*batches)))
+                    for (_, m), rows in zip(active, per_member):
+                        m.record(rows)
+                else:
+                    for _, m in active:
+                        m.track(step)
                 group(step)
                 for _, m in active:
                     m.end_step(step)
@@ -199,22 +221,29 @@ class _Tracked:
     it; ``finish()`` at the end. ``done``: the folder already holds a finished attribution (nothing else is set)."""
 
     def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool,
-                 midpoint: bool):
+                 midpoint: bool, run_axis: bool = False):
         cfg = run.cfg
         self.run, self.out, self.dev = run, out, dev
         self.probes = make_probes(run, sites, features, device)
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
-                "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint}
-        old = {"sgd_rows": True, "midpoint": False, **read_json(out / "spec.json")} if (
+                "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint, "run_axis": run_axis}
+        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, **read_json(out / "spec.json")} if (
             out / "spec.json").exists() else spec  # keys missing in specs written before they existed
+        self.done = (out / "influence.parquet").exists()
+        if self.done and {**old, "run_axis": run_axis} == spec:
+            spec = old  # finished either way: the spec keeps saying how
         if old != spec:
-            what = (f"read at each step's {'midpoint' if old['midpoint'] else 'start'}"
-                    if {**old, "midpoint": midpoint} == spec else "with other sites/features/rows")
+            if {**old, "midpoint": midpoint} == spec:
+                what = f"read at each step's {'midpoint' if old['midpoint'] else 'start'}"
+            elif {**old, "run_axis": run_axis} == spec:
+                what = ("tracked over its group's run axis (resume it with attribute --group)" if old["run_axis"]
+                        else "tracked one member at a time (resume it with attribute RUN_DIR, without --group)")
+            else:
+                what = "with other sites/features/rows"
             raise ValueError(f"{out} holds an attribution {what}; write to another folder (attribute --out) or "
                              "remove it")
         write_json(out / "spec.json", spec)
         (out / "parts").mkdir(exist_ok=True)
-        self.done = (out / "influence.parquet").exists()
         if self.done:
             return
         task = run.task
@@ -225,29 +254,42 @@ class _Tracked:
             idx = {n: i for i, n in enumerate(task.feature_names)}
             self.types = {n: torch.as_tensor(train_set.feature_types[..., idx[n]], device=dev).long()
                           for n in spec["features"]}
-        self.model = run.load_model("init", dev).train()
-        self.opt = make_optimizer(self.model, cfg)
         self.tracker = InfluenceTracker(run.load_model("final", dev),
                                         [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes], sgd_rows=sgd_rows,
                                         midpoint=midpoint)
         self.tracker.use_dataset(self.data["tokens"])  # θ* projections once per example, not a θ* forward per step
-        self.start, self.cums = _resume(out, self.model, self.opt, self.tracker, dev)
         self.block = block or cfg.ckpt_every
         self.order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
+        self.rewind(cfg.steps)
+
+    def rewind(self, upto: int) -> None:
+        """Load the newest resume point at or before step ``upto`` (none: start over from the initial weights)."""
+        self.model = self.run.load_model("init", self.dev).train()
+        self.opt = make_optimizer(self.model, self.run.cfg)
+        self.tracker.load_state_dict({"step": torch.tensor(0)})
+        self.start, self.cums = _resume(self.out, self.model, self.opt, self.tracker, self.dev, upto)
         self.rows: list[dict] = []
         self.block_start = self.start
 
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``step``'s batch: tokens, loss_mask [batch, pos] and their rows in the training set [batch]."""
+        i = self.order(step).to(self.dev)
+        return self.data["tokens"][i], self.data["loss_mask"][i], i
+
     def track(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Track ``step`` (before its update); returns its batch: tokens, loss_mask [batch, pos]."""
-        i = self.order(step).to(self.dev)
-        tokens, mask = self.data["tokens"][i], self.data["loss_mask"][i]
+        tokens, mask, i = self.batch(step)
         types = None if self.types is None else {k: v[i] for k, v in self.types.items()}
-        for r in self.tracker.track(self.model, self.opt, tokens, mask, types, example_ids=i):
+        self.record(self.tracker.track(self.model, self.opt, tokens, mask, types, example_ids=i))
+        return tokens, mask
+
+    def record(self, rows: list[dict]) -> None:
+        """Add a step's rows (from this member's tracker) to the block, with their running sums."""
+        for r in rows:
             key = tuple(r[k] for k in KEY)
             self.cums[key] += r["value"] if r["component"] != "risk" else 0.0
             r["cumulative"] = self.cums[key] if r["component"] != "risk" else r["value"]
             self.rows.append(r)
-        return tokens, mask
 
     def end_step(self, step: int) -> None:
         """After ``step``'s update: at a block boundary, write the block's rows and a resume point."""
@@ -288,15 +330,17 @@ def resume_points(out: Path) -> list[Path]:
     return sorted(p for p in (out / "state").glob("step_*") if (p / "state.json").exists())
 
 
-def load_resume_point(out: Path, model, opt, dev) -> tuple[int, dict[str, torch.Tensor]]:
-    """Remove what a kill left half-written in ``out``, then load the newest intact resume point into ``model`` and
-    ``opt``: (its step, all its tensors), or (0, {}) when there is none."""
+def load_resume_point(out: Path, model, opt, dev, upto: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+    """Remove what a kill left half-written in ``out``, then load the newest intact resume point (at or before step
+    ``upto``, if given) into ``model`` and ``opt``: (its step, all its tensors), or (0, {}) when there is none."""
     for stale in [*(out / "state").glob(".tmp-*"), out / "state.safetensors", out / "state.json"]:
         if stale.is_dir():  # a resume point cut short by a kill, or the single state of older versions
             shutil.rmtree(stale, ignore_errors=True)
         else:
             stale.unlink(missing_ok=True)
     for point in reversed(resume_points(out)):
+        if upto is not None and int(point.name.split("_")[1]) > upto:
+            continue
         try:
             meta, state = load_state(point / "state.safetensors", model, opt, dev)
         except (CorruptFileError, FileNotFoundError) as e:
@@ -306,9 +350,9 @@ def load_resume_point(out: Path, model, opt, dev) -> tuple[int, dict[str, torch.
     return 0, {}
 
 
-def _resume(out: Path, model, opt, tracker, dev):
+def _resume(out: Path, model, opt, tracker, dev, upto: int | None = None):
     cums: dict[tuple, float] = defaultdict(float)
-    start, state = load_resume_point(out, model, opt, dev)
+    start, state = load_resume_point(out, model, opt, dev, upto)
     if not start:
         for p in (out / "parts").glob("part_*.parquet"):
             p.unlink()

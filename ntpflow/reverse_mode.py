@@ -132,7 +132,7 @@ def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, my
         d_tab = None  # the cotangent of resid[0] summed per table row (block 0's ln1 path), see Primals
         if layer == 0:
             d_r = cot.new_zeros((m, cot.shape[1], n_pos, cot.shape[2]))
-            d_r[grads.rows, :, qpos] = cot
+            d_r.transpose(1, 2)[grads.rows, qpos] = cot  # adjacent indices: vmap places them as without it
         else:
             d_r, d_tab = _top_block_back(pr, grads, layer - 1, qpos, onehot, cot, myopic)
             for b in reversed(range(layer - 1)):
@@ -260,7 +260,7 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
             x.view(m, -1, d).scatter_add_(1, at_q, y)
     else:
         def add_query(x, y):  # x [m, B, P, d] += y [m, B, d] at each row's query
-            x[rows, :, qpos] += y
+            x.transpose(1, 2)[rows, qpos] += y  # adjacent indices: vmap places them as without it
     dx1_live = dx1_of(live_k, live_v)
     add_query(dx1_live, dx1_q)  # the query's own input, through W_q (one position per row)
     if w_k is live_k:
@@ -270,12 +270,12 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
         add_query(dx1_all, dx1_q)
     d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=table)
     if d_tab is None:
-        d_in[rows, :, qpos] += d_mid  # the residual path at the query
+        d_in.transpose(1, 2)[rows, qpos] += d_mid  # the residual path at the query
     elif table:
         add_query(d_tab, d_mid)
     else:
         d_in = d_mid.new_zeros(dx1_live.shape)
-        d_in[rows, :, qpos] += d_mid
+        d_in.transpose(1, 2)[rows, qpos] += d_mid
     return d_in, d_tab
 
 

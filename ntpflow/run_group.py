@@ -340,9 +340,14 @@ class GroupReplay:
         for r, (model, _) in self.members.items():
             self._check(r, model)
 
-    def __call__(self, step: int, *batch) -> None:
+    def state(self, step: int) -> tuple[RunStack, torch.optim.Adam]:
+        """The group's stacked weights and Adam before ``step`` (brought there first, if they are elsewhere)."""
         if step != self.next_step:
             self._seek(step)
+        return self.stack, self.group_opt
+
+    def __call__(self, step: int, *batch) -> None:
+        self.state(step)
         group_step(self.stack, self.group_opt, *self.data.batch(step))
         for r, (model, opt) in self.members.items():
             self.stack.export(r, self.group_opt, model, opt)

@@ -173,14 +173,16 @@ def resume_points(folder: Path) -> list[int]:
 
 
 def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(group, tmp_path, monkeypatch):
-    """One replay of the group that tracks both members, against each member's own replay (``attribute``, the
-    oracle): every file of each member's folder has the same bytes, also after kills that leave the members at
-    different resume points, and a member already finished is skipped."""
+    """One replay of the group that tracks both members one after another (``run_axis=False``), against each
+    member's own replay (``attribute``, the oracle): every file of each member's folder has the same bytes, also
+    after kills that leave the members at different resume points, and a member already finished is skipped."""
     _, cfgs, runs = group
     dirs = [run.dir for run in runs]
     sites, features = [Site(1, 5), Site(2, 3)], ["is_majority_<0>"]
-    opts = dict(device="cpu", progress=False, block=3)  # resume points 3, 6, 9, 12: off the checkpoint grid (4, 8)
-    alone = [attribute(d, sites, features, out_dir=tmp_path / f"alone{r}", **opts) for r, d in enumerate(dirs)]
+    opts = dict(device="cpu", progress=False, block=3, run_axis=False)  # resume points 3, 6, 9, 12: off the
+    # checkpoint grid (4, 8)
+    alone = [attribute(d, sites, features, out_dir=tmp_path / f"alone{r}", device="cpu", progress=False, block=3)
+             for r, d in enumerate(dirs)]
     want = [tree(o) for o in alone]
     assert "influence.parquet" in want[0] and "state/step_000012/state.safetensors" in want[1]
 
@@ -202,6 +204,74 @@ def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(gr
     finished = tree(alone[0])
     attribute_group(dirs, sites, features, out_dirs=[alone[0], tmp_path / "only1"], **opts)  # member 0 skipped
     assert tree(alone[0]) == finished and tree(tmp_path / "only1") == want[1]  # exact: same ops in one process
+
+
+def parquet_rows(folder: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(folder / "influence.parquet").to_pylist()
+
+
+def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(group, tmp_path, monkeypatch):
+    """The default group replay tracks the members in one vmapped pass: against each member's own replay
+    (``attribute``) the same rows, values equal to rounding (float32 runs: within 1e3 · eps32 of the largest
+    |value| of the column); the spec says how it was tracked. Killed so that the members stand at different resume
+    points, or both at one, it resumes (the later member goes back to the common step) to the same bytes as an
+    uninterrupted replay."""
+    _, cfgs, runs = group
+    dirs = [run.dir for run in runs]
+    sites, features = [Site(1, 5), Site(2, 3)], ["is_majority_<0>"]
+    opts = dict(device="cpu", progress=False, block=3)
+    fresh = attribute_group(dirs, sites, features, out_dirs=[tmp_path / "fresh0", tmp_path / "fresh1"], **opts)
+    eps = torch.finfo(torch.float32).eps
+    for r, (d, out) in enumerate(zip(dirs, fresh)):
+        alone = attribute(d, sites, features, out_dir=tmp_path / f"alone{r}", **opts)
+        assert json.loads((out / "spec.json").read_text()) == {
+            **json.loads((alone / "spec.json").read_text()), "run_axis": True}
+        want, got = parquet_rows(alone), parquet_rows(out)
+        assert [{**x, "value": 0, "cumulative": 0} for x in got] == [{**x, "value": 0, "cumulative": 0} for x in want]
+        for col in ("value", "cumulative"):
+            a = torch.tensor([x[col] for x in want], dtype=torch.float64)
+            torch.testing.assert_close(torch.tensor([x[col] for x in got], dtype=torch.float64), a, rtol=0,
+                                       atol=1e3 * eps * a.abs().max().item())
+    want = [tree(o) for o in fresh]
+
+    def killed(outs, expect):  # dies right after the first resume point this call writes
+        monkeypatch.setenv("NTPFLOW_FAULT", "attribute:after_state_rename")
+        with pytest.raises(SimulatedKill):
+            attribute_group(dirs, sites, features, out_dirs=outs, **opts)
+        monkeypatch.delenv("NTPFLOW_FAULT")
+        assert [resume_points(o) for o in outs] == expect
+
+    mixed = [tmp_path / "mixed0", tmp_path / "mixed1"]
+    killed(mixed, [[3], []])  # member 0 goes back to step 0, where member 1 resumes
+    killed(mixed, [[3], []])  # ... and again
+    from ntpflow import replay
+
+    real, saved = replay.save_resume_point, []
+
+    def dying_save(*a, **kw):  # dies once both members have written their step-3 resume point
+        real(*a, **kw)
+        saved.append(a[3])
+        if len(saved) == 2:
+            raise KeyboardInterrupt("injected kill")
+
+    both = [tmp_path / "both0", tmp_path / "both1"]
+    monkeypatch.setattr(replay, "save_resume_point", dying_save)
+    with pytest.raises(KeyboardInterrupt):
+        attribute_group(dirs, sites, features, out_dirs=both, **opts)
+    monkeypatch.setattr(replay, "save_resume_point", real)
+    assert [resume_points(o) for o in both] == [[3], [3]]  # both resume from step 3: the group is rebuilt from its
+    # training checkpoints and stepped to 3
+    for outs in (mixed, both):
+        assert attribute_group(dirs, sites, features, out_dirs=outs, **opts) == outs  # raises unless θ_T is exact
+        assert [tree(o) for o in outs] == want  # exact: same ops in one process
+    unfinished = [tmp_path / "k0", tmp_path / "k1"]
+    killed(unfinished, [[3], []])
+    with pytest.raises(ValueError, match="tracked over its group's run axis"):  # resumed the other way: refused
+        attribute(dirs[0], sites, features, out_dir=unfinished[0], **opts)
+    assert attribute(dirs[0], sites, features, out_dir=fresh[0], **opts) == fresh[0]  # finished: skipped either way
+    assert tree(fresh[0]) == want[0]
 
 
 def test_attribute_cli_tracks_a_group_in_one_replay(group, capsys):

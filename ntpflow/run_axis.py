@@ -1,0 +1,132 @@
+"""Influence tracking over a run axis: the tracked members of a run group in one pass per step.
+
+``InfluenceTracker.influences`` (the whole tensor work of a tracked step) runs under ``torch.func.vmap`` over the
+members, with each member's weights, Adam state, first moments, batch, θ* projections and probe directions as the
+batched inputs. The ordinary backward is the ``torch.func`` one (``SitePasses(functional=True)``), since
+``torch.autograd`` does not see through vmap. One step therefore launches each kernel once for all R members, as the
+group's training step does (``ntpflow.run_group``), instead of once per member.
+
+Each member keeps its own ``InfluenceTracker`` for everything that is not tensor work (probes, sites, the θ*
+projections of its dataset, resume state, rows); its first moments become views into the stacked
+``[R, n_sites, 2, n_params]`` and ``[R, n_params]`` moments, so its ``state_dict`` is unchanged. The values agree with
+R separate trackers to rounding (batched kernels round differently from unbatched ones; ``tests/test_run_group.py``
+bounds the difference in float64), and a replay through this path is deterministic, so it resumes to the same bits.
+"""
+
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.func import functional_call, vmap
+
+from .attribution import SitePasses
+from .forward_mode import Primals
+from .influence import AdamStep, InfluenceTracker, _check_optimizer
+from .model import GPT
+from .run_group import RunStack
+
+
+class _Bound(nn.Module):
+    """``forward(fn, *args) = fn(model, *args)``: lets ``functional_call`` swap the parameters of ``model`` for any
+    computation on it, not only its forward."""
+
+    def __init__(self, model: GPT):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn, *args):
+        return fn(self.model, *args)
+
+
+class RunAxisTracker:
+    """Tracks members of one run group together (same sites, features and options; one step for all).
+
+    ``rows = tracker.track(stack, group_opt, members, tokens, loss_mask, example_ids)`` before the group's step:
+    ``members`` [R] are the tracked members' indices in the group's ``RunStack``, the batches tokens, loss_mask
+    [R, batch, pos] and example_ids [R, batch] are theirs; returns each member's rows, as its own
+    ``InfluenceTracker.track`` would (to rounding). Only whole-batch risks (no feature types).
+    """
+
+    def __init__(self, trackers: Sequence[InfluenceTracker]):
+        self.trackers = list(trackers)
+        first = self.trackers[0]
+        key = [(p.site, p.name) for p in first.probes]
+        for t in self.trackers[1:]:
+            if ([(p.site, p.name) for p in t.probes] != key or (t.midpoint, t.sgd_rows, t.bucket_width)
+                    != (first.midpoint, first.sgd_rows, first.bucket_width)):
+                raise ValueError("the members tracked over a run axis need the same sites, features and options")
+        self._bound = _Bound(GPT(first.final_model.cfg).to("meta"))  # the architecture; weights come per call
+        self._stacked, self._views = None, []
+
+    def track(self, stack: RunStack, group_opt: torch.optim.Adam, members: Sequence[int], tokens: torch.Tensor,
+              loss_mask: torch.Tensor, example_ids: torch.Tensor) -> list[list[dict]]:
+        """Each tracked member's rows for this step (see the class docstring)."""
+        kind, group = _check_optimizer(group_opt)
+        if kind != "adam":
+            raise ValueError("a run group trains with Adam")
+        first = self.trackers[0]
+        if len({t.step for t in self.trackers}) > 1:
+            raise RuntimeError("the members tracked over a run axis must be at the same step")
+        idx = torch.tensor(list(members), device=tokens.device)
+        params = {n: s.detach()[idx] for n, s in zip(stack.names, stack.stacked)}
+        states = [group_opt.state.get(s) for s in stack.stacked]
+        t = int(states[0]["step"]) + 1 if states[0] else 1
+        v_prev = (torch.cat([st["exp_avg_sq"][idx].flatten(1) for st in states], 1) if states[0]
+                  else torch.cat([s.detach()[idx].flatten(1) for s in stack.stacked], 1).zero_())  # [R, n_params]
+        m_full, m_sites = self._moments(v_prev)
+        final_proj = torch.stack([tr._cached_projections(i) for tr, i in zip(self.trackers, example_ids)])
+        w = torch.stack([tr.directions for tr in self.trackers])  # [R, n_probes, d_model]
+        lr, betas, eps = group["lr"], group["betas"], group["eps"]
+        layout = []
+
+        def one(params, tokens, loss_mask, final_proj, w, v_prev, m_full, m_sites):
+            def on(model):
+                passes = SitePasses(model, tokens, first.sites, loss_mask, functional=True)
+                midpoint = ((lambda step: self._midpoint(model, step, passes.primals.tokens)) if first.midpoint
+                            else None)
+                values, lay = first.influences(passes, final_proj, w, None, lr,
+                                               AdamStep(v_prev, t, betas, eps, m_full, m_sites), midpoint)
+                layout.append(lay)
+                return values
+
+            return functional_call(self._bound, ({f"model.{n}": v for n, v in params.items()},
+                                                 {"model.groups": stack.groups}), (on,))
+
+        with warnings.catch_warnings():  # the CPU attention kernel has no batching rule: vmap loops over the runs
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            values = vmap(one)(params, tokens, loss_mask, final_proj, w, v_prev, m_full, m_sites)
+        out = []
+        for tr, v in zip(self.trackers, values.tolist()):  # one device sync for all members
+            out.append(tr.rows(v, layout[0], lr))
+            tr.step += 1
+        return out
+
+    def _moments(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The members' first moments stacked, [R, n_params] and [R, n_sites, 2, n_params] (zeros before the first
+        step, else stacked from the trackers, e.g. after resuming); each member's tracker then holds views of its
+        rows, so that its ``state_dict`` sees the updates."""
+        trackers = self.trackers
+        if self._views and all(tr._m_full is v for tr, v in zip(trackers, self._views)):
+            return self._stacked
+        if all(tr._m_full is None for tr in trackers):
+            m_full = like.new_zeros(like.shape)
+            m_sites = like.new_zeros((len(trackers), len(trackers[0].sites), 2, like.shape[1]))
+        elif all(tr._m_full is not None for tr in trackers):
+            m_full = torch.stack([tr._m_full for tr in trackers])
+            m_sites = torch.stack([tr._m_sites for tr in trackers])
+        else:
+            raise RuntimeError("the members tracked over a run axis must resume from the same step")
+        for r, tr in enumerate(trackers):
+            tr._m_full, tr._m_sites = m_full[r], m_sites[r]
+        self._stacked, self._views = (m_full, m_sites), [tr._m_full for tr in trackers]
+        return self._stacked
+
+    def _midpoint(self, model: GPT, step: torch.Tensor, tokens: torch.Tensor) -> Primals:
+        """The cached ordinary forward at θ − step/2 (``step`` flat [n_params], the update as subtracted), on
+        ``model``'s (swapped-in) parameters: as ``InfluenceTracker._midpoint_primals``, without writing weights."""
+        named = dict(model.named_parameters())
+        middle = {f"model.{n}": torch.sub(p, s.view_as(p), alpha=0.5)
+                  for (n, p), s in zip(named.items(), step.split([p.numel() for p in named.values()]))}
+        buffers = {f"model.{n}": b for n, b in model.named_buffers()}
+        return functional_call(self._bound, (middle, buffers), (lambda m: Primals(m, tokens),))

@@ -1,0 +1,79 @@
+"""Influence tracking over a run axis (ntpflow.run_axis) against R separate trackers, in float64."""
+
+import pytest
+import torch
+
+from ntpflow.config import REGIMES, TrainConfig
+from ntpflow.influence import InfluenceTracker, Probe
+from ntpflow.model import GPT
+from ntpflow.run_axis import RunAxisTracker
+from ntpflow.run_group import group_step, stack_runs
+from ntpflow.sites import Site
+from ntpflow.training import make_optimizer, model_config, task_for
+
+R, BATCH, N_DATA, STEPS = 3, 8, 48, 3
+# every kind of site: the embedding, below the last layer at several positions (two share a bucket off the CPU),
+# and the last layer (no pre-caching there)
+SITES = [Site(0, 2), Site(1, 3), Site(1, 5), Site(2, 4)]
+
+
+def trackers(final_models, data, midpoint, gen):
+    """One tracker per run, 2 random probes per site, each run's own directions and dataset."""
+    out = []
+    for final, d in zip(final_models, data):
+        probes = [Probe(s, f"f{j}", torch.randn(final.cfg.d_model, generator=gen, dtype=torch.float64))
+                  for s in SITES for j in range(2)]
+        tr = InfluenceTracker(final, probes, midpoint=midpoint)
+        tr.use_dataset(d)
+        out.append(tr)
+    return out
+
+
+@pytest.mark.parametrize("midpoint", [False, True])
+@pytest.mark.parametrize("regime", REGIMES)
+def test_run_axis_rows_equal_separate_trackers_float64(regime, midpoint):
+    """The R members' rows of one vmapped step, against each member's own ``InfluenceTracker.track`` on its own
+    model and Adam (exported from the group's stack), over several Adam steps: the same rows, values equal to
+    rounding (batched kernels round differently): within 1e3 · eps64 of the step's largest |value|."""
+    cfg = TrainConfig(task="majority", d_model=16, n_head=2, batch_size=BATCH, regime=regime)
+    mcfg = model_config(cfg, task_for(cfg))
+    models = [GPT(mcfg, seed=s).double() for s in range(R)]
+    opts = [make_optimizer(m, cfg) for m in models]
+    finals = [GPT(mcfg, seed=10 + s).double() for s in range(R)]
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(2, mcfg.vocab_size, (R, N_DATA, mcfg.n_ctx), generator=gen)
+    alone = trackers(finals, data, midpoint, torch.Generator().manual_seed(2))
+    axis = RunAxisTracker(trackers(finals, data, midpoint, torch.Generator().manual_seed(2)))
+    stack, group_opt = stack_runs(models, opts, cfg)
+    eps = torch.finfo(torch.float64).eps
+    for _ in range(STEPS):
+        ids = torch.randint(0, N_DATA, (R, BATCH), generator=gen)
+        tokens = torch.stack([data[r][ids[r]] for r in range(R)])
+        mask = torch.rand(tokens.shape, generator=gen) > 0.2
+        batched = axis.track(stack, group_opt, range(R), tokens, mask, ids)
+        for r in range(R):
+            stack.export(r, group_opt, models[r], opts[r])
+            rows = alone[r].track(models[r], opts[r], tokens[r], mask[r], example_ids=ids[r])
+            assert [{**x, "value": 0} for x in batched[r]] == [{**x, "value": 0} for x in rows]
+            want = torch.tensor([x["value"] for x in rows], dtype=torch.float64)
+            got = torch.tensor([x["value"] for x in batched[r]], dtype=torch.float64)
+            assert want.abs().max() > 0
+            torch.testing.assert_close(got, want, rtol=0, atol=1e3 * eps * want.abs().max().item())
+        group_step(stack, group_opt, tokens, mask)
+    for a, b in zip(alone, axis.trackers):  # the first moments, as each member's state_dict holds them
+        sa, sb = a.state_dict(), b.state_dict()
+        assert sa.keys() == sb.keys() and int(sb["step"]) == STEPS
+        for k in sa:
+            torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=1e3 * eps * max(sa[k].abs().max().item(), 1e-300))
+
+
+def test_run_axis_refuses_members_that_differ():
+    cfg = TrainConfig(task="majority", d_model=16, n_head=2)
+    final = GPT(model_config(cfg, task_for(cfg)))
+    w = torch.ones(16)
+    with pytest.raises(ValueError, match="same sites"):
+        RunAxisTracker([InfluenceTracker(final, [Probe(Site(1, 3), "a", w)]),
+                        InfluenceTracker(final, [Probe(Site(1, 4), "a", w)])])
+    with pytest.raises(ValueError, match="same sites"):
+        RunAxisTracker([InfluenceTracker(final, [Probe(Site(1, 3), "a", w)]),
+                        InfluenceTracker(final, [Probe(Site(1, 3), "a", w)], midpoint=True)])
