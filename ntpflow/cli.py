@@ -297,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("run_dir", nargs="+", help="a finished run directory (ntpflow train), or several members of one "
                    "run group, tracked in one replay of the group")
-    a.add_argument("--group", action="store_true", help="track every member of RUN_DIR's run group in one replay")
+    a.add_argument("--group", action="store_true",
+                   help="track every member of RUN_DIR's run group in one replay, over the run axis (one vmapped "
+                        "pass per step; values equal to a lone replay's to rounding; docs/run-groups.md)")
     a.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:5,2:7 or 1-2:2-19")
     a.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
