@@ -644,9 +644,11 @@ def flops_section(args, tokens, mask) -> list[str]:
     plain = fc.flops
     out = ["matmul FLOPs (dispatch counter: mm, bmm, addmm, baddbmm_ ...), one step after a warm-up step:",
            f"  plain step {plain / 1e9:.2f} GFLOP"]
-    for label, sgd_rows in (("all rows", True), ("Adam rows only", False)):
+    for label, sgd_rows, midpoint in (("all rows", True, False), ("Adam rows only", False, False),
+                                      ("Adam rows only, read at the midpoint", False, True)):
         m, o = make_model(args.seed, args.device)
-        tracker = InfluenceTracker(final, probes, sgd_rows=sgd_rows, bucket_width=args.bucket_width)
+        tracker = InfluenceTracker(final, probes, sgd_rows=sgd_rows, bucket_width=args.bucket_width,
+                                   midpoint=midpoint)
         tracker.track(m, o, tokens, mask)
         tracker.optimizer_step(m, o)
         with MatmulFlops() as fc:
