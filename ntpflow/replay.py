@@ -162,10 +162,12 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
                                             *(torch.stack(b) for b in zip(*batches)))
                     for (_, m), rows in zip(active, per_member):
                         m.record(rows)
+                    group(step, export=any(m.boundary(step) for _, m in active))  # the members' models and Adams
+                    # are read only at the block boundaries (resume points, the final check)
                 else:
                     for _, m in active:
                         m.track(step)
-                group(step)
+                    group(step)
                 for _, m in active:
                     m.end_step(step)
             for _, m in todo:
@@ -291,9 +293,13 @@ class _Tracked:
             r["cumulative"] = self.cums[key] if r["component"] != "risk" else r["value"]
             self.rows.append(r)
 
+    def boundary(self, step: int) -> bool:
+        """Whether ``step`` ends a block (its ``end_step`` writes the rows and a resume point)."""
+        return (step + 1) % self.block == 0 or step + 1 == self.run.cfg.steps
+
     def end_step(self, step: int) -> None:
         """After ``step``'s update: at a block boundary, write the block's rows and a resume point."""
-        if (step + 1) % self.block == 0 or step + 1 == self.run.cfg.steps:
+        if self.boundary(step):
             _write_part(self.out / "parts" / f"part_{self.block_start:06d}.parquet", self.rows)
             self.rows, self.block_start = [], step + 1
             save_resume_point(self.out, self.model, self.opt, step + 1,

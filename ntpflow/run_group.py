@@ -346,11 +346,14 @@ class GroupReplay:
             self._seek(step)
         return self.stack, self.group_opt
 
-    def __call__(self, step: int, *batch) -> None:
+    def __call__(self, step: int, *batch, export: bool = True) -> None:
+        """Take the group's ``step``; then, with ``export``, copy each joined member's state into its model and Adam
+        (a caller that reads them only now and then may skip it in between)."""
         self.state(step)
         group_step(self.stack, self.group_opt, *self.data.batch(step))
-        for r, (model, opt) in self.members.items():
-            self.stack.export(r, self.group_opt, model, opt)
+        if export:
+            for r, (model, opt) in self.members.items():
+                self.stack.export(r, self.group_opt, model, opt)
         self.next_step = step + 1
 
 
