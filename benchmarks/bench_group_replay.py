@@ -110,7 +110,8 @@ def main(argv=None) -> int:
                     print(f"R = {R}: the run-axis replay wrote other rows", file=sys.stderr)
                     return 1
                 worst = max(worst, ((b - a).abs().max() / a.abs().max()).item())
-            rows.append((R, {kind: [statistics.median(t[j] for t in times[kind]) for j in (0, 1)] for kind in VARIANTS}))
+            rows.append((R, {kind: [statistics.median(t[j] for t in times[kind]) for j in (0, 1)]
+                             for kind in VARIANTS}))
     print("\noutputs: the member-by-member replay's folders equal the one-by-one folders byte for byte; the run-axis "
           f"replay's rows are the same, values within {worst:.1e} of the largest |value| (every R, every round)\n")
     head = "  ".join(f"{k + ' ' + u:>24}" for u in ("CPU s", "wall s") for k in VARIANTS)

@@ -225,8 +225,8 @@ class InfluenceTracker:
 
         resid: list of [batch, pos, d_model] for θ; final_proj: ⟨w, r*⟩ [batch, n_probes] (``final_projections``);
         feature_types: {probe name: int [batch, pos]}; w: the probes' directions [n_probes, d_model] (default: the
-        probes' own). d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype. The type subsets
-        of every probe (the types present in its column, ascending) come from one host sync for all probes.
+        probes' own). d = ⟨w, r⟩ − ⟨w, r*⟩ in final_proj's dtype. The type subsets of every probe (the types
+        present in its column, ascending) come from one host sync for all probes.
         """
         typed = [] if feature_types is None else [(j, feature_types[p.name][:, p.site.pos])
                                                   for j, p in enumerate(self.probes) if p.name in feature_types]
@@ -288,15 +288,15 @@ class InfluenceTracker:
         return torch.stack([p.w for p in self.probes])
 
     def influences(self, passes: SitePasses, final_proj: torch.Tensor, w: torch.Tensor,
-                   feature_types: dict[str, torch.Tensor] | None, lr: float, adam: "AdamStep | None",
+                   feature_types: dict[str, torch.Tensor] | None, lr: float, adam: AdamStep | None,
                    midpoint=None) -> tuple[torch.Tensor, tuple]:
         """The tensor work of one tracked step: (values [n_values] float64, their layout for :meth:`rows`).
 
         passes: the batch's ``SitePasses``; final_proj: ⟨w, r*⟩ [batch, n_probes]; w: the probes' directions
         [n_probes, d_model]; adam: this step's Adam quantities, whose first moments are updated in place (None for
-        SGD); midpoint: ``step [n_params] -> Primals`` at
-        θ − step/2, or None to read ∇R at θ. Free of host syncs and of optimizer lookups without ``feature_types``,
-        so it runs under ``torch.func.vmap`` over a run axis (``ntpflow.run_axis``) with every argument batched.
+        SGD); midpoint: ``step [n_params] -> Primals`` at θ − step/2, or None to read ∇R at θ. Free of host syncs
+        and of optimizer lookups without ``feature_types``, so it runs under ``torch.func.vmap`` over a run axis
+        (``ntpflow.run_axis``) with every tensor argument batched.
 
         A risk's influence along an update δ is ``∇θR · δ = Σ_b a_b ⟨w, (J δ)_b⟩`` with J = ∂r^k_i/∂θ in the
         ordinary graph: forward-mode tangents along the full gradient and the full Adam step once for every site
@@ -360,8 +360,8 @@ class InfluenceTracker:
                 pending.append((mine, with_pre, (proj.index_select(2, sel) * coef).sum(1).T))  # [risks, m]: ∇R·δ
         values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
                            + [v.flatten().to(torch.float64) for *_, v in pending]) if risks else g_full.new_zeros(0)
-        layout = ([r[:3] for r in risks], [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending],
-                  sgd, adam is not None)
+        sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
+        layout = ([r[:3] for r in risks], sites, sgd, adam is not None)  # (probe, type, mismatch) of each value
         return values, layout
 
     def rows(self, values: list[float], layout: tuple, lr: float) -> list[dict]:

@@ -144,7 +144,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
                 while len({m.start for _, m in todo}) > 1:  # one step for all: the later ones go back
                     first = min(m.start for _, m in todo)
                     for _, m in todo:
-                        m.rewind(first)
+                        if m.start > first:
+                            m.rewind(first)
                 axis = RunAxisTracker([m.tracker for _, m in todo])
             first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
             threads_at = locks.enter_context(follow_threads(runs[0].dir, dev))  # the group trained as one
