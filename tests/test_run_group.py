@@ -172,6 +172,16 @@ def resume_points(folder: Path) -> list[int]:
     return sorted(int(p.name.split("_")[1]) for p in (folder / "state").glob("step_*"))
 
 
+def killed_group_replay(monkeypatch, what, outs, opts, expect):
+    """Run ``attribute_group(*what, out_dirs=outs, **opts)``, killed right after the first resume point it writes;
+    then check the members' resume points against ``expect``."""
+    monkeypatch.setenv("NTPFLOW_FAULT", "attribute:after_state_rename")
+    with pytest.raises(SimulatedKill):
+        attribute_group(*what, out_dirs=outs, **opts)
+    monkeypatch.delenv("NTPFLOW_FAULT")
+    assert [resume_points(o) for o in outs] == expect
+
+
 def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(group, tmp_path, monkeypatch):
     """One replay of the group that tracks both members one after another (``run_axis=False``), against each
     member's own replay (``attribute``, the oracle): every file of each member's folder has the same bytes, also
@@ -186,12 +196,8 @@ def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(gr
     want = [tree(o) for o in alone]
     assert "influence.parquet" in want[0] and "state/step_000012/state.safetensors" in want[1]
 
-    def killed(outs, expect):  # dies right after the first resume point this call writes
-        monkeypatch.setenv("NTPFLOW_FAULT", "attribute:after_state_rename")
-        with pytest.raises(SimulatedKill):
-            attribute_group(dirs, sites, features, out_dirs=outs, **opts)
-        monkeypatch.delenv("NTPFLOW_FAULT")
-        assert [resume_points(o) for o in outs] == expect
+    def killed(outs, expect):
+        killed_group_replay(monkeypatch, (dirs, sites, features), outs, opts, expect)
 
     mixed = [tmp_path / "mixed0", tmp_path / "mixed1"]
     killed(mixed, [[3], []])  # member 1 resumes from step 0; member 0 joins the group at its step 3
@@ -236,12 +242,8 @@ def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(grou
                                        atol=1e3 * eps * a.abs().max().item())
     want = [tree(o) for o in fresh]
 
-    def killed(outs, expect):  # dies right after the first resume point this call writes
-        monkeypatch.setenv("NTPFLOW_FAULT", "attribute:after_state_rename")
-        with pytest.raises(SimulatedKill):
-            attribute_group(dirs, sites, features, out_dirs=outs, **opts)
-        monkeypatch.delenv("NTPFLOW_FAULT")
-        assert [resume_points(o) for o in outs] == expect
+    def killed(outs, expect):
+        killed_group_replay(monkeypatch, (dirs, sites, features), outs, opts, expect)
 
     mixed = [tmp_path / "mixed0", tmp_path / "mixed1"]
     killed(mixed, [[3], []])  # member 0 goes back to step 0, where member 1 resumes
