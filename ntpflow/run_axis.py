@@ -9,7 +9,7 @@ group's training step does (``ntpflow.run_group``), instead of once per member.
 Each member keeps its own ``InfluenceTracker`` for everything that is not tensor work (probes, sites, the θ*
 projections of its dataset, resume state, rows); its first moments become views into the stacked
 ``[R, n_sites, 2, n_params]`` and ``[R, n_params]`` moments, so its ``state_dict`` is unchanged. The values agree with
-R separate trackers to rounding (batched kernels round differently from unbatched ones; ``tests/test_run_group.py``
+R separate trackers to rounding (batched kernels round differently from unbatched ones; ``tests/test_run_axis.py``
 bounds the difference in float64), and a replay through this path is deterministic, so it resumes to the same bits.
 """
 
