@@ -95,12 +95,17 @@ class AdamStep:
         return lr / (1 - beta1**self.t) / ((v / (1 - beta2**self.t)).sqrt() + self.eps)
 
 
-def adam_second_moment(opt: torch.optim.Adam, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, int]:
+def adam_second_moment(opt: torch.optim.Adam, params: Sequence[torch.Tensor], rows: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, int]:
     """The optimizer's second moment of ``params`` flat [n_params] (zero before the first step) and the number of
-    the step about to be taken."""
+    the step about to be taken. ``rows``: for parameters stacked over a run axis ([R, ...]), the second moments of
+    these runs, [len(rows), n_params per run]."""
     states = [opt.state.get(p, {}) for p in params]
     t = int(states[0]["step"]) + 1 if states[0] else 1
-    return flat_grads([s.get("exp_avg_sq") for s in states], params), t
+    if rows is None:
+        return flat_grads([s.get("exp_avg_sq") for s in states], params), t
+    v = [s["exp_avg_sq"][rows] if s else None for s in states]
+    return flat_grads(v, [p[0] for p in params], batch=len(rows)), t
 
 
 class InfluenceTracker:
@@ -137,6 +142,8 @@ class InfluenceTracker:
         for p in self.probes:
             if p.w.shape != (d,):
                 raise ValueError(f"probe {p.name} at {p.site} has shape {tuple(p.w.shape)}, expected ({d},)")
+        self.directions = (torch.stack([p.w for p in self.probes]) if self.probes
+                           else torch.empty(0, d))  # [n_probes, d_model], probe order
         self.sgd_rows, self.midpoint = sgd_rows, midpoint
         self._middle: GPT | None = None  # scratch weights θ_t − Δ/2 (midpoint mode)
         # Adam first moments, stacked: per site [n_sites, 2 (direct, pre-cached), n_params], and the full one
@@ -281,11 +288,6 @@ class InfluenceTracker:
         rows = self.rows(values.tolist(), layout, group["lr"])  # one device sync
         self.step += 1
         return rows
-
-    @property
-    def directions(self) -> torch.Tensor:
-        """The probes' directions w stacked, [n_probes, d_model] (probe order)."""
-        return torch.stack([p.w for p in self.probes])
 
     def influences(self, passes: SitePasses, final_proj: torch.Tensor, w: torch.Tensor,
                    feature_types: dict[str, torch.Tensor] | None, lr: float, adam: AdamStep | None,

@@ -22,7 +22,7 @@ from torch.func import functional_call, vmap
 
 from .attribution import SitePasses
 from .forward_mode import Primals
-from .influence import AdamStep, InfluenceTracker, _check_optimizer
+from .influence import AdamStep, InfluenceTracker, _check_optimizer, adam_second_moment
 from .model import GPT
 from .run_group import RunStack
 
@@ -58,6 +58,7 @@ class RunAxisTracker:
                 raise ValueError("the members tracked over a run axis need the same sites, features and options")
         self._bound = _Bound(GPT(first.final_model.cfg).to("meta"))  # the architecture; weights come per call
         self._stacked, self._views = None, []
+        self._directions = torch.stack([t.directions for t in self.trackers])  # [R, n_probes, d_model]
 
     def track(self, stack: RunStack, group_opt: torch.optim.Adam, members: Sequence[int], tokens: torch.Tensor,
               loss_mask: torch.Tensor, example_ids: torch.Tensor) -> list[list[dict]]:
@@ -70,13 +71,9 @@ class RunAxisTracker:
             raise RuntimeError("the members tracked over a run axis must be at the same step")
         idx = torch.tensor(list(members), device=tokens.device)
         params = {n: s.detach()[idx] for n, s in zip(stack.names, stack.stacked)}
-        states = [group_opt.state.get(s) for s in stack.stacked]
-        t = int(states[0]["step"]) + 1 if states[0] else 1
-        v_prev = (torch.cat([st["exp_avg_sq"][idx].flatten(1) for st in states], 1) if states[0]
-                  else torch.cat([s.detach()[idx].flatten(1) for s in stack.stacked], 1).zero_())  # [R, n_params]
+        v_prev, t = adam_second_moment(group_opt, list(stack.stacked), idx)  # [R, n_params]
         m_full, m_sites = self._moments(v_prev)
         final_proj = torch.stack([tr._cached_projections(i) for tr, i in zip(self.trackers, example_ids)])
-        w = torch.stack([tr.directions for tr in self.trackers])  # [R, n_probes, d_model]
         lr, betas, eps = group["lr"], group["betas"], group["eps"]
         layout = []
 
@@ -95,7 +92,7 @@ class RunAxisTracker:
 
         with warnings.catch_warnings():  # the CPU attention kernel has no batching rule: vmap loops over the runs
             warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
-            values = vmap(one)(params, tokens, loss_mask, final_proj, w, v_prev, m_full, m_sites)
+            values = vmap(one)(params, tokens, loss_mask, final_proj, self._directions, v_prev, m_full, m_sites)
         out = []
         for tr, v in zip(self.trackers, values.tolist()):  # one device sync for all members
             out.append(tr.rows(v, layout[0], lr))
