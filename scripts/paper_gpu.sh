@@ -11,7 +11,10 @@
 #                                                  a GPU); rerun without the flag to add the tracked replays
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-.venv/bin/python}
+# the project's environment (scripts/setup.sh), else the machine's python3 (e.g. a GPU machine's own PyTorch)
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
 scale=paper device=auto extra=()
 while [[ "${1:-}" == --* ]]; do
   case "$1" in
