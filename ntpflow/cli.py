@@ -338,7 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "30-60 min per experiment, all: ~2.5-3 h) | medium (toy only: the paper's model, 5 seeds; "
                     "hours on a CPU) | paper (the paper's sizes: GPU)")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
-    rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores)")
+    rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores; on a CPU each run trains on "
+                    "one torch thread, so its result does not depend on this)")
     rp.add_argument("--corpus", help="stories (needed at small scale): a folder or file of stories, "
                     "'generated[:N]' or 'hf' (default: generated at smoke, hf at paper)")
     rp.add_argument("--tasks", help="toy only: comma-separated subset of majority,cond_majority (default: both)")

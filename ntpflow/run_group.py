@@ -32,7 +32,7 @@ from .config import TrainConfig
 from .io import CorruptFileError, DirLock, ensure_writable_dir, read_json, resolve_device, save_tensors, write_json
 from .loss import lm_loss
 from .model import GPT
-from .threads import record_threads
+from .threads import continue_threads, kept_threads
 from .tracking import MetricsLog
 from .training import (
     DataOrder,
@@ -194,7 +194,7 @@ def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, 
     for c in cfgs:
         task_for(c)  # a bad task setting fails before anything is written
     _prepare(cfgs, run_dirs)
-    with ExitStack() as locks:
+    with ExitStack() as locks, kept_threads():
         for d in run_dirs:  # one writer per run directory
             locks.enter_context(DirLock(d))
         _prepare(cfgs, run_dirs)
@@ -241,7 +241,7 @@ def _train_group(cfgs: list[TrainConfig], runs: list[Run], progress: bool) -> No
     start = _resume(runs, models, opts, device, cfg.steps)
     if start:
         log.info("resuming the group of %s from step %d", runs[0].dir, start)
-    record_threads([run.dir for run in runs], start, device)
+    continue_threads([run.dir for run in runs], start, device)
     stack, group_opt = stack_runs(models, opts, cfg)
     for run in runs:
         _truncate_metrics(run.dir / "metrics.jsonl", start)

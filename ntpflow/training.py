@@ -38,7 +38,7 @@ from .io import (
 from .loss import lm_loss
 from .model import GPT, GPTConfig, split_groups
 from .tasks import Batch, Task, make_task
-from .threads import record_threads
+from .threads import continue_threads, kept_threads
 from .tracking import MetricsLog, make_sinks
 
 log = logging.getLogger(__name__)
@@ -270,11 +270,14 @@ def _prepare_run_dir(cfg: TrainConfig, run_dir: Path, *, extend: bool = False) -
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track: Sequence = (),
-          force_unlock: bool = False) -> Run:
+          force_unlock: bool = False, threads: int | None = None) -> Run:
     """Train ``cfg`` into ``run_dir``, resuming from its last good checkpoint if one exists. Returns the Run.
 
     Metrics go to ``run_dir/metrics.jsonl`` and to the optional ``track`` sinks (``ntpflow.tracking``).
     ``force_unlock`` takes over a lock left by a process on another host (see :class:`~ntpflow.io.DirLock`).
+    ``threads``: torch threads on a CPU. ``None`` resumes a run with the count it trained with, so an interrupted
+    run ends in the same bits, and starts a fresh one with this process's count (``ntpflow.threads``); the
+    caller's count is restored on return.
     A loss or weights becoming non-finite raise :class:`TrainingDiverged` (the checkpoints before stay; no DONE).
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
@@ -285,9 +288,9 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     run_dir = Path(run_dir)
     check_sinks(track)  # missing packages or credentials fail before anything is written
     _prepare_run_dir(cfg, run_dir)
-    with DirLock(run_dir, force=force_unlock):  # one writer per run directory
+    with DirLock(run_dir, force=force_unlock), kept_threads():  # one writer per run directory
         _prepare_run_dir(cfg, run_dir, extend=True)  # again under the lock: another process may have created it
-        return _train(cfg, Run(run_dir, cfg), progress, track)
+        return _train(cfg, Run(run_dir, cfg), progress, track, threads)
 
 
 def _check_extension(run: Run) -> None:
@@ -322,7 +325,7 @@ def _extend(run: Run, cfg: TrainConfig) -> None:
     write_json(run.dir / "config.json", {**config, "train": cfg.to_dict(), "config_hash": cfg.hash()})
 
 
-def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence) -> Run:
+def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence, threads: int | None) -> Run:
     run_dir = run.dir
     if run.done:
         log.info("%s is already finished", run_dir)
@@ -340,7 +343,7 @@ def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence) -> Run:
     start = run.resume(model, opt, device)
     if start:
         log.info("resuming %s from step %d", run_dir, start)
-    record_threads([run_dir], start, device)
+    continue_threads([run_dir], start, device, threads)
     _truncate_metrics(run_dir / "metrics.jsonl", start)
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
     metrics_file = MetricsLog(run_dir / "metrics.jsonl", make_sinks(track, run_dir, cfg.to_dict()))

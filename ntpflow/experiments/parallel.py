@@ -20,3 +20,14 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progr
         futures = [pool.submit(fn, *job) for job in jobs]
         for f in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc=desc):
             f.result()
+
+
+def run_threads(device: str, workers: int) -> int:
+    """Torch threads for each of ``workers`` parallel runs on ``device``. On a CPU always 1: a CPU's sums depend on
+    the thread count (``ntpflow/threads.py``), so a run's bits must not depend on how many runs were queued beside
+    it or on the machine's cores. On a GPU, where the threads only feed it, the cores are shared out."""
+    import os
+
+    from ..io import resolve_device
+
+    return 1 if resolve_device(device).type == "cpu" else max(1, (os.cpu_count() or 1) // workers)

@@ -31,7 +31,7 @@ from pathlib import Path
 from ..config import TrainConfig
 from ..io import ensure_writable_dir, read_json, write_json
 from ..sites import Site
-from .parallel import run_jobs
+from .parallel import run_jobs, run_threads
 from .report_kit import finite_or_none as _finite
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,7 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     if todo:
         _prepare_data(todo[0])
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = run_threads(device, workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
     jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, device, threads, midpoint) for c in configs]
     run_jobs(_one_run, jobs, workers, f"stories {scale.name}", progress)

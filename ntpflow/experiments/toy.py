@@ -17,7 +17,7 @@ from pathlib import Path
 from ..config import REGIMES, TrainConfig
 from ..io import ensure_writable_dir, read_json, write_json
 from ..sites import Site
-from .parallel import run_jobs
+from .parallel import run_jobs, run_threads
 from .report_kit import finite_or_none as _finite
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
     (out / "runs").mkdir(exist_ok=True)
     configs = run_configs(scale, tuple(t for t in TASKS if t in tasks), tuple(r for r in REGIMES if r in regimes))
     workers = workers or min(len(configs), os.cpu_count() or 1)
-    threads = max(1, (os.cpu_count() or 1) // workers)
+    threads = run_threads(device, workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
     run_dir = {c: str(out / "runs" / run_dir_name(c)) for c in configs}
 
