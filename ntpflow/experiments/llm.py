@@ -341,18 +341,17 @@ def _stage_qvi(s: _Session, progress: bool) -> None:
         return
     import torch
 
+    from ..threads import kept_threads
+
     cfg = TrainConfig(task="majority", seed=s.scale.seed, device="cpu", **ty["train"])
     _say(progress, f"toy run for Q vs influence ({cfg.steps} steps)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the toy model's ops are tiny: extra threads only add synchronisation on busy cores
-    try:
+    with kept_threads():
+        torch.set_num_threads(1)  # the toy model's ops are tiny: extra threads only add synchronisation on busy cores
         run = train(cfg, out / "toy_run", progress=False)
         load_or_probe(run, "final", "cpu")
         attribute(Run.open(out / "toy_run").dir, toy_sites(ty["layers"], ty["positions"]), list(ty["features"]),
                   device="cpu", progress=False, sgd_rows=False)
         res = q_vs_influence(out / "toy_run", n_sequences=ty["n_sequences"], device="cpu")
-    finally:
-        torch.set_num_threads(threads)
     res["train"] = cfg.to_dict()
     res["eval"] = {k: v for k, v in read_json(out / "toy_run" / "DONE").items() if k != "step"}
     write_json(out / "q_vs_influence.json", res)

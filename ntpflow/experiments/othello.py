@@ -106,15 +106,15 @@ SCALES = {
 
 @contextmanager
 def _threads(n: int | None):
+    """Inside: ``n`` torch threads (None: as is); the caller's count is restored on leaving."""
     import torch
 
-    old = torch.get_num_threads()
-    if n:
-        torch.set_num_threads(n)
-    try:
+    from ..threads import kept_threads
+
+    with kept_threads():
+        if n:
+            torch.set_num_threads(n)
         yield
-    finally:
-        torch.set_num_threads(old)
 
 
 class _Timer:
