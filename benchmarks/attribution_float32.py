@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attribution import gpt_config  # noqa: E402
 
-from ntpflow import GPT, Site, lm_loss  # noqa: E402
-from ntpflow.influence import InfluenceTracker, Probe  # noqa: E402
+from ntpflow import GPT, Site, lm_loss
+from ntpflow.engine.influence import InfluenceTracker, Probe
 
 
 def run(dtype: torch.dtype, seed: int = 0) -> dict:

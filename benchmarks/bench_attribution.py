@@ -9,7 +9,7 @@ the final model θ* is another GPT with a different seed.
 Variants (each owns a model and an Adam optimiser built from the same seed; all are timed in ONE process,
 interleaved round-robin with the order rotating every round, after a warm-up; medians are reported):
 
-    plain      ``ntpflow.training.train_step`` (forward + lm_loss + backward + Adam.step)
+    plain      ``ntpflow.runs.training.train_step`` (forward + lm_loss + backward + Adam.step)
     tracked    ``tracker.track(model, opt, tokens, mask)`` + ``tracker.optimizer_step(model, opt)`` (all rows: SGD and
                Adam variants), what ``ntpflow attribute`` does: the training step on track()'s own gradient, whose
                ops are train_step's (bit for bit), so no second forward and backward. The "track() only" rows time
@@ -82,13 +82,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ntpflow import attribution, forward_mode, influence
-from ntpflow.influence import InfluenceTracker, Probe
-from ntpflow.io import resolve_device
-from ntpflow.loss import per_position_loss
-from ntpflow.model import GPT, GPTConfig
-from ntpflow.sites import Site
-from ntpflow.training import train_step
+from ntpflow.engine import decomposition as attribution
+from ntpflow.engine import forward_mode, influence
+from ntpflow.engine.influence import InfluenceTracker, Probe
+from ntpflow.files import resolve_device
+from ntpflow.model.config import GPTConfig
+from ntpflow.model.gpt import GPT
+from ntpflow.model.loss import per_position_loss
+from ntpflow.model.sites import Site
+from ntpflow.runs.training import train_step
 
 # The paper's toy configuration.
 N_LAYER, D_MODEL, N_HEAD, N_CTX, VOCAB, BATCH = 2, 128, 4, 21, 5, 256

@@ -1,4 +1,4 @@
-"""Story featurisation throughput (issue 6): BPE tokens per second through ``ntpflow.stories.featurize``.
+"""Story featurisation throughput (issue 6): BPE tokens per second through ``ntpflow.tasks.stories.featurize``.
 
 What is timed: tokenisation + spaCy (``tok2vec``, ``tagger``, ``parser`` via ``nlp.pipe``) + character-span
 alignment of a list of stories, without the cache; spaCy's load time is excluded and reported apart. The target is
@@ -41,7 +41,7 @@ def main() -> None:
     import spacy
     import tokenizers
 
-    from ntpflow.stories import Featurizer, featurize, load_corpus, train_bpe
+    from ntpflow.tasks.stories import Featurizer, featurize, load_corpus, train_bpe
 
     corpus = load_corpus(args.corpus if args.corpus != "generated" else "generated:2000", seed=args.seed)
     t0 = time.perf_counter()

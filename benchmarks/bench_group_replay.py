@@ -1,7 +1,7 @@
 """Tracked replays of a run group, side by side in one run: its R members one by one (``attribute`` per member, each
 stepping the whole group), one replay of the group that tracks the members one after another
 (``attribute_group(run_axis=False)``), and one that tracks them in one vmapped pass over the run axis (the default,
-``ntpflow.run_axis``).
+``ntpflow.engine.run_axis``).
 
 Per R: a group of R runs is trained first (untimed, with its probes); then each round times the variants on fresh
 output folders, the order rotating between rounds; medians over rounds. Both the process's CPU time and the wall
@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from ntpflow.config import TrainConfig
-from ntpflow.probe_runs import load_or_probe
-from ntpflow.replay import attribute, attribute_group
-from ntpflow.run_group import train_group
-from ntpflow.sites import parse_sites
+from ntpflow.model.sites import parse_sites
+from ntpflow.replay.attribution import attribute, attribute_group
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.group import train_group
+from ntpflow.runs.probe import load_or_probe
 
 
 def parse_args(argv=None):

@@ -1,4 +1,4 @@
-"""Run groups vs separate runs: one training step of R runs as one batched model (``ntpflow.run_group``) against
+"""Run groups vs separate runs: one training step of R runs as one batched model (``ntpflow.runs.group``) against
 R ordinary steps one after another, at the paper's toy size (2 layers, d_model 128, 4 heads, T 21, vocab 5, batch
 256, fused Adam lr 1e-3).
 
@@ -22,11 +22,12 @@ from datetime import datetime, timezone
 
 import torch
 
-from ntpflow.config import TrainConfig
-from ntpflow.io import resolve_device
-from ntpflow.model import GPT
-from ntpflow.run_group import group_step, stack_runs
-from ntpflow.training import make_optimizer, model_config, task_for, train_step
+from ntpflow.files import resolve_device
+from ntpflow.model.gpt import GPT
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.group import group_step, stack_runs
+from ntpflow.runs.run import model_config, task_for
+from ntpflow.runs.training import make_optimizer, train_step
 
 
 def parse_args(argv=None):

@@ -38,12 +38,13 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ntpflow.loss import lm_loss
-from ntpflow.model import GPT, GPTConfig
+from ntpflow.model.config import GPTConfig
+from ntpflow.model.gpt import GPT
+from ntpflow.model.loss import lm_loss
 
 # The paper's toy configuration.
 N_LAYER, D_MODEL, N_HEAD, N_CTX, VOCAB = 2, 128, 4, 21, 5
-LR, BETAS, EPS = 1e-3, (0.9, 0.999), 1e-8  # ntpflow.config.TrainConfig defaults
+LR, BETAS, EPS = 1e-3, (0.9, 0.999), 1e-8  # ntpflow.runs.config.TrainConfig defaults
 
 ALL_VARIANTS = ("vanilla", "hf_eager", "untied", "split", "myopic_kv", "myopic_resid", "ref_loop")
 
@@ -71,7 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--adam", choices=("default", "foreach", "fused"), default="fused",
-                   help="Adam implementation (default fused, as ntpflow.training uses on CPU and CUDA)")
+                   help="Adam implementation (default fused, as ntpflow.runs.training uses on CPU and CUDA)")
     p.add_argument("--seed", type=int, default=0, help="model-init and data seed (default 0)")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS),
                    help=f"comma-separated subset of {','.join(ALL_VARIANTS)}")
@@ -101,7 +102,7 @@ class Variant:
         for m in modules:
             m.to(device).train()
         self.params = [p for m in modules for p in m.parameters()]
-        # --adam default: same optimiser as ntpflow.training.train (torch picks its implementation for the device).
+        # --adam default: same optimiser as ntpflow.runs.training.train (torch picks its implementation for the device).
         self.opt = torch.optim.Adam(self.params, lr=LR, betas=BETAS, eps=EPS, **self.adam_kwargs)
 
     def loss(self, tokens, mask):

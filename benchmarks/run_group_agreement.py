@@ -14,10 +14,10 @@ from pathlib import Path
 
 import torch
 
-from ntpflow.config import REGIMES, TrainConfig
-from ntpflow.io import load_tensors
-from ntpflow.run_group import train_group
-from ntpflow.training import train
+from ntpflow.files import load_tensors
+from ntpflow.runs.config import REGIMES, TrainConfig
+from ntpflow.runs.group import train_group
+from ntpflow.runs.training import train
 
 
 def main(argv=None) -> int:

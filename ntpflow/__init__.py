@@ -4,22 +4,24 @@ Layer/position convention: ``resid[0]`` = embeddings, ``resid[k]`` = output of b
 before the final LayerNorm; logits at position p predict token p+1.
 """
 
-from .config import TrainConfig as TrainConfig
-from .config import apply_overrides as apply_overrides
-from .loss import lm_loss as lm_loss
-from .loss import per_position_loss as per_position_loss
-from .model import GPT as GPT
-from .model import GPTConfig as GPTConfig
-from .model import split_groups as split_groups
-from .probes import ProbeSet as ProbeSet
-from .probes import fit_probes as fit_probes
-from .probes import fit_ridge as fit_ridge
-from .sites import Site as Site
-from .sites import parse_sites as parse_sites
-from .tasks import Batch as Batch
-from .tasks import Task as Task
-from .tasks import make_task as make_task
-from .training import Run as Run
-from .training import train as train
+from ntpflow.engine.decomposition import decompose as decompose
+from ntpflow.model.config import GPTConfig as GPTConfig
+from ntpflow.model.config import split_groups as split_groups
+from ntpflow.model.gpt import GPT as GPT
+from ntpflow.model.loss import lm_loss as lm_loss
+from ntpflow.model.loss import per_position_loss as per_position_loss
+from ntpflow.model.sites import Site as Site
+from ntpflow.model.sites import parse_sites as parse_sites
+from ntpflow.probes import ProbeSet as ProbeSet
+from ntpflow.probes import fit_probes as fit_probes
+from ntpflow.probes import fit_ridge as fit_ridge
+from ntpflow.replay.attribution import attribute as attribute
+from ntpflow.runs.config import TrainConfig as TrainConfig
+from ntpflow.runs.config import apply_overrides as apply_overrides
+from ntpflow.runs.run import Run as Run
+from ntpflow.runs.training import train as train
+from ntpflow.tasks import Batch as Batch
+from ntpflow.tasks import Task as Task
+from ntpflow.tasks import make_task as make_task
 
 __version__ = "0.1.0"

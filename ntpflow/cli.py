@@ -7,6 +7,20 @@ import logging
 import sys
 from pathlib import Path
 
+from ntpflow.experiments.report_all import run_all, run_experiment
+from ntpflow.files import read_json, resolve_device
+from ntpflow.llm.qscan_cli import main as qscan_main
+from ntpflow.model.sites import parse_sites
+from ntpflow.probes import probe_table
+from ntpflow.replay.attribution import attribute, attribute_group
+from ntpflow.replay.balance import audit_balance
+from ntpflow.runs.config import REGIMES, TrainConfig, apply_overrides
+from ntpflow.runs.group import group_dirs
+from ntpflow.runs.probe import load_or_probe, probe_run
+from ntpflow.runs.run import Run
+from ntpflow.runs.sweep import SweepSpec, failures, run_sweep
+from ntpflow.runs.training import train
+
 EXAMPLES = """
 examples:
   ntpflow train --task majority --regime myopic --seed 0 --out runs/maj-myopic-s0
@@ -25,8 +39,8 @@ examples:
 
 Python equivalents:
   ntpflow.train(ntpflow.TrainConfig(task="majority", regime="myopic", seed=0), "runs/maj-myopic-s0")
-  ntpflow.probe_runs.probe_run(ntpflow.Run.open("runs/maj-myopic-s0"))
-  ntpflow.replay.attribute("runs/maj-myopic-s0", ntpflow.sites.parse_sites("1-2:2-19"), ["is_majority_<0>"])
+  ntpflow.runs.probe.probe_run(ntpflow.Run.open("runs/maj-myopic-s0"))
+  ntpflow.replay.attribution.attribute("runs/maj-myopic-s0", ntpflow.model.sites.parse_sites("1-2:2-19"), ["is_majority_<0>"])
   ntpflow.experiments.report_all.run_experiment("toy", "small", "results/toy-small")
 """
 
@@ -58,8 +72,6 @@ DEMO_SETTINGS = ["steps=600", "n_train=25600", "n_eval=4096", "eval_every=200", 
 
 def _config(args, task=None, regime=None, extra_set=()):
     """TrainConfig from the command line; ``task``/``regime`` override the flags, ``extra_set`` goes before --set."""
-    from .config import TrainConfig, apply_overrides
-
     fields = {"task": task or getattr(args, "task", None), "regime": regime or getattr(args, "regime", None),
               "seed": args.seed, "device": args.device}
     base = {k: v for k, v in fields.items() if v is not None}
@@ -68,8 +80,6 @@ def _config(args, task=None, regime=None, extra_set=()):
 
 def cmd_train(args) -> int:
     """``ntpflow train``: train (or resume) one run, log its final scores and print its directory."""
-    from .training import train
-
     cfg = _config(args)
     out = Path(args.out or f"runs/{cfg.task}-{cfg.regime}-s{cfg.seed}")
     track = [t for t in (args.track or "").split(",") if t]
@@ -83,10 +93,6 @@ def cmd_train(args) -> int:
 
 def cmd_probe(args) -> int:
     """``ntpflow probe``: fit ridge probes of a run's weights and print each feature's r table."""
-    from .probe_runs import probe_run
-    from .probes import probe_table
-    from .training import Run
-
     run = Run.open(args.run_dir)
     if not run.done and args.weights == "final":
         raise ValueError(f"{args.run_dir} has not finished training; probe a checkpoint with --weights STEP")
@@ -99,11 +105,6 @@ def cmd_probe(args) -> int:
 def cmd_attribute(args) -> int:
     """``ntpflow attribute``: replay a run (or members of one run group, in one replay), tracking component influences
     at the sites; print the out folder(s)."""
-    from .replay import attribute, attribute_group
-    from .run_group import group_dirs
-    from .sites import parse_sites
-    from .training import Run
-
     features = [f for f in args.features.split(",") if f] if args.features else None
     sites, dirs = parse_sites(args.sites), args.run_dir
     if args.group:
@@ -127,10 +128,6 @@ def cmd_attribute(args) -> int:
 def cmd_balance(args) -> int:
     """``ntpflow balance``: replay a run and split the gap between its integrated full influence and the mismatch
     removed on held-out data; print the out folder and one line per probe and mismatch."""
-    from .balance import audit_balance
-    from .io import read_json
-    from .sites import parse_sites
-
     features = [f for f in args.features.split(",") if f] if args.features else None
     out = audit_balance(args.run_dir, parse_sites(args.sites), features, out_dir=args.out, n_held_out=args.held_out,
                         device=args.device or "auto", progress=not args.quiet)
@@ -153,9 +150,6 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 
 def cmd_reproduce(args) -> int:
     """``ntpflow reproduce``: run one experiment (or all) at a scale and print the report's path."""
-    from .experiments.report_all import run_all, run_experiment
-    from .io import resolve_device
-
     check_extras(args.experiment)  # before hours of training, not after
     if args.at_start and args.experiment == "llm":
         raise ValueError("--at-start applies to the experiments with replays: toy, othello, stories, all")
@@ -176,8 +170,6 @@ def cmd_reproduce(args) -> int:
 
 def cmd_sweep(args) -> int:
     """``ntpflow sweep``: run (or resume) a sweep spec and print the path of its results.parquet."""
-    from .sweep import SweepSpec, failures, run_sweep
-
     spec = SweepSpec.load(args.spec)
     out = run_sweep(spec, args.out or f"sweeps/{spec.name}", executor=args.executor, workers=args.workers,
                     progress=not args.quiet)
@@ -192,17 +184,11 @@ def cmd_sweep(args) -> int:
 
 def cmd_qscan(args) -> int:
     """``ntpflow qscan ...``: Q(w) of SAE latents by ablation (options of ``ntpflow.llm.qscan_cli``)."""
-    from .llm.qscan_cli import main as qscan_main
-
     return qscan_main(args.options)
 
 
 def cmd_demo(args) -> int:
     """``ntpflow demo``: train majority in the four regimes and print the probe table (untrained row too)."""
-    from .config import REGIMES
-    from .probe_runs import load_or_probe
-    from .training import train
-
     out = Path(args.out)
     rows = {}
     for regime in REGIMES:
@@ -277,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("probe", help="fit ridge probes of a finished run and print r tables",
                         epilog="example: ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'\n"
-                               "Python: ntpflow.probe_runs.probe_run(ntpflow.Run.open('runs/maj-myopic-s0'))",
+                               "Python: ntpflow.runs.probe.probe_run(ntpflow.Run.open('runs/maj-myopic-s0'))",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("run_dir", help="a finished run directory (ntpflow train)")
     pr.add_argument("--weights", default="final", help="final (default), init, or a checkpoint step")
@@ -288,10 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("attribute", help="replay a finished run and track each gradient component's influence",
                        epilog="example: ntpflow attribute runs/maj-vanilla-s0 --sites 1-2:2-19 "
                               "--features 'is_majority_<0>'\n"
-                              "Python: ntpflow.replay.attribute('runs/maj-vanilla-s0', "
-                              "ntpflow.sites.parse_sites('1-2:2-19'), ['is_majority_<0>'])\n"
+                              "Python: ntpflow.replay.attribution.attribute('runs/maj-vanilla-s0', "
+                              "ntpflow.model.sites.parse_sites('1-2:2-19'), ['is_majority_<0>'])\n"
                               "several members of one run group (or --group): one replay of the group tracks them "
-                              "all; Python: ntpflow.replay.attribute_group([RUN_DIR, ...], sites, features)\n"
+                              "all; Python: ntpflow.replay.attribution.attribute_group([RUN_DIR, ...], sites, features)\n"
                               "writes OUT/influence.parquet and OUT/summary.json (schemas: docs/outputs.md); "
                               "positive influence = moved the feature toward its final value",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -317,8 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "influence and the mismatch removed on held-out data",
                        epilog="example: ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features "
                               "'is_majority_<0>'\n"
-                              "Python: ntpflow.balance.audit_balance('runs/maj-vanilla-s0', "
-                              "ntpflow.sites.parse_sites('1:4,1:6'), ['is_majority_<0>'])\n"
+                              "Python: ntpflow.replay.balance.audit_balance('runs/maj-vanilla-s0', "
+                              "ntpflow.model.sites.parse_sites('1:4,1:6'), ['is_majority_<0>'])\n"
                               "writes OUT/summary.json: per probe and mismatch, Σ full influence = R removed on "
                               "held-out data + a same-batch part + a beyond-first-order part (docs/engine.md)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -359,10 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("sweep", help="a grid of runs (seeds x regimes x tasks x settings) from a JSON/TOML spec",
                         epilog="example: ntpflow sweep sweep.toml --workers 2\n"
-                               "Python: ntpflow.sweep.run_sweep('sweep.toml', 'sweeps/NAME', workers=2)\n"
+                               "Python: ntpflow.runs.sweep.run_sweep('sweep.toml', 'sweeps/NAME', workers=2)\n"
                                "finished runs are skipped: rerun the same command to resume or retry failed runs",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    sw.add_argument("spec", help="sweep spec (.json or .toml); see ntpflow.sweep")
+    sw.add_argument("spec", help="sweep spec (.json or .toml); see ntpflow.runs.sweep")
     sw.add_argument("--out", help="sweep folder (default sweeps/<name>)")
     sw.add_argument("--executor", default="local", help="local (default) | submitit (Slurm) | submitit-local")
     sw.add_argument("--workers", type=int, default=2, help="runs at a time (default 2)")

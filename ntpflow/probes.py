@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .io import atomic_write, load_tensors, read_json, save_tensors
+from ntpflow.files import atomic_write, load_tensors, read_json, save_tensors
 
 logger = logging.getLogger(__name__)
 

@@ -9,20 +9,11 @@ import sys
 import pytest
 import torch
 
-from ntpflow import (
-    GPT,
-    GPTConfig,
-    Site,
-    TrainConfig,
-    lm_loss,
-    per_position_loss,
-    split_groups,
-    train,
-)
-from ntpflow.attribution import decompose, flat_grads
-from ntpflow.forward_mode import Primals, all_tangents, site_tangents
-from ntpflow.reverse_mode import site_vjps
-from ntpflow.influence import MISMATCHES, InfluenceTracker, Probe
+from ntpflow import GPT, GPTConfig, Site, TrainConfig, lm_loss, per_position_loss, split_groups, train
+from ntpflow.engine.decomposition import decompose, flat_grads
+from ntpflow.engine.forward_mode import Primals, all_tangents, site_tangents
+from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe
+from ntpflow.engine.reverse_mode import site_vjps
 
 T, V, D = 8, 7, 16
 REGIMES = [{}, {"myopic": "kv"}, {"myopic": "resid"}, {"position_groups": "untied"},
@@ -402,7 +393,7 @@ def test_cached_final_projections_equal_per_step_forward():
 def test_optimizer_step_on_tracked_gradient_is_train_step_bit_for_bit(kw):
     """track() + tracker.optimizer_step() (the replay's step, no second forward and backward) leaves the parameters
     and the optimizer state bit for bit as train_step does, in every regime; float32 as in training."""
-    from ntpflow.training import train_step
+    from ntpflow.runs.training import train_step
 
     cfg = GPTConfig(vocab_size=V, n_ctx=T, n_layer=2, n_head=2, d_model=D, **kw)
     a, b, final = GPT(cfg, seed=0), GPT(cfg, seed=0), GPT(cfg, seed=1)
@@ -469,7 +460,7 @@ def finished_run(tmp_path_factory):
 def test_replay_reproduces_and_writes_tidy_rows(finished_run, tmp_path):
     import pyarrow.parquet as pq
 
-    from ntpflow.replay import attribute
+    from ntpflow.replay.attribution import attribute
 
     out = attribute(finished_run, [Site(1, 3), Site(0, 5)], ["is_majority_<0>"], out_dir=tmp_path / "a",
                     progress=False)
@@ -493,7 +484,7 @@ def test_replay_reproduces_and_writes_tidy_rows(finished_run, tmp_path):
 def test_adam_only_replay_writes_the_adam_rows_of_a_full_replay(finished_run, tmp_path):
     import pyarrow.parquet as pq
 
-    from ntpflow.replay import attribute
+    from ntpflow.replay.attribution import attribute
 
     sites, features = [Site(1, 3), Site(0, 5)], ["is_majority_<0>"]
     full = attribute(finished_run, sites, features, out_dir=tmp_path / "all", progress=False)
@@ -516,8 +507,8 @@ def test_adam_only_replay_writes_the_adam_rows_of_a_full_replay(finished_run, tm
 def test_replay_detects_divergence(finished_run, tmp_path):
     import shutil
 
-    from ntpflow.io import load_tensors, save_tensors
-    from ntpflow.replay import attribute
+    from ntpflow.files import load_tensors, save_tensors
+    from ntpflow.replay.attribution import attribute
 
     run = tmp_path / "tampered"
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution"))
@@ -531,7 +522,7 @@ def test_replay_detects_divergence(finished_run, tmp_path):
 def test_probes_from_another_run_are_refused(finished_run, tmp_path):
     import shutil
 
-    from ntpflow.replay import attribute
+    from ntpflow.replay.attribution import attribute
 
     other = tmp_path / "other"
     train(TrainConfig(**{**TINY, "seed": 1}), other, progress=False)
@@ -546,7 +537,7 @@ def test_probes_from_another_run_are_refused(finished_run, tmp_path):
 def test_replay_needs_initial_weights(finished_run, tmp_path):
     import shutil
 
-    from ntpflow.replay import attribute
+    from ntpflow.replay.attribution import attribute
 
     run = tmp_path / "noinit"
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution", "init.*"))
@@ -557,7 +548,7 @@ def test_replay_needs_initial_weights(finished_run, tmp_path):
 def test_replay_resumes_after_kill(finished_run, tmp_path):
     import pyarrow.parquet as pq
 
-    from ntpflow.replay import attribute
+    from ntpflow.replay.attribution import attribute
 
     ref = attribute(finished_run, [Site(1, 3)], ["is_majority_<1>"], out_dir=tmp_path / "ref", progress=False)
     out = tmp_path / "killed"

@@ -10,13 +10,16 @@ import sys
 import pytest
 import torch
 
-from ntpflow.balance import audit_balance, directional_terms, probe_projections
-from ntpflow.config import TrainConfig
-from ntpflow.influence import Probe
-from ntpflow.model import GPT, GPTConfig
-from ntpflow.replay import attribute, make_probes
-from ntpflow.sites import Site
-from ntpflow.training import Run, make_datasets, train
+from ntpflow.engine.influence import Probe
+from ntpflow.model.config import GPTConfig
+from ntpflow.model.gpt import GPT
+from ntpflow.model.sites import Site
+from ntpflow.replay.attribution import attribute, make_probes
+from ntpflow.replay.balance import audit_balance, directional_terms, probe_projections
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.data import make_datasets
+from ntpflow.runs.run import Run
+from ntpflow.runs.training import train
 
 TINY = {"n_layer": 2, "d_model": 32, "n_head": 2, "steps": 16, "batch_size": 32, "n_train": 512, "n_eval": 256,
         "eval_every": 8, "ckpt_every": 8, "log_every": 4}

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from ntpflow.experiments.claim_registry import ROW_LIMIT, row_balance_check
 from ntpflow.experiments.claims import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
@@ -16,7 +17,6 @@ from ntpflow.experiments.claims import (
     interval_above,
     interval_contains,
 )
-from ntpflow.experiments.claim_registry import ROW_LIMIT, row_balance_check
 from ntpflow.experiments.figure_style import ci_label, clip
 from ntpflow.experiments.render import read_blocks, to_html, to_markdown, write_documents
 
@@ -107,10 +107,11 @@ by layer.
 
 
 def test_templates_ship_with_the_package():
-    import tomllib
     from fnmatch import fnmatch
     from importlib.resources import files
     from pathlib import Path
+
+    import tomllib
 
     from ntpflow.experiments import EXPERIMENTS
 

@@ -10,7 +10,7 @@ import pytest
 
 from ntpflow import TrainConfig
 from ntpflow.cli import main
-from ntpflow.training import Run
+from ntpflow.runs.run import Run
 
 TINY_SET = ["n_layer=1", "d_model=32", "n_head=2", "steps=12", "batch_size=32", "n_train=256", "n_eval=128",
             "eval_every=6", "ckpt_every=4", "log_every=2"]
@@ -36,7 +36,7 @@ def assert_one_line_error(capsys, *fragments: str):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> Path:
-    from ntpflow.training import train
+    from ntpflow.runs.training import train
 
     out = tmp_path_factory.mktemp("cli") / "run"
     cfg = TrainConfig(task="majority", n_layer=1, d_model=32, n_head=2, steps=12, batch_size=32, n_train=256,

@@ -8,8 +8,8 @@ import shutil
 import pytest
 import torch
 
+from ntpflow.experiments.q_vs_influence import probe_ablation_kl, q_from_d
 from ntpflow.llm.lens import fit_linear, overlap, spearman
-from ntpflow.llm.q_vs_influence import probe_ablation_kl, q_from_d
 from ntpflow.llm.steering import code_score, pick_extremes, steering_vectors
 
 
@@ -78,7 +78,8 @@ def test_lens_recovers_known_map_and_overlap():
 
 
 def test_probe_ablation_zero_direction_gives_zero_kl():
-    from ntpflow.model import GPT, GPTConfig
+    from ntpflow.model.config import GPTConfig
+    from ntpflow.model.gpt import GPT
 
     model = GPT(GPTConfig(vocab_size=7, n_ctx=12, n_layer=2, n_head=2, d_model=16), seed=0)
     tokens = torch.randint(0, 7, (20, 12), generator=torch.Generator().manual_seed(1))

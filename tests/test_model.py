@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ntpflow import GPT, GPTConfig, Site, lm_loss, per_position_loss, split_groups
-from ntpflow.hooks import hooks, run_with_cache
+from ntpflow.model.hooks import hooks, run_with_cache
 
 T, V = 8, 7
 

@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from ntpflow import TrainConfig
-from ntpflow.sites import Site
-from ntpflow.training import train
+from ntpflow.model.sites import Site
+from ntpflow.runs.training import train
 
 TINY = {"n_layer": 1, "d_model": 32, "n_head": 2, "steps": 12, "batch_size": 32, "n_train": 256, "n_eval": 256,
         "eval_every": 6, "ckpt_every": 6, "log_every": 4, "regime": "myopic", "seed": 3}
@@ -17,10 +17,10 @@ TINY = {"n_layer": 1, "d_model": 32, "n_head": 2, "steps": 12, "batch_size": 32,
 def test_influence_rows_are_self_describing_and_attribute_summarises(tmp_path, caplog):
     import pyarrow.parquet as pq
 
-    from ntpflow.replay import attribute
+    from ntpflow.replay.attribution import attribute
 
     train(TrainConfig(**TINY), tmp_path / "run", progress=False)
-    with caplog.at_level(logging.INFO, logger="ntpflow.replay"):
+    with caplog.at_level(logging.INFO, logger="ntpflow.replay.attribution"):
         out = attribute(tmp_path / "run", [Site(1, 3), Site(0, 5)], ["is_majority_<0>"], out_dir=tmp_path / "a",
                         progress=False)
     table = pq.read_table(out / "influence.parquet")

@@ -1,6 +1,6 @@
 """Faults and bad input: nothing torn, nothing blocked for ever, no result lost, one clear line per error.
 
-Crashes are injected at named points (``ntpflow.io.fault_point``, switched on by ``NTPFLOW_FAULT``), never by timing:
+Crashes are injected at named points (``ntpflow.files.fault_point``, switched on by ``NTPFLOW_FAULT``), never by timing:
 ``NAME`` raises a SimulatedKill in this process, ``NAME:kill`` SIGKILLs a subprocess there, ``NAME:hang`` parks it.
 """
 
@@ -20,8 +20,9 @@ import torch
 
 from ntpflow import Site, TrainConfig, train
 from ntpflow.cli import main
-from ntpflow.io import CorruptFileError, DirLock, SimulatedKill, load_tensors, save_tensors, write_json
-from ntpflow.training import Run, TrainingDiverged
+from ntpflow.files import CorruptFileError, DirLock, SimulatedKill, load_tensors, save_tensors, write_json
+from ntpflow.runs.run import Run
+from ntpflow.runs.training import TrainingDiverged
 
 TINY = TrainConfig(n_layer=1, d_model=16, n_head=2, steps=12, batch_size=32, n_train=256, n_eval=64, eval_every=6,
                    ckpt_every=3, log_every=3, device="cpu")
@@ -90,7 +91,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(ref_run, tmp_p
             load_tensors(ckpt)
     else:
         ckpt.unlink()
-    with caplog.at_level("WARNING", logger="ntpflow.training"):
+    with caplog.at_level("WARNING", logger="ntpflow.runs.training"):
         train(TINY, run_dir, progress=False)
     assert "step_000009.safetensors" in caplog.text and "falling back" in caplog.text
     assert same_tensors(weights(run_dir), weights(ref_run.dir))
@@ -118,7 +119,7 @@ def test_altered_final_weights_are_refused_not_probed(ref_run, tmp_path, capsys)
 def test_attribution_resume_point_is_atomic(ref_run, tmp_path, monkeypatch):
     """Killed after the first resume point, then again between the state's tensors and its sidecar (the tear of
     old): the third run resumes from the first point and its influences equal an uninterrupted attribution."""
-    from ntpflow.replay import attribute
+    from ntpflow.replay.attribution import attribute
 
     args = ([Site(1, 3)], ["is_majority_<0>"])
     ref = attribute(ref_run.dir, *args, out_dir=tmp_path / "ref", block=3, progress=False)
@@ -145,7 +146,7 @@ def test_attribution_resume_point_is_atomic(ref_run, tmp_path, monkeypatch):
 
 def test_maximizing_optimizer_is_refused():
     from ntpflow import GPT, GPTConfig
-    from ntpflow.influence import InfluenceTracker, Probe
+    from ntpflow.engine.influence import InfluenceTracker, Probe
 
     model = GPT(GPTConfig(vocab_size=5, n_ctx=4, n_layer=1, n_head=1, d_model=8), seed=0)
     tracker = InfluenceTracker(GPT(GPTConfig(vocab_size=5, n_ctx=4, n_layer=1, n_head=1, d_model=8), seed=1),
@@ -187,7 +188,7 @@ def test_lock_of_another_host_says_how_to_release_it(tmp_path, capsys):
 def test_lock_held_by_a_live_process_is_refused(tmp_path):
     folder = tmp_path / "f"
     folder.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom ntpflow.io import DirLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys\nfrom ntpflow.files import DirLock\n"
                                f"with DirLock({str(folder)!r}):\n    print('held', flush=True)\n    sys.stdin.read()"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
     try:
@@ -210,7 +211,7 @@ SWEEP_SETTINGS = {k: v if k == "device" else int(v) for k, v in SWEEP_SETTINGS.i
 
 
 def test_sweep_grid_is_coerced_and_deduplicated(tmp_path):
-    from ntpflow.sweep import SweepSpec, run_sweep
+    from ntpflow.runs.sweep import SweepSpec, run_sweep
 
     with pytest.raises(ValueError, match="bad value for steps: 30.0"):
         SweepSpec.from_dict({"grid": {"steps": [30.0]}})
@@ -360,7 +361,7 @@ def test_config_without_train_key_is_one_line(ref_run, tmp_path, capsys):
 def test_truncated_probes_file_is_one_line(ref_run, tmp_path, capsys):
     import shutil
 
-    from ntpflow.probe_runs import load_or_probe
+    from ntpflow.runs.probe import load_or_probe
 
     run_dir = tmp_path / "run"
     shutil.copytree(ref_run.dir, run_dir)
@@ -384,12 +385,11 @@ def test_missing_extra_is_reported_before_any_work(tmp_path, capsys, monkeypatch
 
 
 def test_internal_error_is_one_line_and_debug_shows_the_traceback(tmp_path, capsys, monkeypatch):
-    import ntpflow.training
 
     def broken(*a, **k):
         raise KeyError("oops")
 
-    monkeypatch.setattr(ntpflow.training, "train", broken)
+    monkeypatch.setattr("ntpflow.cli.train", broken)
     assert main(_train_args(tmp_path / "run")) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal error (KeyError)" in err and "--debug" in err

@@ -1,8 +1,8 @@
 """The combined report: claims of every experiment, links to sections, every figure; rendered in headless Chromium."""
 
 import base64
-import json
 import io
+import json
 import re
 import shutil
 import subprocess

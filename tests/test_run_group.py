@@ -1,4 +1,4 @@
-"""Run groups (ntpflow.run_group): the run axis against separate runs, resume, replay (one member, and the whole group
+"""Run groups (ntpflow.runs.group): the run axis against separate runs, resume, replay (one member, and the whole group
 in one replay, against the per-member replay), bad input, the paper script."""
 
 import json
@@ -10,15 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import ntpflow.run_group as run_group
-from ntpflow.config import REGIMES, TrainConfig
-from ntpflow.io import SimulatedKill, load_tensors
-from ntpflow.loss import lm_loss
-from ntpflow.model import GPT
-from ntpflow.replay import attribute, attribute_group
-from ntpflow.run_group import GroupData, RunStack, group_step, stack_runs, train_group
-from ntpflow.sites import Site
-from ntpflow.training import DataOrder, Run, make_datasets, make_optimizer, model_config, task_for, train
+import ntpflow.runs.group as run_group
+from ntpflow.files import SimulatedKill, load_tensors
+from ntpflow.model.gpt import GPT
+from ntpflow.model.loss import lm_loss
+from ntpflow.model.sites import Site
+from ntpflow.model.stack import RunStack
+from ntpflow.replay.attribution import attribute, attribute_group
+from ntpflow.runs.config import REGIMES, TrainConfig
+from ntpflow.runs.data import DataOrder, make_datasets
+from ntpflow.runs.group import GroupData, group_step, stack_runs, train_group
+from ntpflow.runs.run import Run, model_config, task_for
+from ntpflow.runs.training import make_optimizer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(task="majority", steps=12, d_model=16, n_head=2, batch_size=16, n_train=320, n_eval=64, eval_every=6,
@@ -142,7 +145,7 @@ def test_killed_group_resumes_to_the_same_bits(group, tmp_path, monkeypatch):
 def test_replay_of_a_member_is_bit_identical_and_resumes(group, monkeypatch):
     root, cfgs, runs = group
     run = runs[1]
-    from ntpflow import replay
+    from ntpflow.replay import attribution as replay
 
     real_track = replay.InfluenceTracker.track
 
@@ -248,7 +251,7 @@ def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(grou
     mixed = [tmp_path / "mixed0", tmp_path / "mixed1"]
     killed(mixed, [[3], []])  # member 0 goes back to step 0, where member 1 resumes
     killed(mixed, [[3], []])  # ... and again
-    from ntpflow import replay
+    from ntpflow.replay import attribution as replay
 
     real, saved = replay.save_resume_point, []
 
@@ -366,7 +369,7 @@ def test_paper_script_smoke(tmp_path):
 
 def test_paper_scale_is_eight_groups_of_ten_seeds():
     from ntpflow.experiments.toy import SCALES, run_configs
-    from ntpflow.run_group import check_group
+    from ntpflow.runs.group import check_group
 
     scale = SCALES["paper"]
     groups: dict[tuple, list] = {}

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from ntpflow.model import GPT, GPTConfig
-from ntpflow.sampling import next_token_probs, sample
+from ntpflow.model.config import GPTConfig
+from ntpflow.model.gpt import GPT
+from ntpflow.model.sampling import next_token_probs, sample
 
 
 def _model(myopic="none", n_ctx=8, seed=0):

@@ -14,8 +14,8 @@ import sys
 import numpy as np
 import pytest
 
-from ntpflow.stories import corpus as C
-from ntpflow.stories.features import DEPS, FEATURE_NAMES, TAGS, align_syntax
+from ntpflow.tasks.stories import corpus as C
+from ntpflow.tasks.stories.features import DEPS, FEATURE_NAMES, TAGS, align_syntax
 
 HAS_TOKENIZERS = importlib.util.find_spec("tokenizers") is not None
 HAS_SPACY = importlib.util.find_spec("spacy") is not None and any(
@@ -43,7 +43,7 @@ def _offline(monkeypatch):
 
 @pytest.fixture(scope="module")
 def featurizer():
-    from ntpflow.stories.features import Featurizer
+    from ntpflow.tasks.stories.features import Featurizer
 
     return Featurizer()
 
@@ -55,7 +55,7 @@ def gen_corpus():
 
 @pytest.fixture(scope="module")
 def gen_tokenizer(gen_corpus):
-    from ntpflow.stories.tokenizer import train_bpe
+    from ntpflow.tasks.stories.tokenizer import train_bpe
 
     return train_bpe(gen_corpus.train, vocab_size=600)
 
@@ -78,7 +78,7 @@ def _hand_tokenizer(pieces: list[str]):
     tok = tk.Tokenizer(tk.models.BPE(vocab, merges))
     tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk.decoders.ByteLevel()
-    from ntpflow.stories.tokenizer import StoryTokenizer
+    from ntpflow.tasks.stories.tokenizer import StoryTokenizer
 
     return StoryTokenizer(tok, {"source": "hand"})
 
@@ -88,13 +88,13 @@ def _hand_tokenizer(pieces: list[str]):
 
 
 def test_import_needs_no_extra():
-    code = ("import sys, ntpflow, ntpflow.stories; "
+    code = ("import sys, ntpflow, ntpflow.tasks.stories; "
             "assert 'spacy' not in sys.modules and 'tokenizers' not in sys.modules, sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_missing_extra_is_clear_error(monkeypatch):
-    from ntpflow.stories import Featurizer, train_bpe
+    from ntpflow.tasks.stories import Featurizer, train_bpe
 
     monkeypatch.setitem(sys.modules, "spacy", None)
     monkeypatch.setitem(sys.modules, "tokenizers", None)
@@ -198,7 +198,7 @@ def test_hub_corpus_reads_the_paper_files(tmp_path, monkeypatch):
 def test_hub_tokenizer_from_tokenizer_json_or_vocab_and_merges(tmp_path, monkeypatch):
     """The hub tokenizer is read from tokenizer.json, or from vocab.json + merges.txt when the repo has none
     (TinyStories-1M's case); both give the same ids for a byte-level BPE."""
-    from ntpflow.stories.tokenizer import HUB_TOKENIZER, hub_tokenizer, train_bpe
+    from ntpflow.tasks.stories.tokenizer import HUB_TOKENIZER, hub_tokenizer, train_bpe
 
     bpe = train_bpe(["Once upon a time there was a little dog.", "Tom and Lily played in the park."] * 20,
                     vocab_size=300)
@@ -227,7 +227,7 @@ def test_align_syntax_by_character_overlap():
 
 @needs_tokenizers
 def test_tokenizer_training_is_deterministic(gen_corpus, tmp_path):
-    from ntpflow.stories.tokenizer import StoryTokenizer, train_bpe
+    from ntpflow.tasks.stories.tokenizer import StoryTokenizer, train_bpe
 
     a = train_bpe(gen_corpus.train, vocab_size=600)
     b = train_bpe(gen_corpus.train, vocab_size=600)
@@ -246,7 +246,7 @@ def test_tokenizer_training_is_deterministic(gen_corpus, tmp_path):
 
 @needs_tokenizers
 def test_get_tokenizer_falls_back_offline_and_reuses(gen_corpus, tmp_path):
-    from ntpflow.stories.tokenizer import get_tokenizer
+    from ntpflow.tasks.stories.tokenizer import get_tokenizer
 
     with pytest.raises(RuntimeError, match="Hugging Face hub"):
         get_tokenizer(tmp_path / "hub", gen_corpus.train, source="hub")
@@ -271,7 +271,7 @@ def _bits_to_names(row: np.ndarray) -> set[str]:
 
 @needs_spacy
 def test_alignment_on_hand_written_sentences(featurizer):
-    from ntpflow.stories.features import featurize
+    from ntpflow.tasks.stories.features import featurize
 
     pieces = ["ily", "Ġdidn", "'t", "Ġsee", "Ġthe", "Ġsun", "flower", "He", "Ġplayed", "Ġwith", "Ġa", "Ġbig",
               "Ġred", "Ġball", "Ġand", "Ġthey", "Ġla", "ughed"]
@@ -312,7 +312,7 @@ def test_alignment_matches_spacy_expand_on_full_pipeline(featurizer, gen_corpus,
     """Our overlap rule and reduced pipeline equal spaCy's char_span(expand) on the full pipeline."""
     import spacy
 
-    from ntpflow.stories.features import featurize
+    from ntpflow.tasks.stories.features import featurize
 
     full = spacy.load(featurizer.nlp.meta["lang"] + "_" + featurizer.nlp.meta["name"])
     stories = list(gen_corpus.eval[:15]) + ["Tom  saw a  dog.\n\nIt ran, and ran; \"Stop!\" he said."]
@@ -332,8 +332,8 @@ def test_alignment_matches_spacy_expand_on_full_pipeline(featurizer, gen_corpus,
 def test_feature_cache_hit_and_invalidation(featurizer, gen_corpus, gen_tokenizer, tmp_path, monkeypatch):
     import spacy
 
-    from ntpflow.stories.features import Featurizer, featurize
-    from ntpflow.stories.tokenizer import train_bpe
+    from ntpflow.tasks.stories.features import Featurizer, featurize
+    from ntpflow.tasks.stories.tokenizer import train_bpe
 
     stories = list(gen_corpus.train[:12])
     first = featurize(stories, gen_tokenizer, featurizer=featurizer, cache_dir=tmp_path)
@@ -361,7 +361,7 @@ def test_feature_cache_hit_and_invalidation(featurizer, gen_corpus, gen_tokenize
 
 @needs_spacy
 def test_corrupted_feature_cache_is_one_line_error(featurizer, gen_corpus, gen_tokenizer, tmp_path):
-    from ntpflow.stories.features import featurize
+    from ntpflow.tasks.stories.features import featurize
 
     stories = list(gen_corpus.train[:4])
     f = featurize(stories, gen_tokenizer, featurizer=featurizer, cache_dir=tmp_path)
@@ -390,8 +390,8 @@ def test_corrupted_feature_cache_is_one_line_error(featurizer, gen_corpus, gen_t
 
 @needs_spacy
 def test_windows_and_batches(featurizer, gen_corpus, gen_tokenizer, tmp_path):
-    from ntpflow.stories.dataset import StoryWindows, build_story_data
     from ntpflow.tasks import Batch
+    from ntpflow.tasks.stories.dataset import StoryWindows, build_story_data
 
     data = build_story_data(gen_corpus, gen_tokenizer, n_train=40, n_eval=10, seed=0, featurizer=featurizer,
                             cache_dir=tmp_path)
@@ -432,7 +432,7 @@ def test_windows_and_batches(featurizer, gen_corpus, gen_tokenizer, tmp_path):
 
 @needs_tokenizers
 def test_too_short_corpus_is_clear_error(gen_corpus, gen_tokenizer):
-    from ntpflow.stories.dataset import select_long_stories
+    from ntpflow.tasks.stories.dataset import select_long_stories
 
     short = ["The dog ran.", "Tom saw a cat."]
     with pytest.raises(ValueError, match="no train story has >= 64 tokens"):

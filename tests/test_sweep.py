@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ntpflow.cli import main
-from ntpflow.sweep import SweepSpec, run_name, run_sweep
+from ntpflow.runs.sweep import SweepSpec, run_name, run_sweep
 
 SETTINGS = {"n_layer": 1, "d_model": 16, "n_head": 2, "steps": 20, "batch_size": 32, "n_train": 256, "n_eval": 64,
             "eval_every": 10, "ckpt_every": 5, "log_every": 5, "device": "cpu"}
@@ -34,7 +34,7 @@ def test_grid_expands_in_spec_order_and_validates(tmp_path):
 
 
 def _launch_in_subprocess(run_dir):
-    proc = subprocess.run([sys.executable, "-m", "ntpflow.sweep", str(run_dir)], env=ENV, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "ntpflow.runs.sweep", str(run_dir)], env=ENV, capture_output=True,
                           text=True, check=False)
     if proc.returncode:
         raise RuntimeError(f"exit {proc.returncode}")
@@ -45,7 +45,7 @@ def test_sweep_survives_killed_worker_and_failing_run_then_reenters(tmp_path):
 
     def launcher(run_dir):
         if run_dir.name == "regime=vanilla,seed=1" and not killed:  # SIGKILL this worker once, mid-training
-            proc = subprocess.run([sys.executable, "-m", "ntpflow.sweep", str(run_dir)],  # at a named point
+            proc = subprocess.run([sys.executable, "-m", "ntpflow.runs.sweep", str(run_dir)],  # at a named point
                                   env={**ENV, "NTPFLOW_FAULT": "train:after_checkpoint:kill"}, capture_output=True,
                                   check=False)
             assert list((run_dir / "ckpt").glob("step_*.json")) and not (run_dir / "DONE").exists()

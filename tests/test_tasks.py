@@ -5,17 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ntpflow.tasks import (
-    TASKS,
-    Batch,
-    CondMajority,
-    Majority,
-    Othello,
-    Stories,
-    Task,
-    concat_batches,
-    make_task,
-)
+from ntpflow.tasks import TASKS, Batch, CondMajority, Majority, Othello, Stories, Task, concat_batches, make_task
 
 PAD, BOS = 0, 1
 S0, S1, S2 = 2, 3, 4  # token ids of <0>, <1>, <2>

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from ntpflow.config import TrainConfig
-from ntpflow.replay import attribute
-from ntpflow.sites import Site
-from ntpflow.io import SimulatedKill, load_tensors
-from ntpflow.threads import continue_threads, follow_threads, kept_threads
-from ntpflow.training import train
+from ntpflow.files import SimulatedKill, load_tensors
+from ntpflow.model.sites import Site
+from ntpflow.replay.attribution import attribute
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.threads import continue_threads, follow_threads, kept_threads
+from ntpflow.runs.training import train
 
 TINY = {"n_layer": 1, "d_model": 32, "n_head": 2, "steps": 8, "batch_size": 32, "n_train": 512, "n_eval": 64,
         "eval_every": 4, "ckpt_every": 4, "log_every": 4}

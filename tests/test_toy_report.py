@@ -2,8 +2,8 @@
 
 import json
 import math
-import statistics
 import re
+import statistics
 
 import pytest
 from _util import all_numbers

@@ -7,7 +7,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,17 +16,11 @@ import torch
 from safetensors.torch import load_file
 
 from ntpflow import GPT, TrainConfig, apply_overrides
-from ntpflow.io import SimulatedKill
+from ntpflow.files import SimulatedKill
+from ntpflow.runs.data import DataOrder, make_datasets, to_torch
+from ntpflow.runs.run import Run, model_config
+from ntpflow.runs.training import evaluate, train
 from ntpflow.tasks import make_task
-from ntpflow.training import (
-    DataOrder,
-    Run,
-    evaluate,
-    make_datasets,
-    model_config,
-    to_torch,
-    train,
-)
 
 TINY = TrainConfig(n_layer=1, d_model=32, n_head=2, steps=12, batch_size=32, n_train=256, n_eval=128,
                    eval_every=6, ckpt_every=4, log_every=2, device="cpu")
@@ -524,7 +517,7 @@ def test_config_hash_ignores_device_and_logging_only():
 def test_concurrent_writers_of_one_run_dir_are_refused(tmp_path):
     import platform
 
-    from ntpflow.io import DirLock
+    from ntpflow.files import DirLock
 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -542,7 +535,7 @@ def test_concurrent_writers_of_one_run_dir_are_refused(tmp_path):
 def test_disk_full_leaves_earlier_result_intact(tmp_path, monkeypatch):
     import errno
 
-    from ntpflow.io import write_json
+    from ntpflow.files import write_json
 
     path = tmp_path / "result.json"
     write_json(path, {"v": 1})

@@ -8,7 +8,7 @@ thresholds of the rules and the paper's numbers they are compared with are the c
 
 from __future__ import annotations
 
-from .claims import (
+from ntpflow.experiments.claims import (
     INCONCLUSIVE,
     NOT_REPRODUCED,
     REPRODUCED,
@@ -20,7 +20,17 @@ from .claims import (
     interval_above,
     interval_contains,
 )
-from .report_kit import COMPONENT_LABELS, COMPONENTS, fmt, fmt_ci, fmt_g, fmt_interval, fmt_sigma, has_ci, stats
+from ntpflow.experiments.report_kit import (
+    COMPONENT_LABELS,
+    COMPONENTS,
+    fmt,
+    fmt_ci,
+    fmt_g,
+    fmt_interval,
+    fmt_sigma,
+    has_ci,
+    stats,
+)
 
 BALANCE = 2.0  # every influence claim: Σ full influence within this factor of the mismatch removed (docs/balance.md)
 ROW_LIMIT = 2 * (BALANCE - 1) / (BALANCE + 1)  # the same, row by row: see row_balance_check

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from cycler import cycler
 
-from ..io import atomic_write
+from ntpflow.files import atomic_write
 
 OKABE_ITO = {"orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73", "yellow": "#F0E442", "blue": "#0072B2",
              "vermillion": "#D55E00", "purple": "#CC79A7", "black": "#000000"}

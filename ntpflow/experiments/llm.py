@@ -38,7 +38,28 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..io import ensure_writable_dir, read_json, write_json
+from ntpflow.experiments.q_vs_influence import q_vs_influence, toy_sites
+from ntpflow.files import ensure_writable_dir, read_json, write_json
+from ntpflow.llm.adapters import load_gemma_preset
+from ntpflow.llm.components import (
+    encoder_matrix,
+    load_model,
+    load_sae_dir,
+    resolve_device,
+    save_sae_dir,
+    train_simple_sae,
+)
+from ntpflow.llm.corpus import Contexts, build_corpus, hf_encoder, tokenize_corpus
+from ntpflow.llm.lens import _unembedding, fit_lenses, lens_data, lens_q_correlation
+from ntpflow.llm.qscan import QScanConfig, QScanResult, q_scan, q_statistics
+from ntpflow.llm.sae import TrainSAEConfig, collect_activations, sae_quality, train_sae
+from ntpflow.llm.steering import pick_extremes, steer_latents
+from ntpflow.replay.attribution import attribute
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import Run
+from ntpflow.runs.threads import kept_threads
+from ntpflow.runs.training import train
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +170,8 @@ class _Session:
     def lm(self):
         if self._lm is None:
             if self.scale.model == "gemma":
-                from ..llm.adapters import load_gemma_preset
-
                 self._lm, self._sae = load_gemma_preset(self.device)
             else:
-                from ..llm.components import load_model
-
                 self._lm = load_model(self.scale.model, self.device, seed=self.scale.seed)
         return self._lm
 
@@ -164,8 +181,6 @@ class _Session:
             if self.scale.model == "gemma":
                 _ = self.lm
             else:
-                from ..llm.components import load_sae_dir
-
                 self._sae = load_sae_dir(self.out / "sae", device=str(self.lm.adapter.device))
         return self._sae
 
@@ -174,7 +189,6 @@ class _Session:
         if self._ctx is None:
             import torch
 
-            from ..llm.corpus import Contexts
 
             saved = torch.load(self.out / "contexts.pt")
             self._ctx = Contexts(saved["tokens"], list(saved["domains"]), list(saved["doc_index"]))
@@ -189,9 +203,6 @@ class _Session:
 
 def _stage_sae(s: _Session, progress: bool) -> None:
     import torch
-
-    from ..llm.corpus import build_corpus, hf_encoder, tokenize_corpus
-    from ..llm.sae import TrainSAEConfig, collect_activations, sae_quality, train_sae
 
     out, sc = s.out, s.scale
     if not (out / "contexts.pt").exists():
@@ -215,15 +226,11 @@ def _stage_sae(s: _Session, progress: bool) -> None:
     t1 = time.perf_counter()
     cfg = dict(sc.sae)
     if cfg["kind"] == "simple":
-        from ..llm.components import save_sae_dir, train_simple_sae
-
         _say(progress, "training a SimpleSAE")
         sae, info = train_simple_sae(acts_tr, cfg["d_sae"], cfg["k"], cfg["steps"], cfg["batch_size"], cfg["lr"],
                                      seed=sc.seed)
         save_sae_dir(sae, out / "sae")
     elif cfg["kind"] == "topk":
-        from ..llm.components import save_sae_dir
-
         _say(progress, f"training a TopK SAE ({cfg['d_sae']} latents, k={cfg['k']}, {cfg['steps']} steps)")
         sae, info = train_sae(acts_tr.to(s.lm.adapter.device), TrainSAEConfig(
             d_sae=cfg["d_sae"], architecture="topk", k=cfg["k"], steps=cfg["steps"], batch_size=cfg["batch_size"],
@@ -243,7 +250,6 @@ def _stage_sae(s: _Session, progress: bool) -> None:
 def _stage_scan(s: _Session, progress: bool) -> None:
     import torch
 
-    from ..llm.qscan import QScanConfig, q_scan, q_statistics
 
     out, sc = s.out, s.scale
     if (out / "stats.json").exists() and all((out / f"q_{m}.json").exists() for m in MODES):
@@ -265,8 +271,6 @@ def _stage_scan(s: _Session, progress: bool) -> None:
 
 def load_scan(out: str | Path, mode: str):
     """The :class:`~ntpflow.llm.qscan.QScanResult` saved as ``out/q_<mode>.json``."""
-    from ..llm.qscan import QScanResult
-
     return QScanResult(**read_json(Path(out) / f"q_{mode}.json"))
 
 
@@ -277,8 +281,6 @@ def _resid_norm(s: _Session, n: int = 16) -> float:
 
 
 def _stage_steering(s: _Session, progress: bool) -> None:
-    from ..llm.steering import pick_extremes, steer_latents
-
     out, st = s.out, s.scale.steer
     if (out / "steering.json").exists():
         return
@@ -301,9 +303,6 @@ def _stage_steering(s: _Session, progress: bool) -> None:
 
 def _stage_lens(s: _Session, progress: bool) -> None:
     import torch
-
-    from ..llm.components import encoder_matrix
-    from ..llm.lens import _unembedding, fit_lenses, lens_data, lens_q_correlation
 
     out, ls = s.out, s.scale.lens
     if (out / "lens.json").exists():
@@ -330,18 +329,11 @@ def _stage_lens(s: _Session, progress: bool) -> None:
 
 
 def _stage_qvi(s: _Session, progress: bool) -> None:
-    from ..config import TrainConfig
-    from ..llm.q_vs_influence import q_vs_influence, toy_sites
-    from ..probe_runs import load_or_probe
-    from ..replay import attribute
-    from ..training import Run, train
-
     out, ty = s.out, s.scale.toy
     if (out / "q_vs_influence.json").exists():
         return
     import torch
 
-    from ..threads import kept_threads
 
     cfg = TrainConfig(task="majority", seed=s.scale.seed, device="cpu", **ty["train"])
     _say(progress, f"toy run for Q vs influence ({cfg.steps} steps)")
@@ -401,8 +393,6 @@ def run_llm(scale: str | LLMScale, out: str | Path, *, device: str = "auto", pro
         reuse: an earlier ``python -m ntpflow.llm.pipeline`` folder whose corpus/SAE/scan to copy (explicit only).
         stages: the stages to run (default all, in order).
     """
-    from ..llm.components import resolve_device
-
     if isinstance(scale, str):
         if scale not in SCALES:
             raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")

@@ -11,21 +11,19 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..io import json_safe, read_json
-from .claim_registry import llm_claims
-from .figure_style import BASELINE, SIGN, error_bars, figure, finish
-from .report_kit import (
-    draw_figures,
+from ntpflow.experiments.claim_registry import llm_claims
+from ntpflow.experiments.figure_style import BASELINE, SIGN, error_bars, figure, finish
+from ntpflow.experiments.render import draw_figures, report_main, stored_summary, template_blocks, write_documents
+from ntpflow.experiments.report_kit import (
     finite,
     fmt,
     fmt_interval,
-    report_main,
     sd_ratio_ci,
     stats,
-    stored_summary,
     welch_ci,
 )
-from .render import template_blocks, write_documents
+from ntpflow.files import json_safe, read_json
+from ntpflow.llm.qscan import sigma_ci
 
 MODES = ("reconstruction", "error-preserving")
 DOMAINS = ("stories", "code", "math")
@@ -50,7 +48,6 @@ def _q_summary(r: dict) -> dict:
     import numpy as np
     from scipy import stats as st
 
-    from ..llm.qscan import sigma_ci
 
     inc = [i for i, ok in enumerate(r["included"]) if ok and finite(r["q"][i]) and r["q"][i] > 0]
     lq = np.log(np.asarray([r["q"][i] for i in inc], float))

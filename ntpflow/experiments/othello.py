@@ -3,12 +3,12 @@ come from.
 
 ``run_othello(scale, out)`` runs these stages into ``out`` (each resumable and skipped when done):
 
-1. train one vanilla OthelloGPT into ``out/run`` (``ntpflow.training.train``);
+1. train one vanilla OthelloGPT into ``out/run`` (``ntpflow.runs.training.train``);
 2. ridge probes of the 64 squares for the final and the step-0 weights (``RUN_DIR/probes``, ``RUN_DIR/probes_init``);
 3. the 3-way least-squares classifier (empty / own / opponent) for both weights
    (``RUN_DIR/classifier_{final,init}.safetensors`` + ``.json``, see ``othello_probes``);
 4. attribution: a replay of the run tracking the Adam/SGD influence of each gradient component on the tracked
-   squares at the tracked sites, with per-type risks (``RUN_DIR/attribution``, see ``ntpflow.replay``);
+   squares at the tracked sites, with per-type risks (``RUN_DIR/attribution``, see ``ntpflow.replay.attribution``);
 5. gather into ``out/data.json`` (schema in ``othello_report``), then ``othello_report.write_report(out)``.
 
 Conventions: ``resid[0]`` = embeddings, ``resid[k]`` = output of block ``k`` (``k = 1..n_layer``; the last one before
@@ -29,10 +29,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import TrainConfig
-from ..io import ensure_writable_dir, read_json, write_json
-from ..sites import Site
-from ..tasks.othello_engine import SQUARE_NAMES
+from ntpflow.experiments.othello_probes import ClassifierProbes, classifier_path, load_or_classify
+from ntpflow.experiments.othello_report import write_report
+from ntpflow.files import ensure_writable_dir, read_json, write_json
+from ntpflow.model.sites import Site
+from ntpflow.probes import ProbeSet
+from ntpflow.replay.attribution import attribute, influence_read_at
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.probe import load_or_probe, probe_dir_name
+from ntpflow.runs.run import Run
+from ntpflow.runs.threads import kept_threads
+from ntpflow.runs.training import train
+from ntpflow.tasks.othello_engine import SQUARE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +117,6 @@ def _threads(n: int | None):
     """Inside: ``n`` torch threads (None: as is); the caller's count is restored on leaving."""
     import torch
 
-    from ..threads import kept_threads
 
     with kept_threads():
         if n:
@@ -142,12 +149,6 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     ``out/figures/`` the results. A second call with finished stages only regathers and rewrites the report.
     ``midpoint`` (default): the replay reads each step's ∇R at the step's midpoint; False: at θ_t, as the paper.
     """
-    from ..probe_runs import load_or_probe, probe_dir_name
-    from ..replay import attribute
-    from ..training import Run, train
-    from .othello_probes import classifier_path, load_or_classify
-    from .othello_report import write_report
-
     if isinstance(scale, str):
         if scale not in SCALES:
             raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
@@ -190,11 +191,6 @@ def gather(scale: OthelloScale, out: Path) -> dict:
     """Collect the finished stages of ``out/run`` into the data.json dict (schema: ``othello_report``)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
-
-    from ..probes import ProbeSet
-    from ..replay import influence_read_at
-    from ..training import Run
-    from .othello_probes import ClassifierProbes, classifier_path
 
     run = Run.open(out / "run")
     cfg = run.cfg

@@ -5,7 +5,7 @@ sklearn ``Ridge(alpha)`` semantics, with intercept) of the one-hot class of ever
 three scores of each square. It is linear in the residual and has no iterative fitting, so it is deterministic and
 fast; a logistic-regression probe could be a little more accurate.
 
-Conventions (those of ``ntpflow.probes`` and ``ntpflow.sites``):
+Conventions (those of ``ntpflow.probes`` and ``ntpflow.model.sites``):
 
 * ``resid``: ``[L+1, n, T, d]``; ``resid[0]`` = embeddings, ``resid[k]`` = output of block ``k`` (pre-final-LayerNorm
   for ``k = L``). Position ``t`` holds the state after reading token ``t``; logits at ``p`` predict token ``p + 1``.
@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-from ..io import load_tensors, read_json, resolve_device, save_tensors
-from ..probes import fit_ridge
+from ntpflow.files import load_tensors, read_json, resolve_device, save_tensors
+from ntpflow.probes import fit_ridge
+from ntpflow.runs.data import make_datasets
+from ntpflow.runs.probe import collect_resid
 
 __all__ = ["CLASSES", "ClassifierProbes", "board_classes", "classify_run", "fit_classifier", "load_or_classify"]
 
@@ -168,9 +170,6 @@ def classifier_path(run_dir: str | Path, which: str | int) -> Path:
 def classify_run(run, which: str | int = "final", *, alpha: float = 1.0, train_frac: float = 0.7,
                  device: str = "auto") -> ClassifierProbes:
     """Fit the classifier on ``run``'s eval set (residuals of the weights ``which``) and save it in the run dir."""
-    from ..probe_runs import collect_resid
-    from ..training import make_datasets
-
     model = run.load_model(which, resolve_device(device))
     _, eval_set = make_datasets(run.cfg, run.task)
     if eval_set.feature_types is None:

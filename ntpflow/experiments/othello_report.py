@@ -12,22 +12,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import figure_style as fs
-from .claim_registry import PAPER_CI, othello_claims
-from .render import template_blocks
-from .report_kit import (
+from ntpflow.experiments import figure_style as fs
+from ntpflow.experiments.claim_registry import PAPER_CI, othello_claims
+from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.experiments.report_kit import (
     finite,
     mean_of,
     mismatch_summary,
     plain_number,
     read_at_settings,
-    report_main,
     select,
     sites_text,
     slope,
     stat_rows,
     stats,
-    write_from_data,
 )
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")

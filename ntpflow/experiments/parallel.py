@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
+from ntpflow.files import resolve_device
+
 
 def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progress: bool = True) -> None:
     """Call ``fn(*job)`` for every job: in order in this process when ``workers == 1``, else in a pool of
@@ -24,10 +26,9 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progr
 
 def run_threads(device: str, workers: int) -> int:
     """Torch threads for each of ``workers`` parallel runs on ``device``. On a CPU always 1: a CPU's sums depend on
-    the thread count (``ntpflow/threads.py``), so a run's bits must not depend on how many runs were queued beside
+    the thread count (``ntpflow/runs/threads.py``), so a run's bits must not depend on how many runs were queued beside
     it or on the machine's cores. On a GPU, where the threads only feed it, the cores are shared out."""
     import os
 
-    from ..io import resolve_device
 
     return 1 if resolve_device(device).type == "cpu" else max(1, (os.cpu_count() or 1) // workers)

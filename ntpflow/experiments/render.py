@@ -32,7 +32,9 @@ import json
 import re
 from pathlib import Path
 
-from ..io import atomic_write
+from ntpflow.experiments import figure_style
+from ntpflow.experiments import report_kit as kit
+from ntpflow.files import atomic_write, read_json
 
 CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
 TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")  # "| a | b |", optionally " #html_id"
@@ -41,8 +43,6 @@ TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")  # "| a | b |", optionally
 def _environment():
     """The templates' Jinja environment, with report_kit's number formats as filters."""
     import jinja2
-
-    from . import report_kit as kit
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("ntpflow.experiments", "templates"), trim_blocks=True,
                              lstrip_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
@@ -219,3 +219,46 @@ def write_documents(out: str | Path, blocks, pngs: dict[str, bytes], summary: di
     atomic_write(out / "report.md", to_markdown(blocks))
     atomic_write(out / "report.html", to_html(blocks, pngs))
     return out / "report.md"
+
+
+def write_from_data(out_dir: str | Path, summarize, figures: dict, document) -> Path:
+    """The report pipeline of an experiment folder: ``summary = summarize(data)`` from ``data.json`` (or, when only
+    ``summary.json`` is there, as for the committed results under docs/results, the stored summary itself), the
+    ``figures`` (see :func:`draw_figures`), blocks (``document(summary, pngs)``); write summary.json, report.md and
+    report.html atomically (``render.write_documents``). Returns report.md's path."""
+    out = Path(out_dir)
+    summary = summarize(read_json(out / "data.json")) if (out / "data.json").exists() or not (
+        out / "summary.json").exists() else stored_summary(out)
+    pngs = draw_figures(summary, out / "figures", figures)
+    return write_documents(out, document(summary, pngs), pngs, summary)
+
+
+def draw_figures(summary: dict, figdir: Path, figures: dict) -> dict[str, bytes]:
+    """Draw each figure of ``figures`` ({name: fn(summary) -> a matplotlib Figure, or None without data}) in the
+    report style (``figure_style``) and save it into ``figdir``; returns {name: PNG bytes} of those drawn."""
+    figdir.mkdir(parents=True, exist_ok=True)
+    pngs = {}
+    for name, draw in figures.items():
+        with figure_style.style():
+            fig = draw(summary)
+        if fig is not None:
+            pngs[name] = figure_style.save(fig, figdir, name)
+    return pngs
+
+
+def stored_summary(out: Path) -> dict:
+    """``out/summary.json`` without what the renderer derives (figures; claims are judged again from the numbers)."""
+    summary = read_json(out / "summary.json")
+    summary.pop("figures", None)
+    return summary
+
+
+def report_main(module: str, experiment: str, write_report, argv=None) -> None:
+    """Command line of a report module (``python -m ntpflow.experiments.<module>``): write the report of the
+    experiment's output folder OUT and print the path ``write_report`` returns."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog=f"python -m ntpflow.experiments.{module}",
+                                 description=f"Write the {experiment} report from the results in OUT.")
+    ap.add_argument("out", help=f"the output folder of the {experiment} experiment")
+    print(write_report(ap.parse_args(argv).out))

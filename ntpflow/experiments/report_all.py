@@ -14,10 +14,10 @@ import inspect
 import json
 from pathlib import Path
 
-from ..io import ensure_writable_dir
-from . import EXPERIMENTS
-from .figure_style import SIGN
-from .render import write_documents
+from ntpflow.experiments import EXPERIMENTS
+from ntpflow.experiments.figure_style import SIGN
+from ntpflow.experiments.render import write_documents
+from ntpflow.files import ensure_writable_dir
 
 
 def run_experiment(name: str, scale: str, out: str | Path, **options) -> Path:

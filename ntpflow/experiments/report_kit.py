@@ -9,12 +9,8 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from functools import cache
-from pathlib import Path
 
-from ..config import TrainConfig
-from ..io import read_json
-from . import figure_style
-from .render import write_documents
+from ntpflow.runs.config import TrainConfig
 
 COMPONENTS = ("direct", "pre_cached", "shared")
 MISMATCHES = ("centred", "paper")  # R_c = var_b d_b and the paper's R = mean_b d_b² (docs/experiments/toy.md)
@@ -220,38 +216,6 @@ def select(rows, order: str | None = None, **where) -> list[dict]:
     return sorted(sel, key=lambda r: r[order]) if order else sel
 
 
-def write_from_data(out_dir: str | Path, summarize, figures: dict, document) -> Path:
-    """The report pipeline of an experiment folder: ``summary = summarize(data)`` from ``data.json`` (or, when only
-    ``summary.json`` is there, as for the committed results under docs/results, the stored summary itself), the
-    ``figures`` (see :func:`draw_figures`), blocks (``document(summary, pngs)``); write summary.json, report.md and
-    report.html atomically (``render.write_documents``). Returns report.md's path."""
-    out = Path(out_dir)
-    summary = summarize(read_json(out / "data.json")) if (out / "data.json").exists() or not (
-        out / "summary.json").exists() else stored_summary(out)
-    pngs = draw_figures(summary, out / "figures", figures)
-    return write_documents(out, document(summary, pngs), pngs, summary)
-
-
-def draw_figures(summary: dict, figdir: Path, figures: dict) -> dict[str, bytes]:
-    """Draw each figure of ``figures`` ({name: fn(summary) -> a matplotlib Figure, or None without data}) in the
-    report style (``figure_style``) and save it into ``figdir``; returns {name: PNG bytes} of those drawn."""
-    figdir.mkdir(parents=True, exist_ok=True)
-    pngs = {}
-    for name, draw in figures.items():
-        with figure_style.style():
-            fig = draw(summary)
-        if fig is not None:
-            pngs[name] = figure_style.save(fig, figdir, name)
-    return pngs
-
-
-def stored_summary(out: Path) -> dict:
-    """``out/summary.json`` without what the renderer derives (figures; claims are judged again from the numbers)."""
-    summary = read_json(out / "summary.json")
-    summary.pop("figures", None)
-    return summary
-
-
 def plain_number(v) -> str:
     """A setting for a table: whole floats >= 1 without ``.0``, anything else as ``str``."""
     if isinstance(v, float) and v == int(v) and abs(v) >= 1:
@@ -285,12 +249,3 @@ def sites_text(sites) -> str:
                      for k, v in sorted(by_layer.items()))
 
 
-def report_main(module: str, experiment: str, write_report, argv=None) -> None:
-    """Command line of a report module (``python -m ntpflow.experiments.<module>``): write the report of the
-    experiment's output folder OUT and print the path ``write_report`` returns."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog=f"python -m ntpflow.experiments.{module}",
-                                 description=f"Write the {experiment} report from the results in OUT.")
-    ap.add_argument("out", help=f"the output folder of the {experiment} experiment")
-    print(write_report(ap.parse_args(argv).out))

@@ -28,11 +28,20 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config import TrainConfig
-from ..io import ensure_writable_dir, read_json, write_json
-from ..sites import Site
-from .parallel import run_jobs, run_threads
-from .report_kit import finite_or_none as _finite
+from ntpflow.experiments.parallel import run_jobs, run_threads
+from ntpflow.experiments.report_kit import finite_or_none as _finite
+from ntpflow.experiments.stories_report import write_report
+from ntpflow.files import ensure_writable_dir, read_json, resolve_device, write_json
+from ntpflow.model.sampling import sample
+from ntpflow.model.sites import Site
+from ntpflow.probes import ProbeSet
+from ntpflow.replay.attribution import attribute, influence_read_at
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.data import make_datasets
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import Run, task_for
+from ntpflow.runs.training import train
+from ntpflow.tasks.stories import FEATURE_GROUPS, FEATURE_NAMES
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +69,7 @@ class SamplingSpec:
 class StoriesScale:
     """Settings of one scale.
 
-    ``corpus``: the corpus source (``ntpflow.stories.load_corpus``), or None where the user must choose it (a
+    ``corpus``: the corpus source (``ntpflow.tasks.stories.load_corpus``), or None where the user must choose it (a
     local copy of TinyStories is the user's, not the project's); ``train``: TrainConfig overrides shared by all
     runs; ``sites``: tracked residual sites (all 22 features at each); ``curve_every``: step stride of the stored
     influence curves.
@@ -145,11 +154,6 @@ def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], device:
     itself when done."""
     import torch
 
-    from ..probe_runs import load_or_probe
-    from ..replay import attribute
-    from ..stories import FEATURE_NAMES
-    from ..training import Run, train
-
     torch.set_num_threads(threads)
     cfg = TrainConfig.from_dict(cfg_dict)
     run = train(cfg, run_dir, progress=False)
@@ -162,8 +166,6 @@ def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], device:
 
 def _prepare_data(cfg: TrainConfig) -> None:
     """Train the tokenizer and featurize the corpus once, in this process, before the workers read the caches."""
-    from ..training import make_datasets, task_for
-
     make_datasets(cfg, task_for(cfg))
 
 
@@ -173,8 +175,6 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). ``midpoint``
     (default): the replays read each step's ∇R at the step's midpoint; False: at θ_t, as the paper. Returns ``out``.
     """
-    from .stories_report import write_report
-
     scale = resolve_scale(scale)
     corpus = corpus or scale.corpus
     check_corpus(corpus, scale.name)
@@ -212,10 +212,6 @@ def sample_continuations(scale: StoriesScale, out: Path, configs: list[TrainConf
     Recomputed only when the spec or the models' seed changes.
     """
     import torch
-
-    from ..io import resolve_device
-    from ..sampling import sample
-    from ..training import Run
 
     spec = scale.sampling
     seed = scale.seeds[0]
@@ -263,11 +259,6 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
     """Collect tidy records from the finished runs (schema in ``ntpflow.experiments.stories_report``)."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
-
-    from ..probes import ProbeSet
-    from ..replay import influence_read_at
-    from ..stories import FEATURE_GROUPS, FEATURE_NAMES
-    from ..training import Run
 
     group_of = {FEATURE_NAMES[i]: g for g, idx in FEATURE_GROUPS.items() for i in idx}
     tracked_pos = sorted({s.pos for s in scale.sites})

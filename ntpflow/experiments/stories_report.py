@@ -16,23 +16,21 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from . import figure_style as fs
-from .claim_registry import PAPER_LOSS, stories_claims
-from .render import template_blocks
-from .report_kit import (
+from ntpflow.experiments import figure_style as fs
+from ntpflow.experiments.claim_registry import PAPER_LOSS, stories_claims
+from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.experiments.report_kit import (
     COMPONENT_LABELS,
     COMPONENTS,
     mean_of,
     mismatch_summary,
     paired,
     read_at_settings,
-    report_main,
     select,
     sites_text,
     stat_rows,
     stats,
     train_settings,
-    write_from_data,
 )
 
 REGIMES = ("vanilla", "myopic")

@@ -3,8 +3,8 @@
 ``run_toy(scale, out)`` trains every (task, regime, seed), fits probes on the final and the untrained model,
 replays the runs of the tracked regimes with influence tracking at the tracked sites, and gathers everything into
 ``out/data.json``. At the scales marked ``grouped`` the seeds of a (task, regime) train as one run group
-(``ntpflow.run_group``): one batched model, written as ordinary run directories, and the tracked members of a group
-are replayed together in one replay of the group (``ntpflow.replay.attribute_group``).
+(``ntpflow.runs.group``): one batched model, written as ordinary run directories, and the tracked members of a group
+are replayed together in one replay of the group (``ntpflow.replay.attribution.attribute_group``).
 Every stage is resumable and skipped when finished, so an interrupted call continues where it stopped.
 """
 
@@ -14,11 +14,18 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..config import REGIMES, TrainConfig
-from ..io import ensure_writable_dir, read_json, write_json
-from ..sites import Site
-from .parallel import run_jobs, run_threads
-from .report_kit import finite_or_none as _finite
+from ntpflow.experiments.parallel import run_jobs, run_threads
+from ntpflow.experiments.report_kit import finite_or_none as _finite
+from ntpflow.files import ensure_writable_dir, read_json, write_json
+from ntpflow.model.sites import Site
+from ntpflow.probes import ProbeSet
+from ntpflow.replay.attribution import attribute, attribute_group, influence_read_at
+from ntpflow.runs.config import REGIMES, TrainConfig
+from ntpflow.runs.group import train_group
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import Run
+from ntpflow.runs.training import train
+from ntpflow.tasks import make_task
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +38,7 @@ TRACKED = {"majority": ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>")
 class ToyScale:
     """Settings of one scale. ``train`` holds TrainConfig overrides shared by all runs and ``task_train`` those of
     one task (e.g. its steps); ``grouped`` trains the seeds of each (task, regime) as one run group
-    (``ntpflow.run_group``); ``tracked`` names the regimes whose runs are replayed with influence tracking, and
+    (``ntpflow.runs.group``); ``tracked`` names the regimes whose runs are replayed with influence tracking, and
     ``tracked_seeds`` (None: all) which of their seeds."""
 
     name: str
@@ -112,9 +119,6 @@ def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], feature
     """Train, probe (final and step 0) and attribute one run (if ``sites``); each stage skips itself when done."""
     import torch
 
-    from ..probe_runs import load_or_probe
-    from ..training import train
-
     torch.set_num_threads(threads)
     run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=False)
     load_or_probe(run, "final", device)
@@ -127,9 +131,6 @@ def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], feature
 def _one_group(cfg_dicts: list[dict], run_dirs: list[str], device: str, threads: int) -> dict:
     """Train the runs of one (task, regime) as one run group, then probe each (final and step 0)."""
     import torch
-
-    from ..probe_runs import load_or_probe
-    from ..run_group import train_group
 
     torch.set_num_threads(threads)
     for run in train_group([TrainConfig.from_dict(d) for d in cfg_dicts], run_dirs, progress=False):
@@ -144,7 +145,6 @@ def _one_replay(run_dir: str, sites: list[tuple[int, int]], features: list[str],
     ``InfluenceTracker``."""
     import torch
 
-    from ..replay import attribute
 
     torch.set_num_threads(threads)
     attribute(run_dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
@@ -157,7 +157,6 @@ def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: l
     """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped)."""
     import torch
 
-    from ..replay import attribute_group
 
     torch.set_num_threads(threads)
     attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
@@ -221,12 +220,6 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
     ``replays`` no run counts as tracked."""
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
-
-    from ..probes import ProbeSet
-    from ..replay import influence_read_at
-    from ..tasks import make_task
-
-    from ..training import Run
 
     runs, probes, influence, curves, mismatch, eval_curves, attributed = [], [], [], [], [], [], []
     for cfg in configs:

@@ -24,11 +24,10 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from ..config import REGIMES
-from . import figure_style as fs
-from .claim_registry import CLAIM_LAYERS, CLAIM_POSITIONS, GATE_ACC, GATE_GAP, toy_claims
-from .render import template_blocks
-from .report_kit import (
+from ntpflow.experiments import figure_style as fs
+from ntpflow.experiments.claim_registry import CLAIM_LAYERS, CLAIM_POSITIONS, GATE_ACC, GATE_GAP, toy_claims
+from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.experiments.report_kit import (
     COMPONENT_LABELS,
     COMPONENTS,
     mean_of,
@@ -36,14 +35,13 @@ from .report_kit import (
     plain_number,
     r_stats,
     read_at_settings,
-    report_main,
     select,
     sites_text,
     stat_rows,
     stats,
     train_settings,
-    write_from_data,
 )
+from ntpflow.runs.config import REGIMES
 
 TASK_ORDER = ("majority", "cond_majority")
 TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}

@@ -20,6 +20,10 @@ from typing import Any
 
 import torch
 
+from ntpflow.files import resolve_device as _resolve
+from ntpflow.llm.adapters import HFAdapter, LoadedModel, load_smollm2
+from ntpflow.llm.sae import SimpleSAE, load_sae
+
 MODELS = ("smollm2", "tiny")
 
 
@@ -47,7 +51,6 @@ def tiny_gpt2(seed: int = 0, device: str | torch.device = "cpu", n_ctx: int = 12
     :class:`~ntpflow.llm.adapters.LoadedModel`; site ``blocks.0.hook_resid_post``. Seeded, offline."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from .adapters import HFAdapter, LoadedModel
 
     cfg = GPT2Config(vocab_size=ByteTokenizer.vocab_size, n_positions=n_ctx, n_embd=32, n_layer=2, n_head=2,
                      bos_token_id=1, eos_token_id=2)
@@ -61,8 +64,6 @@ def tiny_gpt2(seed: int = 0, device: str | torch.device = "cpu", n_ctx: int = 12
 def load_model(name: str, device: str | torch.device = "cpu", seed: int = 0) -> Any:
     """``"smollm2"`` (offline SmolLM2-135M-Instruct) or ``"tiny"`` (:func:`tiny_gpt2`) as a ``LoadedModel``."""
     if name == "smollm2":
-        from .adapters import load_smollm2
-
         return load_smollm2(device)
     if name == "tiny":
         return tiny_gpt2(seed, device)
@@ -70,10 +71,8 @@ def load_model(name: str, device: str | torch.device = "cpu", seed: int = 0) -> 
 
 
 def resolve_device(device: str) -> str:
-    """``"auto"`` -> ``"cuda"`` when available, else ``"cpu"``; other values checked (:func:`ntpflow.io.resolve_device`)
+    """``"auto"`` -> ``"cuda"`` when available, else ``"cpu"``; other values checked (:func:`ntpflow.files.resolve_device`)
     and returned as a string."""
-    from ..io import resolve_device as _resolve
-
     return str(_resolve(device))
 
 
@@ -84,8 +83,6 @@ def train_simple_sae(acts: torch.Tensor, d_sae: int, k: int = 8, steps: int = 30
     Decoder rows are renormalised to unit norm after every step; ``b_dec`` starts at the data mean. Returns
     ``(sae, info)`` with the final loss. Seeded (initialisation and batch order).
     """
-    from .sae import SimpleSAE
-
     acts = acts.float()
     n, d_in = acts.shape
     sae = SimpleSAE(d_in, d_sae, k=k, seed=seed)
@@ -112,8 +109,6 @@ def train_simple_sae(acts: torch.Tensor, d_sae: int, k: int = 8, steps: int = 30
 def save_sae_dir(sae: Any, path: str | Path) -> None:
     """Save a SimpleSAE (``simple_sae.pt`` + ``simple_sae.json``) or an sae-lens SAE (its inference format) into
     the folder ``path``, written to a temporary sibling first and renamed (atomic)."""
-    from .sae import SimpleSAE
-
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     if tmp.exists():
@@ -135,8 +130,6 @@ def save_sae_dir(sae: Any, path: str | Path) -> None:
 
 def load_sae_dir(path: str | Path, device: str = "cpu") -> Any:
     """Load an SAE saved by :func:`save_sae_dir` (or by :func:`ntpflow.llm.sae.save_sae`)."""
-    from .sae import SimpleSAE
-
     path = Path(path)
     if (path / "simple_sae.json").exists():
         meta = json.loads((path / "simple_sae.json").read_text())
@@ -146,8 +139,6 @@ def load_sae_dir(path: str | Path, device: str = "cpu") -> Any:
             p.requires_grad_(False)
         return sae.to(device).eval()
     if (path / "cfg.json").exists():
-        from .sae import load_sae
-
         return load_sae(str(path), device=device)
     raise FileNotFoundError(f"no SAE in {path} (expected simple_sae.json or an sae-lens cfg.json)")
 

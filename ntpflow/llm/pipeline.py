@@ -16,10 +16,13 @@ import time
 
 import torch
 
+from ntpflow.llm.adapters import load_smollm2
+from ntpflow.llm.corpus import Contexts, build_corpus, hf_encoder, tokenize_corpus
+from ntpflow.llm.qscan import QScanConfig, q_scan, q_statistics
+from ntpflow.llm.sae import TrainSAEConfig, collect_activations, load_sae, sae_quality, save_sae, train_sae
+
 
 def _corpus(lm, args):
-    from .corpus import build_corpus, hf_encoder, tokenize_corpus
-
     docs = build_corpus(args.docs, seed=args.seed, stories_path=args.stories)
     return tokenize_corpus(docs, hf_encoder(lm.tokenizer), args.ctx_len, lm.bos_id,
                            max_windows_per_doc=args.windows)
@@ -27,15 +30,6 @@ def _corpus(lm, args):
 
 def train(args) -> dict:
     """Build the corpus, collect activations at the middle layer, train the SAE, save it with its quality."""
-    from .adapters import load_smollm2
-    from .sae import (
-        TrainSAEConfig,
-        collect_activations,
-        sae_quality,
-        save_sae,
-        train_sae,
-    )
-
     os.makedirs(args.out, exist_ok=True)
     t0 = time.perf_counter()
     lm = load_smollm2()
@@ -66,11 +60,6 @@ def train(args) -> dict:
 
 def scan(args) -> dict:
     """Q scan of the saved SAE in both modes; writes ``q_<mode>.json`` and ``stats.json``."""
-    from .adapters import load_smollm2
-    from .corpus import Contexts
-    from .qscan import QScanConfig, q_scan, q_statistics
-    from .sae import load_sae
-
     lm = load_smollm2()
     saved = torch.load(os.path.join(args.out, "contexts.pt"))
     ctx = Contexts(saved["tokens"], saved["domains"], saved["doc_index"])

@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .corpus import DOMAINS, FORMAL_DOMAINS, Contexts
-from .sae import as_sae
+from ntpflow.llm.corpus import DOMAINS, FORMAL_DOMAINS, Contexts
+from ntpflow.llm.sae import as_sae
 
 MODES = ("reconstruction", "error-preserving")
 EPS = 1e-8

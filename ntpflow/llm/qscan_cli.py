@@ -13,6 +13,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from ntpflow.files import ensure_writable_dir, json_safe, write_json
+from ntpflow.llm.components import load_model, load_sae_dir, resolve_device, save_sae_dir, train_simple_sae
+from ntpflow.llm.corpus import build_corpus, hf_encoder, tokenize_corpus
+from ntpflow.llm.qscan import MODES, QScanConfig, q_scan, q_statistics
+from ntpflow.llm.sae import TrainSAEConfig, collect_activations, sae_quality, train_sae
 
 EPILOG = """examples:
   ntpflow qscan --model tiny --train-sae --latents 8 --docs 8 --steps 50 --out runs/qscan-tiny   # seconds, no download
@@ -87,18 +92,6 @@ def _exclusions(r, cutoff: float) -> str:
 def run(args: argparse.Namespace) -> dict:
     """The scan described by parsed ``args``; returns the statistics written to ``stats.json``."""
     import torch
-
-    from ..io import ensure_writable_dir, json_safe, write_json
-    from .components import (
-        load_model,
-        load_sae_dir,
-        resolve_device,
-        save_sae_dir,
-        train_simple_sae,
-    )
-    from .corpus import build_corpus, hf_encoder, tokenize_corpus
-    from .qscan import MODES, QScanConfig, q_scan, q_statistics
-    from .sae import TrainSAEConfig, collect_activations, sae_quality, train_sae
 
     modes = tuple(m for m in args.mode.split(",") if m)
     bad = [m for m in modes if m not in MODES]

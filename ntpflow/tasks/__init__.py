@@ -6,10 +6,10 @@ at position 0; logits at position ``p`` predict token ``p + 1``.
 
 from __future__ import annotations
 
-from .base import Batch, Task, concat_batches
-from .majority import CondMajority, Majority
-from .othello import Othello
-from .stories import Stories
+from ntpflow.tasks.base import Batch, Task, concat_batches
+from ntpflow.tasks.majority import CondMajority, Majority
+from ntpflow.tasks.othello import Othello
+from ntpflow.tasks.stories.task import Stories
 
 __all__ = ["TASKS", "Batch", "CondMajority", "Majority", "Othello", "Stories", "Task", "concat_batches", "make_task"]
 

@@ -12,15 +12,14 @@ so ``T = 1 + n_inputs + n_outputs`` (21). Vocabulary: ``<pad>``=0, ``<bos>``=1,
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-import itertools
-import math
-
 import numpy as np
 
-from .base import BOS_ID, N_SPECIAL, Batch
+from ntpflow.tasks.base import BOS_ID, N_SPECIAL, Batch
 
 __all__ = ["CondMajority", "Majority"]
 

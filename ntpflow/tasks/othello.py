@@ -32,8 +32,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from .base import BOS_ID, Batch
-from .othello_engine import (
+from ntpflow.tasks.base import BOS_ID, Batch
+from ntpflow.tasks.othello_engine import (
     GAME_LEN,
     PASS,
     SQUARE_NAMES,

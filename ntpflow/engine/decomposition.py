@@ -1,6 +1,6 @@
 """Exact decomposition of the training gradient at residual sites (paper Prop. 3.1).
 
-For a site ⟨k, i⟩ (layer/position convention of ``ntpflow.sites``; the loss at position i predicts token i+1):
+For a site ⟨k, i⟩ (layer/position convention of ``ntpflow.model.sites``; the loss at position i predicts token i+1):
 
     direct     = ∇L_i − ∇L_i^{sg(k,i)}
     pre_cached = Σ_{j≠i} ∇(L_j − L_j^{sg(k,i)})
@@ -13,7 +13,7 @@ How it is computed: ∇L − ∇L^{sg(k,i)} = (∂r^k_i/∂θ)ᵀ ∂L/∂r^k_i,
 The ordinary backward gives ∂L/∂r^k; the own-position cotangent ∂L_i/∂r^k_i comes from a short backward through
 the blocks above k at query i alone (``reverse_mode.own_cotangents``; in a myopic model, or at the last layer, it
 equals ∂L/∂r^k_i).
-The VJPs themselves run by the hand-written reverse mode of ``ntpflow.reverse_mode`` on one cached ordinary forward
+The VJPs themselves run by the hand-written reverse mode of ``ntpflow.engine.reverse_mode`` on one cached ordinary forward
 (positions ≤ i, the site's own block for query i alone), in the model's own regime.
 """
 
@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward_mode import Primals
-from .loss import lm_loss
-from .model import GPT
-from .reverse_mode import own_cotangents, site_vjps
-from .sites import Site
+from ntpflow.engine.forward_mode import Primals
+from ntpflow.engine.reverse_mode import own_cotangents, site_vjps
+from ntpflow.model.gpt import GPT
+from ntpflow.model.loss import lm_loss
+from ntpflow.model.sites import Site
 
 
 @dataclass

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import atomic_write
-from .corpus import stories_digest
+from ntpflow.files import atomic_write
+from ntpflow.tasks.stories.corpus import stories_digest
 
 __all__ = [
     "DEPS",
@@ -305,7 +305,7 @@ def featurize(
 
     Args:
         stories: ``S`` story texts (each tokenized without special tokens).
-        tokenizer: a :class:`~ntpflow.stories.tokenizer.StoryTokenizer`.
+        tokenizer: a :class:`~ntpflow.tasks.stories.tokenizer.StoryTokenizer`.
         featurizer: the spaCy :class:`Featurizer`; built with defaults if None (loading spaCy takes ~1 s).
         cache_dir: folder for ``features-<key>.npz``; None disables caching.
         progress: show a progress bar while spaCy runs.

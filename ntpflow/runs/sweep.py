@@ -16,7 +16,7 @@ A spec is a JSON or TOML file (TOML needs Python ≥ 3.11)::
 
 Every run lives in ``OUT/runs/<name>``, where the name spells the grid values (``task=majority,regime=myopic,seed=0``).
 Finished runs are skipped, so a sweep can be re-entered; an interrupted run resumes from its checkpoint. Each run
-executes in its own process (``python -m ntpflow.sweep RUN_DIR``), so a killed worker costs only its own run: it is
+executes in its own process (``python -m ntpflow.runs.sweep RUN_DIR``), so a killed worker costs only its own run: it is
 retried, then marked failed (``RUN_DIR/FAILED`` with the error) while the others go on. ``OUT/results.parquet``
 gathers one tidy row per run: the grid values, the status and the final metrics.
 """
@@ -35,8 +35,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import TrainConfig, _check_type
-from .io import atomic_write, ensure_writable_dir, read_json, resolve_device, write_json
+from ntpflow.files import atomic_write, ensure_writable_dir, read_json, resolve_device, write_json
+from ntpflow.runs.config import TrainConfig, _check_type
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.training import train
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +148,6 @@ def _wants_probe(run_dir: Path) -> bool:
 
 def execute_run(run_dir: str | Path) -> None:
     """Train (and probe) the run prepared in ``run_dir/sweep.json``: the job each worker process runs."""
-    from .probe_runs import load_or_probe
-    from .training import train
-
     run_dir = Path(run_dir)
     meta = read_json(run_dir / "sweep.json")
     run = train(TrainConfig.from_dict(meta["config"]), run_dir, progress=False)
@@ -205,8 +204,8 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, *, executor: str = 
 
 
 def _subprocess_launch(run_dir: Path) -> None:
-    """``python -m ntpflow.sweep RUN_DIR --parent PID``: the worker dies with this process (see :func:`main`)."""
-    proc = subprocess.run([sys.executable, "-m", "ntpflow.sweep", str(run_dir), "--parent", str(os.getpid())],
+    """``python -m ntpflow.runs.sweep RUN_DIR --parent PID``: the worker dies with this process (see :func:`main`)."""
+    proc = subprocess.run([sys.executable, "-m", "ntpflow.runs.sweep", str(run_dir), "--parent", str(os.getpid())],
                           capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout or "").strip().splitlines()
@@ -294,7 +293,7 @@ def die_with_parent(parent: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry point: ``python -m ntpflow.sweep RUN_DIR [--parent PID]`` (with a parent pid, the worker dies
+    """Worker entry point: ``python -m ntpflow.runs.sweep RUN_DIR [--parent PID]`` (with a parent pid, the worker dies
     with that process)."""
     args = sys.argv[1:] if argv is None else list(argv)
     parent = None
@@ -302,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         parent = int(args.pop(2))
         args.pop(1)
     if len(args) != 1:
-        print("usage: python -m ntpflow.sweep RUN_DIR [--parent PID]", file=sys.stderr)
+        print("usage: python -m ntpflow.runs.sweep RUN_DIR [--parent PID]", file=sys.stderr)
         return 2
     if parent is not None:
         die_with_parent(parent)

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import atomic_write, read_json, write_json
-from .corpus import EOT, stories_digest
+from ntpflow.files import atomic_write, read_json, write_json
+from ntpflow.tasks.stories.corpus import EOT, stories_digest
 
 __all__ = ["HUB_TOKENIZER", "StoryTokenizer", "get_tokenizer", "hub_tokenizer", "train_bpe"]
 

@@ -4,10 +4,11 @@ import logging
 
 import torch
 
-from .io import resolve_device
-from .model import GPT
-from .probes import ProbeSet, fit_probes
-from .training import Run, make_datasets
+from ntpflow.files import resolve_device
+from ntpflow.model.gpt import GPT
+from ntpflow.probes import ProbeSet, fit_probes
+from ntpflow.runs.data import make_datasets
+from ntpflow.runs.run import Run
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .io import read_json, write_json
+from ntpflow.files import read_json, write_json
 
 log = logging.getLogger(__name__)
 FILE = "threads.json"

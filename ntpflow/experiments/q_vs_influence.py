@@ -25,11 +25,18 @@ from typing import Any
 
 import torch
 
+from ntpflow.llm.lens import spearman
+from ntpflow.model.hooks import hooks
+from ntpflow.model.sites import Site
+from ntpflow.runs.data import make_datasets
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import Run
+
 EPS = 1e-8
 
 
 def resid_hook_name(layer: int, n_layer: int) -> str:
-    """The HookPoint holding ``resid[layer]`` of a :class:`~ntpflow.model.GPT`."""
+    """The HookPoint holding ``resid[layer]`` of a :class:`~ntpflow.model.gpt.GPT`."""
     if not 0 <= layer <= n_layer:
         raise ValueError(f"layer {layer} out of range 0..{n_layer}")
     return f"blocks.{layer}.hook_resid_pre" if layer < n_layer else f"blocks.{n_layer - 1}.hook_resid_post"
@@ -41,8 +48,6 @@ def probe_ablation_kl(model: Any, tokens: torch.Tensor, layer: int, pos: int, w:
     """``d`` ``[N, H]``: ``KL(clean || ablated)`` of the predictions at ``pos .. pos+H-1`` after projecting ``w``
     ``[d_model]`` out of ``resid[layer][:, pos]``, for ``tokens`` ``[N, T]``; ``H = min(horizon, T - 1 - pos)``.
     A zero ``w`` ablates nothing (``d == 0``)."""
-    from ..hooks import hooks
-
     n_layer = model.cfg.n_layer
     T = tokens.shape[1]
     if not 0 <= pos < T - 1:
@@ -108,7 +113,7 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
     """Q by ablation for every attributed probe of a finished, attributed toy run and its influence ratio.
 
     Args:
-        run_dir: a run with ``probes/`` and ``attribution/influence.parquet`` (``ntpflow.replay.attribute``).
+        run_dir: a run with ``probes/`` and ``attribution/influence.parquet`` (``ntpflow.replay.attribution.attribute``).
         horizon: the Q horizon (clipped per site to the sequence).
         n_sequences: eval sequences used (the first ones of the run's eval set).
         device: torch device.
@@ -117,16 +122,12 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
         ``{"rows": [{layer, pos, feature, q, total_kl, H, pre_cached, direct, shared, ratio, share, and the same five
         with suffix _centred}], "spearman": {...} (Q vs pre_cached/direct), "spearman_share": {...} (Q vs
         pre_cached/(|pre_cached|+|direct|)), "spearman_centred", "spearman_share_centred": the same for the influence
-        on the centred mismatch R_c (ntpflow.influence),
+        on the centred mismatch R_c (ntpflow.engine.influence),
         "spearman_full_horizon": {...} (only sites with the full horizon H), "final_layer": {...},
         "n_sequences", "horizon", "n_layer"}``. The correlations use the sites with ``layer < n_layer`` only: at
         the last residual (after the last block) nothing later reads the position, so Q and I_pre-cached are both 0
         by construction (``final_layer`` records their largest absolute values as a check).
     """
-    from ..probe_runs import load_or_probe
-    from ..training import Run, make_datasets
-    from .lens import spearman
-
     run = Run.open(run_dir)
     probes = load_or_probe(run, "final", device)
     parquet = Path(run_dir) / "attribution" / "influence.parquet"
@@ -165,6 +166,4 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
 
 def toy_sites(layers: Sequence[int], positions: Sequence[int]) -> list:
     """``[Site(layer, pos)]`` for every pair."""
-    from ..sites import Site
-
     return [Site(k, p) for k in layers for p in positions]

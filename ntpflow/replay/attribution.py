@@ -8,7 +8,7 @@ Output folder (default ``RUN_DIR/attribution``)::
                         the folder is renamed into place whole, and the last two are kept)
     influence.parquet   all rows {step, layer, pos, feature, feature_type, mismatch, component, optimizer, value,
                         cumulative, task, regime, seed}; mismatch "paper" (R) or "centred" (R_c, see
-                        ntpflow.influence); the schema of every column: docs/outputs.md
+                        ntpflow.engine.influence); the schema of every column: docs/outputs.md
     summary.json        per probe and mismatch: integrated influence per component vs the mismatch removed,
                         R(θ_0) − R(θ_T) on held-out data, and the offset share of R(θ_0), mean² / R
 
@@ -28,8 +28,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .influence import MISMATCHES, InfluenceTracker, Probe, mismatch_value
-from .io import (
+from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe, mismatch_value
+from ntpflow.engine.run_axis import RunAxisTracker
+from ntpflow.files import (
     CorruptFileError,
     DirLock,
     ensure_writable_dir,
@@ -40,20 +41,13 @@ from .io import (
     resolve_device,
     write_json,
 )
-from .probe_runs import load_or_probe
-from .run_axis import RunAxisTracker
-from .run_group import GroupReplay, member_indices, replay_stepper
-from .sites import Site
-from .threads import follow_threads
-from .training import (
-    DataOrder,
-    Run,
-    load_state,
-    make_datasets,
-    make_optimizer,
-    save_state,
-    to_torch,
-)
+from ntpflow.model.sites import Site
+from ntpflow.runs.data import DataOrder, make_datasets, to_torch
+from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import Run, load_state, save_state
+from ntpflow.runs.threads import follow_threads
+from ntpflow.runs.training import make_optimizer
 
 log = logging.getLogger(__name__)
 KEY = ("layer", "pos", "feature", "feature_type", "mismatch", "component", "optimizer")
@@ -108,7 +102,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
 
     One pass over the steps: before each step the members are tracked, then the group takes the step once for all
     (``GroupReplay``). With ``run_axis`` (the default, for tasks without feature types) the members are tracked in
-    one vmapped pass over the run axis (``ntpflow.run_axis``): their values agree with :func:`attribute`'s to
+    one vmapped pass over the run axis (``ntpflow.engine.run_axis``): their values agree with :func:`attribute`'s to
     rounding, and all members resume from one step (a member saved later goes back to its previous resume
     point). Without it, each member's tracker runs on its own model and Adam, one after another, and each folder
     comes out bit for bit as :func:`attribute` writes it; members resume from their own last saved state. Each

@@ -3,7 +3,7 @@ sampled sequences.
 
 Unlike the synthetic tasks there is no ``<bos>``: position 0 is the first token of a 64-token window, logits at
 position ``p`` predict token ``p + 1`` and every prediction but the last counts in the loss. ``legal`` is None.
-Features per token (``ntpflow.stories.features``): 10 Penn Treebank tags, 10 dependency labels, ``pos_int`` (index
+Features per token (``ntpflow.tasks.stories.features``): 10 Penn Treebank tags, 10 dependency labels, ``pos_int`` (index
 in the story) and ``pos_prop`` (index / story length). ``useful`` marks the syntactic features True and the two
 position features False: a documented convention, since usefulness is not defined exactly for natural text.
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .base import Batch
+from ntpflow.tasks.base import Batch
+from ntpflow.tasks.stories import FEATURE_GROUPS, FEATURE_NAMES, build_story_data, get_tokenizer, load_corpus
 
 __all__ = ["Stories", "default_cache_dir"]
 
@@ -30,7 +31,7 @@ def default_cache_dir() -> Path:
 
 
 class Stories:
-    """Windows of a story corpus. ``corpus``: a source understood by ``ntpflow.stories.load_corpus``."""
+    """Windows of a story corpus. ``corpus``: a source understood by ``ntpflow.tasks.stories.load_corpus``."""
 
     name = "stories"
     config_fields = ("corpus", "vocab_size")  # TrainConfig fields passed to the constructor
@@ -38,8 +39,6 @@ class Stories:
 
     def __init__(self, corpus: str = "generated", vocab_size: int = 4096, seq_len: int = 64,
                  cache_dir: str | os.PathLike | None = None):
-        from ..stories import FEATURE_GROUPS, FEATURE_NAMES
-
         if not corpus:
             raise ValueError("the stories task needs a corpus (set corpus=PATH, 'generated[:N]' or 'hf')")
         self.corpus_source, self.vocab_size_requested, self.seq_len = str(corpus), int(vocab_size), int(seq_len)
@@ -52,15 +51,11 @@ class Stories:
     @cached_property
     def corpus(self):
         """The corpus of ``corpus_source`` (loaded on first use)."""
-        from ..stories import load_corpus
-
         return load_corpus(self.corpus_source)
 
     @cached_property
     def tokenizer(self):
         """The corpus's tokenizer (cached under ``cache_dir``, keyed by corpus fingerprint and vocabulary size)."""
-        from ..stories import get_tokenizer
-
         key = f"tokenizer-{self.corpus.fingerprint()[:16]}-{self.vocab_size_requested}"
         return get_tokenizer(self.cache_dir / key, self.corpus.train, vocab_size=self.vocab_size_requested)
 
@@ -72,8 +67,6 @@ class Stories:
 
     def make_datasets(self, n_train: int, n_eval: int, seed: int) -> tuple[Batch, Batch]:
         """Train and eval windows (``n_train`` / ``n_eval`` of them, offsets seeded by ``seed``) as Batches."""
-        from ..stories import build_story_data
-
         data = build_story_data(self.corpus, self.tokenizer, n_train=n_train, n_eval=n_eval, seq_len=self.seq_len,
                                 seed=seed, cache_dir=self.cache_dir / "features")
         return data.train.to_batch(), data.eval.to_batch()

@@ -2,7 +2,7 @@
 
 The components' influences at a step add up to the full influence f_B = −⟨∇R_B(θ_t), Δθ_t⟩: the first-order change
 of the mismatch R on the step's own training batch B_t, along the update actually taken, Δθ_t = θ_{t+1} − θ_t
-(positive = toward the final value, as in ntpflow.influence). Summed over training it is compared with the mismatch
+(positive = toward the final value, as in ntpflow.engine.influence). Summed over training it is compared with the mismatch
 removed on a fixed held-out set H, R_H(θ_0) − R_H(θ_T), which is Σ_t ΔR_H with ΔR_H = R_H(θ_t) − R_H(θ_{t+1}). The
 audit replays the run and splits the difference exactly, step by step:
 
@@ -28,15 +28,17 @@ from pathlib import Path
 
 import torch
 
-from .forward_mode import Primals, all_tangents
-from .influence import MISMATCHES, Probe, mismatch_value
-from .io import DirLock, ensure_writable_dir, read_json, resolve_device, write_json
-from .model import GPT
-from .replay import check_replay, load_resume_point, make_probes, save_resume_point
-from .run_group import replay_stepper
-from .sites import Site
-from .threads import follow_threads
-from .training import DataOrder, Run, make_datasets, make_optimizer, to_torch
+from ntpflow.engine.forward_mode import Primals, all_tangents
+from ntpflow.engine.influence import MISMATCHES, Probe, mismatch_value
+from ntpflow.files import DirLock, ensure_writable_dir, read_json, resolve_device, write_json
+from ntpflow.model.gpt import GPT
+from ntpflow.model.sites import Site
+from ntpflow.replay.attribution import check_replay, load_resume_point, make_probes, save_resume_point
+from ntpflow.runs.data import DataOrder, make_datasets, to_torch
+from ntpflow.runs.group import replay_stepper
+from ntpflow.runs.run import Run
+from ntpflow.runs.threads import follow_threads
+from ntpflow.runs.training import make_optimizer
 
 log = logging.getLogger(__name__)
 TERMS = ("full_batch", "full_held_out", "midpoint_batch", "midpoint_held_out", "removed_held_out")

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attribution import SitePasses, flat_grads
-from .forward_mode import Primals, all_tangents, site_tangents
-from .model import GPT
-from .sites import Site
+from ntpflow.engine.decomposition import SitePasses, flat_grads
+from ntpflow.engine.forward_mode import Primals, all_tangents, site_tangents
+from ntpflow.model.gpt import GPT
+from ntpflow.model.sites import Site
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 MISMATCHES = ("paper", "centred")  # R = mean_b d_b², and R_c = mean_b (d_b − d̄)²
@@ -298,7 +298,7 @@ class InfluenceTracker:
         [n_probes, d_model]; adam: this step's Adam quantities, whose first moments are updated in place (None for
         SGD); midpoint: ``step [n_params] -> Primals`` at θ − step/2, or None to read ∇R at θ. Free of host syncs
         and of optimizer lookups without ``feature_types``, so it runs under ``torch.func.vmap`` over a run axis
-        (``ntpflow.run_axis``) with every tensor argument batched.
+        (``ntpflow.engine.run_axis``) with every tensor argument batched.
 
         A risk's influence along an update δ is ``∇θR · δ = Σ_b a_b ⟨w, (J δ)_b⟩`` with J = ∂r^k_i/∂θ in the
         ordinary graph: forward-mode tangents along the full gradient and the full Adam step once for every site

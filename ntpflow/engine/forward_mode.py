@@ -1,6 +1,6 @@
 """Hand-written forward mode over the GPT's own blocks: residual tangents J·δ along parameter directions.
 
-For a residual ``resid[k]`` (layer/position convention of ``ntpflow.sites``: ``resid[k]`` is the output of block
+For a residual ``resid[k]`` (layer/position convention of ``ntpflow.model.sites``: ``resid[k]`` is the output of block
 k−1; logits at p predict token p+1) and parameter directions δ_j (flat [n_params] rows in ``model.parameters()``
 order), ``J δ_j`` with ``J = ∂resid[k]/∂θ`` is the directional derivative of the **ordinary** (non-myopic) forward.
 
@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .model import GPT
+from ntpflow.model.gpt import GPT
 
 
 class _Params:

@@ -4,7 +4,7 @@
 members, with each member's weights, Adam state, first moments, batch, θ* projections and probe directions as the
 batched inputs. The ordinary backward is the ``torch.func`` one (``SitePasses(functional=True)``), since
 ``torch.autograd`` does not see through vmap. One step therefore launches each kernel once for all R members, as the
-group's training step does (``ntpflow.run_group``), instead of once per member.
+group's training step does (``ntpflow.runs.group``), instead of once per member.
 
 Each member keeps its own ``InfluenceTracker`` for everything that is not tensor work (probes, sites, the θ*
 projections of its dataset, resume state, rows); its first moments become views into the stacked
@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
-from .attribution import SitePasses
-from .forward_mode import Primals
-from .influence import AdamStep, InfluenceTracker, _check_optimizer, adam_second_moment
-from .model import GPT
-from .run_group import RunStack
+from ntpflow.engine.decomposition import SitePasses
+from ntpflow.engine.forward_mode import Primals
+from ntpflow.engine.influence import AdamStep, InfluenceTracker, _check_optimizer, adam_second_moment
+from ntpflow.model.gpt import GPT
+from ntpflow.model.stack import RunStack
 
 
 class _Bound(nn.Module):

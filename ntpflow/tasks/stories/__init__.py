@@ -6,7 +6,7 @@ Optional dependencies (the ``stories`` extra): ``tokenizers`` for the tokenizer,
 need them; importing this package needs neither.
 """
 
-from .corpus import (
+from ntpflow.tasks.stories.corpus import (
     EOT,
     HF_DATASET,
     Corpus,
@@ -17,7 +17,7 @@ from .corpus import (
     read_stories,
     split_stories,
 )
-from .dataset import (
+from ntpflow.tasks.stories.dataset import (
     SEQ_LEN,
     StoryData,
     StoryWindows,
@@ -26,7 +26,7 @@ from .dataset import (
     make_windows,
     select_long_stories,
 )
-from .features import (
+from ntpflow.tasks.stories.features import (
     DEPS,
     FEATURE_GROUPS,
     FEATURE_NAMES,
@@ -37,13 +37,7 @@ from .features import (
     feature_cache_key,
     featurize,
 )
-from .tokenizer import (
-    HUB_TOKENIZER,
-    StoryTokenizer,
-    get_tokenizer,
-    hub_tokenizer,
-    train_bpe,
-)
+from ntpflow.tasks.stories.tokenizer import HUB_TOKENIZER, StoryTokenizer, get_tokenizer, hub_tokenizer, train_bpe
 
 __all__ = [
     "DEPS",

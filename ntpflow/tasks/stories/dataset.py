@@ -13,7 +13,7 @@ Features are computed on the *whole* story and then cut to the window, so ``pos_
 
 Differences from the reference, by design: stories are taken in source order until ``n_windows`` are found and the
 corpus is not cycled when it runs out (a too-small corpus is an error instead of repeated stories); the train/eval
-split is by story (separate files, or :func:`~ntpflow.stories.corpus.split_stories`).
+split is by story (separate files, or :func:`~ntpflow.tasks.stories.corpus.split_stories`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..io import atomic_write
-from ..tasks.base import Batch
-from .corpus import Corpus
-from .features import FEATURE_NAMES, Featurizer, StoryFeatures, featurize
+from ntpflow.files import atomic_write
+from ntpflow.tasks.base import Batch
+from ntpflow.tasks.stories.corpus import Corpus
+from ntpflow.tasks.stories.features import FEATURE_NAMES, Featurizer, StoryFeatures, featurize
 
 __all__ = [
     "SEQ_LEN",
@@ -55,7 +55,7 @@ class StoryWindows:
         story_index: int64 ``[n]`` index of each window's story in the split it came from.
         start: int64 ``[n]`` offset of each window in its story (in tokens).
         story_len: int64 ``[n]`` length of each window's story (in tokens).
-        feature_names: the ``F`` feature names (:data:`~ntpflow.stories.features.FEATURE_NAMES`).
+        feature_names: the ``F`` feature names (:data:`~ntpflow.tasks.stories.features.FEATURE_NAMES`).
     """
 
     tokens: np.ndarray
@@ -133,7 +133,7 @@ class StoryData:
 
     Attributes:
         train, eval: the :class:`StoryWindows` of each split.
-        tokenizer: the :class:`~ntpflow.stories.tokenizer.StoryTokenizer` (``vocab_size`` sizes the model).
+        tokenizer: the :class:`~ntpflow.tasks.stories.tokenizer.StoryTokenizer` (``vocab_size`` sizes the model).
         corpus_name: where the stories came from.
     """
 
@@ -233,11 +233,11 @@ def build_windows(
 
     Args:
         stories: the split's stories.
-        tokenizer: a :class:`~ntpflow.stories.tokenizer.StoryTokenizer`.
+        tokenizer: a :class:`~ntpflow.tasks.stories.tokenizer.StoryTokenizer`.
         n_windows: number of windows (= stories used); None uses every story with ``>= seq_len`` tokens.
         seq_len: ``T``.
         seed: seeds ``numpy.random.default_rng`` (an int or a list of ints) for the window offsets.
-        featurizer: spaCy :class:`~ntpflow.stories.features.Featurizer` (built if None).
+        featurizer: spaCy :class:`~ntpflow.tasks.stories.features.Featurizer` (built if None).
         cache_dir: feature cache folder (None: no cache).
         split: name used in error messages.
         progress: show a progress bar while spaCy runs.
@@ -267,7 +267,7 @@ def build_story_data(
 
     Args:
         corpus: the stories, already split by story.
-        tokenizer: the run's tokenizer (see :func:`~ntpflow.stories.tokenizer.get_tokenizer`).
+        tokenizer: the run's tokenizer (see :func:`~ntpflow.tasks.stories.tokenizer.get_tokenizer`).
         n_train, n_eval: windows per split (None: all long stories).
         seq_len: ``T`` (64 in the paper).
         seed: data seed.

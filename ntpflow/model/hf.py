@@ -5,6 +5,8 @@ HF's Conv1D stores weights as [d_in, d_out]; ntpflow stores [group, d_out, d_in]
 
 import torch
 
+from ntpflow.model.config import GPTConfig
+
 _BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 _BLOCK_NORMS = {"ln1": "ln_1", "ln2": "ln_2"}
 
@@ -50,8 +52,6 @@ def gpt_to_hf(model):
 
 def gpt_from_hf(cls, hf_model, **overrides):
     """A ``cls`` (GPT) with the weights of the GPT-2 ``hf_model``; ``overrides`` go to GPTConfig."""
-    from .model import GPTConfig
-
     c = hf_model.config
     if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         raise ValueError(f"unsupported activation {c.activation_function!r}; ntpflow uses GELU (tanh)")

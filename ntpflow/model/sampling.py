@@ -1,6 +1,6 @@
 """Sampling continuations from a ``ntpflow.GPT``: temperature, top-k and greedy decoding, seeded and deterministic.
 
-Convention (as in ``ntpflow.model``): the logits at position p predict token p+1, so the next token after a context
+Convention (as in ``ntpflow.model.gpt``): the logits at position p predict token p+1, so the next token after a context
 of length t is drawn from the logits at position t-1. There is no ``<bos>`` handling here: the prompt is used as
 given. A context longer than the model's ``n_ctx`` is cropped to its last ``n_ctx`` tokens (a sliding window; the
 kept tokens then sit at positions 0..n_ctx-1). A myopic model samples exactly like its ordinary twin, since myopic
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import GPT
+from ntpflow.model.gpt import GPT
 
 __all__ = ["next_token_probs", "sample"]
 

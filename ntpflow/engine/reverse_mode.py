@@ -1,6 +1,6 @@
 """Hand-written reverse mode on the cached ordinary forward: site VJPs (∂r^k_i/∂θ)ᵀ c without re-running a forward.
 
-Layer/position convention of ``ntpflow.sites``: ``resid[k]`` is the output of block k−1 (``resid[0]`` the
+Layer/position convention of ``ntpflow.model.sites``: ``resid[k]`` is the output of block k−1 (``resid[0]`` the
 embedding sum); logits at p predict token p+1.
 
 ``site_vjps(primals, k, qpos, cot, myopic)`` takes m rows, row r a cotangent ``cot[r]`` [batch, d_model] at
@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from .forward_mode import Primals
+from ntpflow.engine.forward_mode import Primals
 
 
 class _Grads:

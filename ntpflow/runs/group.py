@@ -7,7 +7,7 @@ data order (``DataOrder``), so it is the run ``train`` would make, up to the las
 kernels may round differently from the single-run ones (measured in docs/run-groups.md).
 
 Each member is an ordinary run directory (``config.json``, ``init``, ``metrics.jsonl``, ``ckpt/``,
-``model.safetensors``, ``DONE``; see ``ntpflow.training``) plus
+``model.safetensors``, ``DONE``; see ``ntpflow.runs.training``) plus
 
     group.json   {"index": r, "members": [config dicts, in group order], "dirs": [member dirs relative to this one]}
 
@@ -18,36 +18,35 @@ checkpoint that every member has, to the same bits.
 
 import logging
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.func import functional_call, vmap
 from tqdm.auto import tqdm
 
-from .config import TrainConfig
-from .io import CorruptFileError, DirLock, ensure_writable_dir, read_json, resolve_device, save_tensors, write_json
-from .loss import lm_loss
-from .model import GPT
-from .threads import continue_threads, kept_threads
-from .tracking import MetricsLog
-from .training import (
-    DataOrder,
-    Run,
+from ntpflow.files import (
+    CorruptFileError,
+    DirLock,
+    ensure_writable_dir,
+    read_json,
+    resolve_device,
+    save_tensors,
+    write_json,
+)
+from ntpflow.model.gpt import GPT
+from ntpflow.model.stack import RunStack
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.data import DataOrder, make_datasets, to_torch
+from ntpflow.runs.metrics import MetricsLog
+from ntpflow.runs.run import Run, load_state, model_config, save_state, task_for
+from ntpflow.runs.threads import continue_threads, kept_threads
+from ntpflow.runs.training import (
     TrainingDiverged,
     _prepare_run_dir,
     _truncate_metrics,
     evaluate,
-    load_state,
-    make_datasets,
     make_optimizer,
-    model_config,
-    save_state,
-    task_for,
-    to_torch,
     train_step,
 )
 
@@ -55,52 +54,6 @@ log = logging.getLogger(__name__)
 PER_RUN = ("seed", "data_seed")  # the config fields in which the members of a group may differ
 
 
-class RunStack(nn.Module):
-    """R GPTs of one architecture as one module: parameter ``name`` of run r is ``self.stacked[i][r]``.
-
-    ``forward(tokens [R, batch, pos]) -> logits [R, batch, pos, vocab]``, run r on its own weights and batch.
-    """
-
-    def __init__(self, models: Sequence[GPT]):
-        super().__init__()
-        cfg = models[0].cfg
-        if any(m.cfg != cfg for m in models):
-            raise ValueError("the runs of a group must share one architecture")
-        self.names = [n for n, _ in models[0].named_parameters()]
-        self.stacked = nn.ParameterList(
-            nn.Parameter(torch.stack([m.get_parameter(n).detach() for m in models])) for n in self.names)
-        self.register_buffer("groups", models[0].groups.clone(), persistent=False)
-        self._template = [GPT(cfg).to("meta")]  # a list: not a submodule, holds no memory; supplies the forward
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [R, batch, pos] -> logits [R, batch, pos, vocab]."""
-        return self._vmap(self._one, tokens)
-
-    def losses(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-        """Each run's ``lm_loss`` on its own batch: tokens, loss_mask [R, batch, pos] -> [R]."""
-        return self._vmap(lambda params, tok, mask: lm_loss(self._one(params, tok), tok, mask), tokens, loss_mask)
-
-    def _one(self, params: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
-        """One run's logits [batch, pos, vocab] from its parameters (no run axis) and tokens [batch, pos]."""
-        return functional_call(self._template[0], (params, {"groups": self.groups}), (tokens,))
-
-    def _vmap(self, fn, *tensors: torch.Tensor) -> torch.Tensor:
-        """``fn(params, *tensors)`` mapped over the run axis of the parameters and of ``tensors``."""
-        with warnings.catch_warnings():  # the CPU attention kernel has no batching rule: vmap loops over the runs
-            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
-            return vmap(fn)(dict(zip(self.names, self.stacked)), *tensors)
-
-    @torch.no_grad()
-    def export(self, r: int, group_opt: torch.optim.Adam, model: GPT, opt: torch.optim.Adam) -> None:
-        """Copy run r's weights and Adam state into an ordinary ``model`` and its optimizer ``opt``."""
-        model.load_state_dict({n: s[r] for n, s in zip(self.names, self.stacked)})
-        for s, p in zip(self.stacked, model.parameters()):
-            st = group_opt.state.get(s)
-            if st:
-                opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"][r].clone(),
-                                "exp_avg_sq": st["exp_avg_sq"][r].clone()}
-            else:
-                opt.state.pop(p, None)
 
 
 def stack_runs(models: Sequence[GPT], opts: Sequence[torch.optim.Adam], cfg: TrainConfig

@@ -13,33 +13,31 @@ that long from the start.
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from .config import TrainConfig
-from .io import (
-    CorruptFileError,
+from ntpflow.files import (
     DirLock,
     atomic_write,
     ensure_writable_dir,
     environment,
     fault_point,
-    load_tensors,
     read_json,
     resolve_device,
     save_tensors,
     write_json,
 )
-from .loss import lm_loss
-from .model import GPT, GPTConfig, split_groups
-from .tasks import Batch, Task, make_task
-from .threads import continue_threads, kept_threads
-from .tracking import MetricsLog, make_sinks
+from ntpflow.model.gpt import GPT
+from ntpflow.model.loss import lm_loss
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.data import DataOrder, make_datasets, to_torch
+from ntpflow.runs.metrics import MetricsLog, check_sinks, make_sinks
+from ntpflow.runs.run import Run, model_config, save_state, task_for
+from ntpflow.runs.threads import continue_threads, kept_threads
+from ntpflow.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -48,60 +46,14 @@ class TrainingDiverged(RuntimeError):
     """The loss or the weights became non-finite (NaN or inf): training stopped before saving them."""
 
 
-def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
-    """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
-    T = task.seq_len
-    groups = None
-    if cfg.untied:
-        groups = "untied" if cfg.split_at == 0 else split_groups(T, cfg.split_at)
-    return GPTConfig(vocab_size=len(task.vocab), n_ctx=T, n_layer=cfg.n_layer, n_head=cfg.n_head,
-                     d_model=cfg.d_model, myopic=cfg.myopic, position_groups=groups)
 
 
-def task_for(cfg: TrainConfig) -> Task:
-    """The task of a config; a task class lists in ``config_fields`` the TrainConfig fields it is built with."""
-    from .tasks import TASKS
-
-    cls = TASKS.get(cfg.task)
-    return make_task(cfg.task, **{f: getattr(cfg, f) for f in getattr(cls, "config_fields", ())})
 
 
-def make_datasets(cfg: TrainConfig, task: Task) -> tuple[Batch, Batch]:
-    """(train, eval) sets from ``data_seed`` (default ``seed``): independent generated streams, or the task's own
-    ``make_datasets`` for a task that reads a fixed corpus."""
-    seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
-    if hasattr(task, "make_datasets"):
-        return task.make_datasets(cfg.n_train, cfg.n_eval, seed)
-    train = task.sample(cfg.n_train, np.random.default_rng([seed, 0]))
-    evals = task.sample(cfg.n_eval, np.random.default_rng([seed, 1]))
-    return train, evals
 
 
-class DataOrder:
-    """Indices of the training batch at each step: a fresh permutation per epoch, drop-last, seeded by
-    ``(seed, epoch)`` only, so any step's batch can be recomputed (for resuming and replaying)."""
-
-    def __init__(self, seed: int, n_train: int, batch_size: int):
-        self.seed, self.n, self.bs = seed, n_train, batch_size
-        self.per_epoch = n_train // batch_size
-        self._epoch, self._perm = -1, None
-
-    def __call__(self, step: int) -> torch.Tensor:
-        epoch, i = divmod(step, self.per_epoch)
-        if epoch != self._epoch:
-            state = np.random.SeedSequence([self.seed, 7, epoch]).generate_state(1, dtype=np.uint64)[0]
-            gen = torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen)
-        return self._perm[i * self.bs:(i + 1) * self.bs]
 
 
-def to_torch(batch: Batch, device) -> dict[str, torch.Tensor]:
-    """The batch's tokens, loss mask and (when the task defines one) legal mask as tensors on ``device``."""
-    data = {"tokens": torch.as_tensor(batch.tokens, device=device),
-            "loss_mask": torch.as_tensor(batch.loss_mask, device=device)}
-    if batch.legal is not None:
-        data["legal"] = torch.as_tensor(batch.legal, device=device)
-    return data
 
 
 @torch.no_grad()
@@ -134,111 +86,10 @@ def evaluate(model: GPT, data: dict[str, torch.Tensor], task: Task, chunk: int =
     return out
 
 
-def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,
-               extra: dict[str, torch.Tensor] | None = None) -> None:
-    """Save model and Adam state (and ``extra`` tensors) to ``path`` with a JSON sidecar holding ``meta``."""
-    tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | (extra or {})
-    adam_step = 0
-    for name, p in zip([n for n, _ in model.named_parameters()], opt.param_groups[0]["params"]):
-        st = opt.state.get(p)
-        if st:
-            tensors[f"adam.exp_avg.{name}"], tensors[f"adam.exp_avg_sq.{name}"] = st["exp_avg"], st["exp_avg_sq"]
-            adam_step = int(st["step"])
-    save_tensors(path, tensors, {**meta, "adam_step": adam_step})
 
 
-def load_state(path: Path, model: GPT, opt: torch.optim.Adam, device) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Restore what ``save_state`` wrote into ``model`` and ``opt``; returns (meta, all tensors)."""
-    tensors = load_tensors(path, device)
-    meta = read_json(path.with_suffix(".json"))
-    model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
-    if meta["adam_step"]:
-        sd = opt.state_dict()
-        names = [n for n, _ in model.named_parameters()]
-        sd["state"] = {i: {"step": torch.tensor(float(meta["adam_step"])),
-                           "exp_avg": tensors[f"adam.exp_avg.{n}"],
-                           "exp_avg_sq": tensors[f"adam.exp_avg_sq.{n}"]} for i, n in enumerate(names)}
-        opt.load_state_dict(sd)
-    return meta, tensors
 
 
-@dataclass
-class Run:
-    """A run directory: its config, task and model builders. ``Run.open(dir)`` reads an existing one."""
-
-    dir: Path
-    cfg: TrainConfig
-
-    @classmethod
-    def open(cls, run_dir: str | Path) -> "Run":
-        """Read the existing run directory ``run_dir`` (its ``config.json``); FileNotFoundError if it is not one."""
-        run_dir = Path(run_dir)
-        path = run_dir / "config.json"
-        if not path.exists():
-            raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
-        d = read_json(path)
-        if not isinstance(d, dict) or not isinstance(d.get("train"), dict):
-            raise ValueError(f"{path} is not an ntpflow run config (no 'train' settings)")
-        try:
-            return cls(run_dir, TrainConfig.from_dict(d["train"]))
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"{path}: {e}") from None
-
-    @cached_property
-    def task(self) -> Task:
-        """The run's task (built once)."""
-        return task_for(self.cfg)
-
-    @property
-    def done(self) -> bool:
-        """Whether training finished (the ``DONE`` marker exists)."""
-        return (self.dir / "DONE").exists()
-
-    def model_config(self) -> GPTConfig:
-        """The run's GPTConfig (see :func:`model_config`)."""
-        return model_config(self.cfg, self.task)
-
-    def load_model(self, which: str = "final", device="cpu") -> GPT:
-        """Load weights ``"final"``, ``"init"`` or a step number (a checkpoint) into a new GPT."""
-        path = self.weights_path(which)
-        model = GPT(self.model_config())
-        tensors = load_tensors(path)
-        state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            raise ValueError(f"checkpoint {path} does not match the run's model: {str(e).splitlines()[0]}") from None
-        return model.to(resolve_device(device) if isinstance(device, str) else device)
-
-    def weights_path(self, which: str | int) -> Path:
-        """File holding the weights ``"final"``, ``"init"`` or a checkpoint step."""
-        if str(which) in ("final", "init"):
-            return self.dir / ("model.safetensors" if str(which) == "final" else "init.safetensors")
-        try:
-            return self.dir / "ckpt" / f"step_{int(which):06d}.safetensors"
-        except ValueError:
-            raise ValueError(f"unknown weights {which!r}; use 'final', 'init' or a checkpoint step") from None
-
-    def checkpoints(self) -> list[int]:
-        """Steps of the complete checkpoints (those whose JSON sidecar exists), ascending."""
-        return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "ckpt").glob("step_*.json"))
-
-    def resume(self, model: GPT, opt: torch.optim.Optimizer, device) -> int:
-        """Load the latest checkpoint that verifies into ``model`` and ``opt``; returns its step (0: none). A corrupt
-        checkpoint (checksum mismatch, truncated, missing tensors) is skipped with a warning, falling back to the one
-        before."""
-        for step in reversed(self.checkpoints()):
-            try:
-                load_state(self.weights_path(step), model, opt, device)
-                return step
-            except (CorruptFileError, FileNotFoundError) as e:  # rotten, or its tensors deleted
-                log.warning("warning: %s; falling back to the previous checkpoint", e)
-        return 0
-
-    def metrics(self) -> list[dict]:
-        """The records of ``metrics.jsonl`` in order ([] if there is none)."""
-        path = self.dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
 
 
 def _prepare_run_dir(cfg: TrainConfig, run_dir: Path, *, extend: bool = False) -> None:
@@ -273,18 +124,16 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
           force_unlock: bool = False, threads: int | None = None) -> Run:
     """Train ``cfg`` into ``run_dir``, resuming from its last good checkpoint if one exists. Returns the Run.
 
-    Metrics go to ``run_dir/metrics.jsonl`` and to the optional ``track`` sinks (``ntpflow.tracking``).
-    ``force_unlock`` takes over a lock left by a process on another host (see :class:`~ntpflow.io.DirLock`).
+    Metrics go to ``run_dir/metrics.jsonl`` and to the optional ``track`` sinks (``ntpflow.runs.metrics``).
+    ``force_unlock`` takes over a lock left by a process on another host (see :class:`~ntpflow.files.DirLock`).
     ``threads``: torch threads on a CPU. ``None`` resumes a run with the count it trained with, so an interrupted
-    run ends in the same bits, and starts a fresh one with this process's count (``ntpflow.threads``); the
+    run ends in the same bits, and starts a fresh one with this process's count (``ntpflow.runs.threads``); the
     caller's count is restored on return.
     A loss or weights becoming non-finite raise :class:`TrainingDiverged` (the checkpoints before stay; no DONE).
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
     no weight decay, no schedule.
     """
-    from .tracking import check_sinks
-
     run_dir = Path(run_dir)
     check_sinks(track)  # missing packages or credentials fail before anything is written
     _prepare_run_dir(cfg, run_dir)

@@ -9,6 +9,8 @@ import typing
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Literal
 
+from ntpflow.tasks import TASKS
+
 REGIMES = ("vanilla", "myopic", "untied", "myopic-untied")
 
 
@@ -47,8 +49,6 @@ class TrainConfig:
     device: str = "auto"
 
     def __post_init__(self):
-        from .tasks import TASKS
-
         for name in ("lr", "beta1", "beta2", "adam_eps"):  # 1 and 1.0 must hash alike
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.task not in TASKS:

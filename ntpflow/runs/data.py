@@ -1,0 +1,46 @@
+"""The data a run trains on: its (train, eval) sets, the order of its batches, and batches as tensors."""
+
+import numpy as np
+import torch
+
+from ntpflow.runs.config import TrainConfig
+from ntpflow.tasks import Batch, Task
+
+
+def make_datasets(cfg: TrainConfig, task: Task) -> tuple[Batch, Batch]:
+    """(train, eval) sets from ``data_seed`` (default ``seed``): independent generated streams, or the task's own
+    ``make_datasets`` for a task that reads a fixed corpus."""
+    seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    if hasattr(task, "make_datasets"):
+        return task.make_datasets(cfg.n_train, cfg.n_eval, seed)
+    train = task.sample(cfg.n_train, np.random.default_rng([seed, 0]))
+    evals = task.sample(cfg.n_eval, np.random.default_rng([seed, 1]))
+    return train, evals
+
+
+class DataOrder:
+    """Indices of the training batch at each step: a fresh permutation per epoch, drop-last, seeded by
+    ``(seed, epoch)`` only, so any step's batch can be recomputed (for resuming and replaying)."""
+
+    def __init__(self, seed: int, n_train: int, batch_size: int):
+        self.seed, self.n, self.bs = seed, n_train, batch_size
+        self.per_epoch = n_train // batch_size
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, step: int) -> torch.Tensor:
+        epoch, i = divmod(step, self.per_epoch)
+        if epoch != self._epoch:
+            state = np.random.SeedSequence([self.seed, 7, epoch]).generate_state(1, dtype=np.uint64)[0]
+            gen = torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen)
+        return self._perm[i * self.bs:(i + 1) * self.bs]
+
+
+def to_torch(batch: Batch, device) -> dict[str, torch.Tensor]:
+    """The batch's tokens, loss mask and (when the task defines one) legal mask as tensors on ``device``."""
+    data = {"tokens": torch.as_tensor(batch.tokens, device=device),
+            "loss_mask": torch.as_tensor(batch.loss_mask, device=device)}
+    if batch.legal is not None:
+        data["legal"] = torch.as_tensor(batch.legal, device=device)
+    return data
+

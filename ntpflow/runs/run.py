@@ -1,0 +1,269 @@
+"""The run folder: its config, task, data, weights and checkpoints. ``Run`` is the only code that names a path in it.
+
+Run directory::
+
+    config.json   env.json   metrics.jsonl   threads.json   init.safetensors(+.json)   model.safetensors(+.json)   DONE
+    ckpt/step_000500.safetensors + step_000500.json    (model and Adam state; the sidecar is written last)
+    group.json         (a member of a run group: ntpflow.runs.group)
+    probes/  probes_init/  probes_<step>/               (ridge probes of the final, initial or a checkpoint's weights)
+    attribution/       (the replay's output: :class:`AttributionDir`)     balance/   (the balance audit's output)
+"""
+
+import json
+import logging
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+import torch
+
+from ntpflow.files import CorruptFileError, load_tensors, read_json, resolve_device, save_tensors
+from ntpflow.model.config import GPTConfig, split_groups
+from ntpflow.model.gpt import GPT
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.data import make_datasets
+from ntpflow.tasks import TASKS, Batch, Task, make_task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttributionDir:
+    """The folder an attribution writes (``RUN_DIR/attribution`` by default, or ``attribute --out``); its files::
+
+        spec.json   parts/part_*.parquet   state/step_NNNNNN/   influence.parquet   summary.json
+    """
+
+    dir: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.dir / "spec.json"
+
+    @property
+    def parts(self) -> Path:
+        return self.dir / "parts"
+
+    @property
+    def states(self) -> Path:
+        return self.dir / "state"
+
+    @property
+    def influence(self) -> Path:
+        return self.dir / "influence.parquet"
+
+    @property
+    def summary(self) -> Path:
+        return self.dir / "summary.json"
+
+    @property
+    def done(self) -> bool:
+        """Whether the attribution finished (its ``influence.parquet`` exists)."""
+        return self.influence.exists()
+
+
+def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
+    """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
+    T = task.seq_len
+    groups = None
+    if cfg.untied:
+        groups = "untied" if cfg.split_at == 0 else split_groups(T, cfg.split_at)
+    return GPTConfig(vocab_size=len(task.vocab), n_ctx=T, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                     d_model=cfg.d_model, myopic=cfg.myopic, position_groups=groups)
+
+
+def task_for(cfg: TrainConfig) -> Task:
+    """The task of a config; a task class lists in ``config_fields`` the TrainConfig fields it is built with."""
+
+    cls = TASKS.get(cfg.task)
+    return make_task(cfg.task, **{f: getattr(cfg, f) for f in getattr(cls, "config_fields", ())})
+
+
+def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,
+               extra: dict[str, torch.Tensor] | None = None) -> None:
+    """Save model and Adam state (and ``extra`` tensors) to ``path`` with a JSON sidecar holding ``meta``."""
+    tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | (extra or {})
+    adam_step = 0
+    for name, p in zip([n for n, _ in model.named_parameters()], opt.param_groups[0]["params"]):
+        st = opt.state.get(p)
+        if st:
+            tensors[f"adam.exp_avg.{name}"], tensors[f"adam.exp_avg_sq.{name}"] = st["exp_avg"], st["exp_avg_sq"]
+            adam_step = int(st["step"])
+    save_tensors(path, tensors, {**meta, "adam_step": adam_step})
+
+
+def load_state(path: Path, model: GPT, opt: torch.optim.Adam, device) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Restore what ``save_state`` wrote into ``model`` and ``opt``; returns (meta, all tensors)."""
+    tensors = load_tensors(path, device)
+    meta = read_json(path.with_suffix(".json"))
+    model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+    if meta["adam_step"]:
+        sd = opt.state_dict()
+        names = [n for n, _ in model.named_parameters()]
+        sd["state"] = {i: {"step": torch.tensor(float(meta["adam_step"])),
+                           "exp_avg": tensors[f"adam.exp_avg.{n}"],
+                           "exp_avg_sq": tensors[f"adam.exp_avg_sq.{n}"]} for i, n in enumerate(names)}
+        opt.load_state_dict(sd)
+    return meta, tensors
+
+
+@dataclass
+class Run:
+    """A run directory: its config, task, data and weights. ``Run.open(dir)`` reads an existing one.
+
+    The datasets and the initial and final weights are built or read once per ``Run`` and kept (on the CPU): one
+    command that probes, replays and checks a run builds its data once and reads each weights file once.
+    """
+
+    dir: Path
+    cfg: TrainConfig
+    _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def open(cls, run_dir: str | Path) -> "Run":
+        """Read the existing run directory ``run_dir`` (its ``config.json``); FileNotFoundError if it is not one."""
+        run_dir = Path(run_dir)
+        path = run_dir / "config.json"
+        if not path.exists():
+            raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+        d = read_json(path)
+        if not isinstance(d, dict) or not isinstance(d.get("train"), dict):
+            raise ValueError(f"{path} is not an ntpflow run config (no 'train' settings)")
+        try:
+            return cls(run_dir, TrainConfig.from_dict(d["train"]))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    @cached_property
+    def task(self) -> Task:
+        """The run's task (built once)."""
+        return task_for(self.cfg)
+
+    # --- the paths of the folder: the only place they are spelled ---
+    @property
+    def config_path(self) -> Path:
+        return self.dir / "config.json"
+
+    @property
+    def env_path(self) -> Path:
+        return self.dir / "env.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def threads_path(self) -> Path:
+        return self.dir / "threads.json"
+
+    @property
+    def done_path(self) -> Path:
+        return self.dir / "DONE"
+
+    @property
+    def group_path(self) -> Path:
+        return self.dir / "group.json"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.dir / "ckpt"
+
+    def probes_dir(self, which: str | int = "final") -> Path:
+        """Folder of the probes of weights ``which``: ``probes`` (final) or ``probes_<which>`` (``init``, a step)."""
+        return self.dir / ("probes" if str(which) == "final" else f"probes_{which}")
+
+    def attribution(self, out: str | Path | None = None) -> AttributionDir:
+        """The attribution folder ``out`` (default ``RUN_DIR/attribution``)."""
+        return AttributionDir(Path(out) if out is not None else self.dir / "attribution")
+
+    def attributions(self) -> list[Path]:
+        """Every attribution folder inside the run folder (``attribution*``)."""
+        return sorted(p for p in self.dir.glob("attribution*") if p.is_dir())
+
+    def balance_dir(self, out: str | Path | None = None) -> Path:
+        """The balance audit's folder ``out`` (default ``RUN_DIR/balance``)."""
+        return Path(out) if out is not None else self.dir / "balance"
+
+    @property
+    def done(self) -> bool:
+        """Whether training finished (the ``DONE`` marker exists)."""
+        return self.done_path.exists()
+
+    def final_record(self) -> dict:
+        """What ``DONE`` records: the final step and the final evaluation."""
+        return read_json(self.done_path)
+
+    @property
+    def in_group(self) -> bool:
+        """Whether the run was trained as a member of a run group (``group.json`` exists)."""
+        return self.group_path.exists()
+
+    def group_record(self) -> dict:
+        """``group.json``: {"index": r, "members": [config dicts], "dirs": [member dirs relative to this one]}."""
+        return read_json(self.group_path)
+
+    def model_config(self) -> GPTConfig:
+        """The run's GPTConfig (see :func:`model_config`)."""
+        return model_config(self.cfg, self.task)
+
+    @cached_property
+    def _datasets(self) -> tuple[Batch, Batch]:
+        return make_datasets(self.cfg, self.task)
+
+    def datasets(self) -> tuple[Batch, Batch]:
+        """The run's (train, eval) sets (``ntpflow.runs.data.make_datasets``), built once per Run."""
+        return self._datasets
+
+    def weights(self, which: str | int = "final") -> dict[str, torch.Tensor]:
+        """The model tensors of weights ``"final"``, ``"init"`` or a checkpoint step, by parameter name, on the CPU;
+        ``"init"`` and ``"final"`` of a finished run are read once per Run (do not modify them)."""
+        key = str(which)
+        if key in self._weights:
+            return self._weights[key]
+        tensors = load_tensors(self.weights_path(which))
+        state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        if key == "init" or key == "final" and self.done:
+            self._weights[key] = state
+        return state
+
+    def load_model(self, which: str = "final", device="cpu") -> GPT:
+        """Load weights ``"final"``, ``"init"`` or a step number (a checkpoint) into a new GPT."""
+        path = self.weights_path(which)
+        model = GPT(self.model_config())
+        state = self.weights(which)
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:
+            raise ValueError(f"checkpoint {path} does not match the run's model: {str(e).splitlines()[0]}") from None
+        return model.to(resolve_device(device) if isinstance(device, str) else device)
+
+    def weights_path(self, which: str | int) -> Path:
+        """File holding the weights ``"final"``, ``"init"`` or a checkpoint step."""
+        if str(which) in ("final", "init"):
+            return self.dir / ("model.safetensors" if str(which) == "final" else "init.safetensors")
+        try:
+            return self.dir / "ckpt" / f"step_{int(which):06d}.safetensors"
+        except ValueError:
+            raise ValueError(f"unknown weights {which!r}; use 'final', 'init' or a checkpoint step") from None
+
+    def checkpoints(self) -> list[int]:
+        """Steps of the complete checkpoints (those whose JSON sidecar exists), ascending."""
+        return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "ckpt").glob("step_*.json"))
+
+    def resume(self, model: GPT, opt: torch.optim.Optimizer, device) -> int:
+        """Load the latest checkpoint that verifies into ``model`` and ``opt``; returns its step (0: none). A corrupt
+        checkpoint (checksum mismatch, truncated, missing tensors) is skipped with a warning, falling back to the one
+        before."""
+        for step in reversed(self.checkpoints()):
+            try:
+                load_state(self.weights_path(step), model, opt, device)
+                return step
+            except (CorruptFileError, FileNotFoundError) as e:  # rotten, or its tensors deleted
+                log.warning("warning: %s; falling back to the previous checkpoint", e)
+        return 0
+
+    def metrics(self) -> list[dict]:
+        """The records of ``metrics.jsonl`` in order ([] if there is none)."""
+        path = self.dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
