@@ -62,6 +62,70 @@ class AttributionDir:
         return self.influence.exists()
 
 
+class RunPaths:
+    """The paths inside a run folder, the only place they are spelled (the folder may not hold a run yet).
+    ``RunPaths(dir)``; every :class:`Run` has them."""
+
+    dir: Path
+
+    def __init__(self, dir: str | Path):
+        self.dir = Path(dir)
+
+    @property
+    def config_path(self) -> Path:
+        return self.dir / "config.json"
+
+    @property
+    def env_path(self) -> Path:
+        return self.dir / "env.json"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    @property
+    def threads_path(self) -> Path:
+        return self.dir / "threads.json"
+
+    @property
+    def done_path(self) -> Path:
+        return self.dir / "DONE"
+
+    @property
+    def group_path(self) -> Path:
+        return self.dir / "group.json"
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.dir / "ckpt"
+
+    def probes_dir(self, which: str | int = "final") -> Path:
+        """Folder of the probes of weights ``which``: ``probes`` (final) or ``probes_<which>`` (``init``, a step)."""
+        return self.dir / ("probes" if str(which) == "final" else f"probes_{which}")
+
+    def attribution(self, out: str | Path | None = None) -> AttributionDir:
+        """The attribution folder ``out`` (default ``RUN_DIR/attribution``)."""
+        return AttributionDir(Path(out) if out is not None else self.dir / "attribution")
+
+    def attributions(self) -> list[Path]:
+        """Every attribution folder inside the run folder (``attribution*``)."""
+        return sorted(p for p in self.dir.glob("attribution*") if p.is_dir())
+
+    def balance_dir(self, out: str | Path | None = None) -> Path:
+        """The balance audit's folder ``out`` (default ``RUN_DIR/balance``)."""
+        return Path(out) if out is not None else self.dir / "balance"
+
+    @property
+    def sweep_path(self) -> Path:
+        """The sweep's record of a run it prepared (``ntpflow.runs.sweep``)."""
+        return self.dir / "sweep.json"
+
+    @property
+    def failed_path(self) -> Path:
+        """The sweep's record of a run that failed every attempt."""
+        return self.dir / "FAILED"
+
+
 def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
     """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
     T = task.seq_len
@@ -108,7 +172,7 @@ def load_state(path: Path, model: GPT, opt: torch.optim.Adam, device) -> tuple[d
 
 
 @dataclass
-class Run:
+class Run(RunPaths):
     """A run directory: its config, task, data and weights. ``Run.open(dir)`` reads an existing one.
 
     The datasets and the initial and final weights are built or read once per ``Run`` and kept (on the CPU): one
@@ -118,6 +182,9 @@ class Run:
     dir: Path
     cfg: TrainConfig
     _weights: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.dir = Path(self.dir)
 
     @classmethod
     def open(cls, run_dir: str | Path) -> "Run":
@@ -138,51 +205,6 @@ class Run:
     def task(self) -> Task:
         """The run's task (built once)."""
         return task_for(self.cfg)
-
-    # --- the paths of the folder: the only place they are spelled ---
-    @property
-    def config_path(self) -> Path:
-        return self.dir / "config.json"
-
-    @property
-    def env_path(self) -> Path:
-        return self.dir / "env.json"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.dir / "metrics.jsonl"
-
-    @property
-    def threads_path(self) -> Path:
-        return self.dir / "threads.json"
-
-    @property
-    def done_path(self) -> Path:
-        return self.dir / "DONE"
-
-    @property
-    def group_path(self) -> Path:
-        return self.dir / "group.json"
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.dir / "ckpt"
-
-    def probes_dir(self, which: str | int = "final") -> Path:
-        """Folder of the probes of weights ``which``: ``probes`` (final) or ``probes_<which>`` (``init``, a step)."""
-        return self.dir / ("probes" if str(which) == "final" else f"probes_{which}")
-
-    def attribution(self, out: str | Path | None = None) -> AttributionDir:
-        """The attribution folder ``out`` (default ``RUN_DIR/attribution``)."""
-        return AttributionDir(Path(out) if out is not None else self.dir / "attribution")
-
-    def attributions(self) -> list[Path]:
-        """Every attribution folder inside the run folder (``attribution*``)."""
-        return sorted(p for p in self.dir.glob("attribution*") if p.is_dir())
-
-    def balance_dir(self, out: str | Path | None = None) -> Path:
-        """The balance audit's folder ``out`` (default ``RUN_DIR/balance``)."""
-        return Path(out) if out is not None else self.dir / "balance"
 
     @property
     def done(self) -> bool:
