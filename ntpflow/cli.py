@@ -17,7 +17,7 @@ from ntpflow.replay.balance import audit_balance
 from ntpflow.runs.config import REGIMES, TrainConfig, apply_overrides
 from ntpflow.runs.group import group_dirs
 from ntpflow.runs.probe import load_or_probe, probe_run
-from ntpflow.runs.run import Run
+from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.sweep import SweepSpec, failures, run_sweep
 from ntpflow.runs.training import train
 
@@ -132,7 +132,7 @@ def cmd_balance(args) -> int:
     out = audit_balance(args.run_dir, parse_sites(args.sites), features, out_dir=args.out, n_held_out=args.held_out,
                         device=args.device or "auto", progress=not args.quiet)
     print(out)
-    for e in read_json(out / "summary.json")["probes"]:
+    for e in read_json(AttributionDir(out).summary)["probes"]:
         print(f"⟨{e['layer']}, {e['pos']}⟩ {e['feature']} {e['mismatch']}: Σ full influence {e['full_batch']:.4g} "
               f"= removed on held-out {e['removed_held_out']:.4g} + same batch {e['same_batch']:.4g} "
               f"+ beyond first order {e['beyond_first_order']:.4g}; read at each step's midpoint: "

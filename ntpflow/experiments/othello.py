@@ -36,7 +36,7 @@ from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute, influence_read_at
 from ntpflow.runs.config import TrainConfig
-from ntpflow.runs.probe import load_or_probe, probe_dir_name
+from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
 from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import train
@@ -165,7 +165,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                 log.info("othello %s: training %s", scale.name, run_dir)
             run = train(cfg, run_dir, progress=progress)
         for which in ("final", "init"):
-            with timer.stage(f"probes_{which}", (run.dir / probe_dir_name(which) / "probes.json").exists()):
+            with timer.stage(f"probes_{which}", ProbeSet.saved(run.probes_dir(which))):
                 load_or_probe(run, which, device)
             with timer.stage(f"classifier_{which}", classifier_path(run.dir, which).with_suffix(".json").exists()):
                 load_or_classify(run, which, device)

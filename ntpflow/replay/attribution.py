@@ -36,16 +36,15 @@ from ntpflow.files import (
     ensure_writable_dir,
     fault_point,
     fsync_dir,
-    load_tensors,
     read_json,
     resolve_device,
     write_json,
 )
 from ntpflow.model.sites import Site
-from ntpflow.runs.data import DataOrder, make_datasets, to_torch
+from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
 from ntpflow.runs.probe import load_or_probe
-from ntpflow.runs.run import Run, load_state, save_state
+from ntpflow.runs.run import AttributionDir, Run, load_state, save_state
 from ntpflow.runs.threads import follow_threads
 from ntpflow.runs.training import make_optimizer
 
@@ -57,7 +56,7 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
     """Probe directions of the run's final ridge probes (fitted first if absent) at ``sites`` × ``features``."""
     probes = load_or_probe(run, "final", device)
     if probes.metadata.get("config_hash") != run.cfg.hash():
-        raise ValueError(f"the probes in {run.dir / 'probes'} were fitted on another run")
+        raise ValueError(f"the probes in {run.probes_dir('final')} were fitted on another run")
     names = list(features) if features else list(probes.feature_names)
     unknown = [n for n in names if n not in probes.feature_names]
     if unknown:
@@ -88,8 +87,8 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
     dev = resolve_device(device if device != "auto" else cfg.device)
-    sites = _checked_sites(run, sites)
-    out = ensure_writable_dir(out_dir or run.dir / "attribution")
+    sites = checked_sites(run, sites)
+    out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
         return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, midpoint)
 
@@ -119,8 +118,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     outs = list(out_dirs) if out_dirs is not None else [None] * len(runs)
     if len(outs) != len(runs):
         raise ValueError("give one output folder per run dir")
-    sites = _checked_sites(runs[0], sites)
-    outs = [ensure_writable_dir(o or run.dir / "attribution") for o, run in zip(outs, runs)]
+    sites = checked_sites(runs[0], sites)
+    outs = [ensure_writable_dir(run.attribution(o).dir) for o, run in zip(outs, runs)]
     if len({o.resolve() for o in outs}) < len(outs):
         raise ValueError("the members need distinct output folders")
     dev = resolve_device(device if device != "auto" else runs[0].cfg.device)
@@ -173,7 +172,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
 def influence_read_at(attribution_dirs: Sequence[str | Path]) -> str | None:
     """Where the finished attributions in ``attribution_dirs`` read each step's ∇R: "midpoint" (``midpoint=True``)
     or "start" (θ_t, the paper's); None for no folders. Raises ValueError if they differ: one report reads one kind."""
-    kinds = {"midpoint" if read_json(Path(d) / "spec.json").get("midpoint") else "start" for d in attribution_dirs}
+    kinds = {"midpoint" if read_json(AttributionDir(Path(d)).spec).get("midpoint") else "start" for d in attribution_dirs}
     if len(kinds) > 1:
         raise ValueError("these runs were replayed both at each step's start and at its midpoint: "
                          + ", ".join(str(d) for d in attribution_dirs) + "; replay them all one way "
@@ -181,7 +180,7 @@ def influence_read_at(attribution_dirs: Sequence[str | Path]) -> str | None:
     return next(iter(kinds), None)
 
 
-def _checked_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
+def checked_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
     """The distinct ``sites``, sorted, checked against the run's model (before anything is written)."""
     sites = sorted(set(sites))
     if not sites:
@@ -197,7 +196,7 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
     if m.done:
         return out
     advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
-    alone = not (run.dir / "group.json").exists()  # then track()'s backward is train_step's, bit for bit
+    alone = not run.in_group  # then track()'s backward is train_step's, bit for bit
     with follow_threads(run.dir, dev) as threads_at:
         for step in tqdm(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps, disable=not progress,
                          desc=f"attribute {run.dir.name}", leave=False):
@@ -224,9 +223,10 @@ class _Tracked:
         self.probes = make_probes(run, sites, features, device)
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
                 "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint, "run_axis": run_axis}
-        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, **read_json(out / "spec.json")} if (
-            out / "spec.json").exists() else spec  # keys missing in specs written before they existed
-        self.done = (out / "influence.parquet").exists()
+        folder = AttributionDir(out)
+        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, **read_json(folder.spec)} if (
+            folder.spec.exists()) else spec  # keys missing in specs written before they existed
+        self.done = folder.done
         if self.done and {**old, "run_axis": run_axis} == spec:
             spec = old  # finished either way: the spec keeps saying how
         if old != spec:
@@ -239,12 +239,12 @@ class _Tracked:
                 what = "with other sites/features/rows"
             raise ValueError(f"{out} holds an attribution {what}; write to another folder (attribute --out) or "
                              "remove it")
-        write_json(out / "spec.json", spec)
-        (out / "parts").mkdir(exist_ok=True)
+        write_json(folder.spec, spec)
+        folder.parts.mkdir(exist_ok=True)
         if self.done:
             return
         task = run.task
-        train_set, self.eval_set = make_datasets(cfg, task)
+        train_set, self.eval_set = run.datasets()
         self.data = to_torch(train_set, dev)
         self.types = None
         if train_set.feature_types is not None:
@@ -295,7 +295,7 @@ class _Tracked:
     def end_step(self, step: int) -> None:
         """After ``step``'s update: at a block boundary, write the block's rows and a resume point."""
         if self.boundary(step):
-            _write_part(self.out / "parts" / f"part_{self.block_start:06d}.parquet", self.rows)
+            _write_part(AttributionDir(self.out).part(self.block_start), self.rows)
             self.rows, self.block_start = [], step + 1
             save_resume_point(self.out, self.model, self.opt, step + 1,
                               {f"tracker.{k}": v for k, v in self.tracker.state_dict().items()})
@@ -383,10 +383,10 @@ def _write_part(path: Path, rows: list[dict]):
 
 
 def check_replay(run: Run, model):
-    final = load_tensors(run.weights_path("final"))
+    final = run.weights("final")
     worst = 0.0
     for k, v in model.state_dict().items():
-        ref = final[f"model.{k}"]
+        ref = final[k]
         if not torch.equal(v.cpu(), ref):
             worst = max(worst, (v.cpu() - ref).abs().max().item())
     if worst:
@@ -398,12 +398,13 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    parts = sorted((out / "parts").glob("part_*.parquet"))
+    folder = AttributionDir(out)
+    parts = folder.part_files()
     table = pa.concat_tables([pq.read_table(p) for p in parts])
     for name, value, kind in (("task", run.cfg.task, pa.string()), ("regime", run.cfg.regime, pa.string()),
                               ("seed", run.cfg.seed, pa.int64())):  # self-describing rows: tables of runs combine
         table = table.append_column(name, pa.array([value] * table.num_rows, kind))
-    tmp = out / "influence.parquet.tmp"
+    tmp = folder.influence.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp)
     # mismatch actually removed, on a fixed held-out batch: R(θ_0) − R(θ_T)
     tokens = torch.as_tensor(eval_set.tokens[:1024], device=dev)
@@ -427,9 +428,9 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
                         and r["component"] != "risk"):
                     entry[f"{r['optimizer']}_{r['component']}"] = r["cumulative"]
             summary.append(entry)
-    write_json(out / "summary.json", {"probes": summary, "steps": run.cfg.steps,
+    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps,
                                       "sign": "positive = the component moved the feature toward its final value"})
-    tmp.replace(out / "influence.parquet")
+    tmp.replace(folder.influence)
     log.info(_summary_line(probes, summary, run.cfg.steps))
 
 

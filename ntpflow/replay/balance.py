@@ -27,16 +27,17 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from ntpflow.engine.forward_mode import Primals, all_tangents
 from ntpflow.engine.influence import MISMATCHES, Probe, mismatch_value
 from ntpflow.files import DirLock, ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
-from ntpflow.replay.attribution import check_replay, load_resume_point, make_probes, save_resume_point
-from ntpflow.runs.data import DataOrder, make_datasets, to_torch
+from ntpflow.replay.attribution import check_replay, checked_sites, load_resume_point, make_probes, save_resume_point
+from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import replay_stepper
-from ntpflow.runs.run import Run
+from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.threads import follow_threads
 from ntpflow.runs.training import make_optimizer
 
@@ -94,8 +95,6 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
     the eval set form H (the first ones: the set ``ntpflow attribute`` measures the mismatch removed on). It saves a
     resume point every ``block`` steps (default: the run's ``ckpt_every``) and resumes from it when interrupted.
     """
-    from tqdm.auto import tqdm
-
     run = Run.open(run_dir)
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; the audit replays a finished run")
@@ -103,23 +102,20 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
         raise ValueError("n_held_out must be at least 2 (R_c is a variance)")
     cfg = run.cfg
     dev = resolve_device(device if device != "auto" else cfg.device)
-    sites = sorted(set(sites))
-    if not sites:
-        raise ValueError("no sites to audit")
-    for s in sites:
-        s.check(run.model_config().n_layer, run.task.seq_len)
+    sites = checked_sites(run, sites)
     probes = [Probe(p.site, p.name, p.w.to(dev)) for p in make_probes(run, sites, features, device)]
-    out = ensure_writable_dir(out_dir or run.dir / "balance")
+    out = ensure_writable_dir(run.balance_dir(out_dir))
+    folder = AttributionDir(out)
     with ExitStack() as locks:
         locks.enter_context(DirLock(out))
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in probes}),
                 "n_held_out": n_held_out, "config_hash": cfg.hash(), "terms": list(TERMS)}
-        if (out / "spec.json").exists() and read_json(out / "spec.json") != spec:
+        if folder.spec.exists() and read_json(folder.spec) != spec:
             raise ValueError(f"{out} holds an audit of other sites/features/held-out size/terms; choose another --out")
-        write_json(out / "spec.json", spec)
-        if (out / "summary.json").exists():
+        write_json(folder.spec, spec)
+        if folder.summary.exists():
             return out
-        train_set, eval_set = make_datasets(cfg, run.task)
+        train_set, eval_set = run.datasets()
         data = to_torch(train_set, dev)
         held = torch.as_tensor(eval_set.tokens[:n_held_out], device=dev)
         final = run.load_model("final", dev)
@@ -160,7 +156,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
                 curve.append(torch.cat([sums, removed[:, None]], 1))
                 save_resume_point(out, model, opt, step + 1, {"sums": sums, "curve": torch.stack(curve)})
         check_replay(run, model)
-        write_json(out / "summary.json", _summary(probes, curve, block, cfg.steps))
+        write_json(folder.summary, _summary(probes, curve, block, cfg.steps))
     return out
 
 

@@ -7,7 +7,6 @@ import torch
 from ntpflow.files import resolve_device
 from ntpflow.model.gpt import GPT
 from ntpflow.probes import ProbeSet, fit_probes
-from ntpflow.runs.data import make_datasets
 from ntpflow.runs.run import Run
 
 log = logging.getLogger(__name__)
@@ -27,24 +26,19 @@ def collect_resid(model: GPT, tokens: torch.Tensor, chunk: int = 1024) -> torch.
     return torch.cat(parts, dim=1)
 
 
-def probe_dir_name(which: str | int) -> str:
-    """Folder of the probes of weights ``which``: ``probes`` (final) or ``probes_<which>``."""
-    return "probes" if str(which) == "final" else f"probes_{which}"
-
-
 def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train_frac: float = 0.7,
               device: str = "auto") -> ProbeSet:
     """Fit ridge probes for every task feature on the run's eval set with the weights ``which``
     (``"final"``, ``"init"`` = step 0, or a checkpoint step), as the reference does: first 70% fit, last 30% test,
     positions 1..T-1. Saved to ``RUN_DIR/probes`` (final) or ``RUN_DIR/probes_<which>``."""
     model = run.load_model(which, resolve_device(device))
-    _, eval_set = make_datasets(run.cfg, run.task)
+    _, eval_set = run.datasets()
     resid = collect_resid(model, torch.as_tensor(eval_set.tokens))
     ft = None if eval_set.feature_types is None else torch.as_tensor(eval_set.feature_types).long()
     probes = fit_probes(resid, torch.as_tensor(eval_set.features), alpha=alpha, train_frac=train_frac,
                         feature_types=ft, feature_names=run.task.feature_names)
     probes.metadata["config_hash"] = run.cfg.hash()
-    out = run.dir / probe_dir_name(which)
+    out = run.probes_dir(which)
     out.mkdir(exist_ok=True)
     probes.save(out)
     return probes
@@ -52,7 +46,7 @@ def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train
 
 def load_or_probe(run: Run, which: str | int = "final", device: str = "auto") -> ProbeSet:
     """The saved probes of ``run`` for weights ``which``, fitting them first if absent."""
-    path = run.dir / probe_dir_name(which)
-    if (path / "probes.json").exists():
+    path = run.probes_dir(which)
+    if ProbeSet.saved(path):
         return ProbeSet.load(path)
     return probe_run(run, which, device=device)

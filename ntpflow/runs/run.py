@@ -48,6 +48,14 @@ class AttributionDir:
     def states(self) -> Path:
         return self.dir / "state"
 
+    def part(self, start: int) -> Path:
+        """The rows of the block of steps that begins at ``start``."""
+        return self.parts / f"part_{start:06d}.parquet"
+
+    def part_files(self) -> list[Path]:
+        """The written blocks of rows, in step order."""
+        return sorted(self.parts.glob("part_*.parquet"))
+
     @property
     def influence(self) -> Path:
         return self.dir / "influence.parquet"

@@ -35,9 +35,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from ntpflow.files import atomic_write, ensure_writable_dir, read_json, resolve_device, write_json
+from ntpflow.probes import ProbeSet
 from ntpflow.runs.config import TrainConfig, _check_type
 from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import RunPaths
 from ntpflow.runs.training import train
 
 log = logging.getLogger(__name__)
@@ -136,20 +140,21 @@ def run_name(point: dict) -> str:
 
 def status(run_dir: Path) -> str:
     """``done``, ``failed`` or ``pending``."""
-    if (run_dir / "DONE").exists() and (not _wants_probe(run_dir) or (run_dir / "probes" / "probes.json").exists()):
+    paths = RunPaths(run_dir)
+    if paths.done_path.exists() and (not _wants_probe(run_dir) or ProbeSet.saved(paths.probes_dir("final"))):
         return "done"
-    return "failed" if (run_dir / "FAILED").exists() else "pending"
+    return "failed" if paths.failed_path.exists() else "pending"
 
 
 def _wants_probe(run_dir: Path) -> bool:
-    meta = run_dir / "sweep.json"
+    meta = RunPaths(run_dir).sweep_path
     return meta.exists() and bool(read_json(meta).get("probe"))
 
 
 def execute_run(run_dir: str | Path) -> None:
     """Train (and probe) the run prepared in ``run_dir/sweep.json``: the job each worker process runs."""
     run_dir = Path(run_dir)
-    meta = read_json(run_dir / "sweep.json")
+    meta = read_json(RunPaths(run_dir).sweep_path)
     run = train(TrainConfig.from_dict(meta["config"]), run_dir, progress=False)
     if meta.get("probe"):
         load_or_probe(run, "final", run.cfg.device)
@@ -163,7 +168,6 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, *, executor: str = 
     the spec's ``[slurm]`` table) or ``submitit-local`` (submitit's local executor: the cluster code path on this
     machine). ``launcher`` replaces the per-run subprocess (tests use it to kill workers).
     """
-    from tqdm.auto import tqdm
 
     if not isinstance(spec, SweepSpec):
         spec = SweepSpec.load(spec)
@@ -184,11 +188,12 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, *, executor: str = 
         run_dir = runs_dir / name
         run_dir.mkdir(exist_ok=True)
         meta = {"config": cfg.to_dict(), "probe": spec.probe, "sweep": spec.name}
-        if (run_dir / "sweep.json").exists() and read_json(run_dir / "sweep.json")["config"] != meta["config"]:
+        paths = RunPaths(run_dir)
+        if paths.sweep_path.exists() and read_json(paths.sweep_path)["config"] != meta["config"]:
             raise ValueError(f"{run_dir} holds another config; use another output folder")
-        write_json(run_dir / "sweep.json", meta)
+        write_json(paths.sweep_path, meta)
         if status(run_dir) != "done":
-            (run_dir / "FAILED").unlink(missing_ok=True)  # re-entering retries failed runs
+            paths.failed_path.unlink(missing_ok=True)  # re-entering retries failed runs
             pending.append(run_dir)
     log.info("sweep %s: %d runs, %d pending", spec.name, len(spec.configs()), len(pending))
     if executor == "local":
@@ -223,7 +228,7 @@ def _with_retries(launch: Callable[[Path], None], run_dir: Path, retries: int) -
         except Exception as e:  # noqa: BLE001 - any failure of one run is recorded, never propagated
             error = str(e) or type(e).__name__
             log.warning("run %s failed (attempt %d of %d): %s", run_dir.name, attempt + 1, retries + 1, error)
-    write_json(run_dir / "FAILED", {"error": error, "attempts": retries + 1})
+    write_json(RunPaths(run_dir).failed_path, {"error": error, "attempts": retries + 1})
 
 
 def _submitit(spec: SweepSpec, pending: list[Path], executor: str, workers: int, out: Path) -> None:
@@ -258,9 +263,9 @@ def gather(spec: SweepSpec, out: str | Path) -> Path:
         run_dir = out / "runs" / run_name(point)
         row = {**point, "run": run_name(point), "status": status(run_dir), "error": None}
         if row["status"] == "done":
-            row.update({k: v for k, v in read_json(run_dir / "DONE").items() if k != "step"})
+            row.update({k: v for k, v in read_json(RunPaths(run_dir).done_path).items() if k != "step"})
         elif row["status"] == "failed":
-            row["error"] = read_json(run_dir / "FAILED")["error"]
+            row["error"] = read_json(RunPaths(run_dir).failed_path)["error"]
         rows.append(row)
     buf = pa.BufferOutputStream()
     pq.write_table(pa.Table.from_pylist(rows), buf)

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from ntpflow.files import read_json, write_json
+from ntpflow.runs.run import RunPaths
 
 log = logging.getLogger(__name__)
-FILE = "threads.json"
 
 
 def continue_threads(run_dirs: "list[Path] | tuple[Path, ...]", start: int, device: torch.device,
@@ -33,7 +33,7 @@ def continue_threads(run_dirs: "list[Path] | tuple[Path, ...]", start: int, devi
     (``start > 0``) continues with the recorded count of step ``start - 1``; a fresh run, or one without a record,
     keeps this process's count. An explicit ``threads`` is used as given. Segments from ``start`` on, written by a
     run that was killed, are dropped. Wrap the caller in ``kept_threads()`` to restore its count afterwards."""
-    path = Path(run_dirs[0]) / FILE
+    path = RunPaths(run_dirs[0]).threads_path
     old = read_json(path) if path.exists() else {"device": None, "segments": []}
     segments = [s for s in old["segments"] if s[0] < start]
     on_cpu = torch.device(device).type == "cpu"
@@ -47,7 +47,7 @@ def continue_threads(run_dirs: "list[Path] | tuple[Path, ...]", start: int, devi
     if not segments or segments[-1][1] != threads:
         segments.append([start, threads])
     for d in run_dirs:
-        write_json(Path(d) / FILE, {"device": torch.device(device).type, "segments": segments})
+        write_json(RunPaths(d).threads_path, {"device": torch.device(device).type, "segments": segments})
     return threads
 
 
@@ -65,7 +65,7 @@ def kept_threads() -> Iterator:
 def follow_threads(run_dir: Path, device: torch.device) -> Iterator:
     """``with follow_threads(run_dir, device) as at: ... at(step) ...``: before each replayed step, ``at(step)``
     sets the thread count the run trained that step with (a no-op on a GPU or for a run without a record)."""
-    path = Path(run_dir) / FILE
+    path = RunPaths(run_dir).threads_path
     record = read_json(path) if path.exists() else None
     if record is None or record["device"] != "cpu" or torch.device(device).type != "cpu":
         yield lambda step: None
