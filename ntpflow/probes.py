@@ -381,36 +381,10 @@ class ProbeSet:
 # fitting
 
 
-def fit_probes(
-    resid: torch.Tensor | Sequence[torch.Tensor],
-    features: torch.Tensor,
-    *,
-    alpha: float = 1.0,
-    train_frac: float = 0.7,
-    positions: Sequence[int] | None = None,
-    feature_types: torch.Tensor | None = None,
-    feature_names: Sequence[str] | None = None,
-    chunk_size: int | None = None,
-) -> ProbeSet:
-    """Fit ridge probes at every (layer, position) site in one batched solve.
-
-    Args:
-        resid: ``[L+1, n, T, d]`` (or a sequence of ``L+1`` ``[n, T, d]``).
-        features: ``[n, T, F]`` targets.
-        alpha: ridge penalty (sklearn ``Ridge(alpha)`` semantics, with intercept).
-        train_frac: the first ``floor(train_frac * n)`` rows train, the rest
-            test; rows are **not** shuffled.
-        positions: positions to probe; default ``1..T-1`` (position 0, BOS,
-            is skipped).
-        feature_types: optional integer ``[n, T, F]``; adds per-type test r.
-        feature_names: ``F`` unique names; default ``f0..f{F-1}``.
-        chunk_size: sites per batched solve (memory cap); see :func:`fit_ridge`.
-
-    Returns:
-        A :class:`ProbeSet` (weights in resid's float dtype, on resid's device).
-    """
-    if not isinstance(resid, torch.Tensor):
-        resid = torch.stack(list(resid))
+def _checked_probe_inputs(resid: torch.Tensor, features: torch.Tensor, alpha, train_frac, positions, feature_types,
+                          feature_names) -> tuple[tuple[str, ...], tuple[int, ...], int, int, float, float]:
+    """The arguments of :func:`fit_probes` checked (ValueError, one line each): (feature names, positions, train rows,
+    test rows, alpha, train_frac)."""
     if resid.ndim != 4:
         raise ValueError(f"resid must be [L+1, n, T, d]; got shape {tuple(resid.shape)}")
     if features.ndim != 3:
@@ -459,11 +433,48 @@ def fit_probes(
             raise ValueError(f"positions {bad} out of range [0, {T})")
     if not pos:
         raise ValueError(f"no positions to probe (T={T}; position 0 is skipped by default)")
+    if not resid.dtype.is_floating_point:
+        raise ValueError(f"resid must be a float tensor; got {resid.dtype}")
+    return names, pos, n_train, n_test, alpha, train_frac
+
+
+def fit_probes(
+    resid: torch.Tensor | Sequence[torch.Tensor],
+    features: torch.Tensor,
+    *,
+    alpha: float = 1.0,
+    train_frac: float = 0.7,
+    positions: Sequence[int] | None = None,
+    feature_types: torch.Tensor | None = None,
+    feature_names: Sequence[str] | None = None,
+    chunk_size: int | None = None,
+) -> ProbeSet:
+    """Fit ridge probes at every (layer, position) site in one batched solve.
+
+    Args:
+        resid: ``[L+1, n, T, d]`` (or a sequence of ``L+1`` ``[n, T, d]``).
+        features: ``[n, T, F]`` targets.
+        alpha: ridge penalty (sklearn ``Ridge(alpha)`` semantics, with intercept).
+        train_frac: the first ``floor(train_frac * n)`` rows train, the rest
+            test; rows are **not** shuffled.
+        positions: positions to probe; default ``1..T-1`` (position 0, BOS,
+            is skipped).
+        feature_types: optional integer ``[n, T, F]``; adds per-type test r.
+        feature_names: ``F`` unique names; default ``f0..f{F-1}``.
+        chunk_size: sites per batched solve (memory cap); see :func:`fit_ridge`.
+
+    Returns:
+        A :class:`ProbeSet` (weights in resid's float dtype, on resid's device).
+    """
+    if not isinstance(resid, torch.Tensor):
+        resid = torch.stack(list(resid))
+    names, pos, n_train, n_test, alpha, train_frac = _checked_probe_inputs(
+        resid, features, alpha, train_frac, positions, feature_types, feature_names)
+    L1, n, T, d = resid.shape
+    F = features.shape[2]
     P = len(pos)
 
     device = resid.device
-    if not resid.dtype.is_floating_point:
-        raise ValueError(f"resid must be a float tensor; got {resid.dtype}")
     out_dtype = resid.dtype
     cdt = _compute_dtype(device)
     pos_idx = torch.tensor(pos, dtype=torch.long, device=device)
