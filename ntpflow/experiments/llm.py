@@ -45,7 +45,7 @@ from ntpflow.experiments.q_vs_influence import q_vs_influence, toy_sites
 from ntpflow.files import ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.llm.adapters import GEMMA_PRESET, load_gemma_preset, load_model
 from ntpflow.llm.lens import _unembedding, fit_lenses, lens_data, lens_q_correlation
-from ntpflow.llm.qscan import QScanConfig, QScanResult
+from ntpflow.llm.qscan import MODES, QScanConfig, QScanResult
 from ntpflow.llm.sae import encoder_matrix
 from ntpflow.llm.stages import LLMDir, fit_sae, make_contexts, save_sae_stage, save_scan, scan
 from ntpflow.llm.steering import pick_extremes, steer_latents
@@ -56,8 +56,6 @@ from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import train
 
 log = logging.getLogger(__name__)
-
-MODES = ("reconstruction", "error-preserving")
 
 
 @dataclass(frozen=True)
