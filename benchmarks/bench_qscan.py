@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from ntpflow.files import resolve_device
 from ntpflow.llm import qscan
 from ntpflow.llm.sae import SimpleSAE
 
@@ -73,7 +74,7 @@ def setup_tiny(args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    ap.add_argument("--sae", default=None, help="folder of an SAE saved by ntpflow.llm.sae.save_sae")
+    ap.add_argument("--sae", default=None, help="an SAE folder (sae_weights.safetensors + cfg.json, ntpflow.llm.sae.save_sae)")
     ap.add_argument("--docs", type=int, default=40, help="documents per domain (tiny: number of contexts)")
     ap.add_argument("--ctx-len", type=int, default=64)
     ap.add_argument("--latents", type=int, default=256, help="latents whose examples make the pairs")
@@ -91,9 +92,7 @@ def main(argv=None):
                     "ablated rows above the site")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from ntpflow.llm.components import resolve_device
-
-    args.device = resolve_device(args.device)
+    args.device = str(resolve_device(args.device))
 
     t0 = time.perf_counter()
     adapter, sae, tokens, hook, decode = (setup_smollm2 if args.model == "smollm2" else setup_tiny)(args)

@@ -183,7 +183,7 @@ def cmd_sweep(args) -> int:
 
 
 def cmd_qscan(args) -> int:
-    """``ntpflow qscan ...``: Q(w) of SAE latents by ablation (options of ``ntpflow.llm.qscan_cli``)."""
+    """``ntpflow qscan [train|scan] ...``: Q(w) of SAE latents by ablation (options of ``ntpflow.llm.qscan_cli``)."""
     return qscan_main(args.options)
 
 
@@ -354,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--workers", type=int, default=2, help="runs at a time (default 2)")
     sw.set_defaults(fn=cmd_sweep)
 
-    q = sub.add_parser("qscan", help="Q(w) of SAE latents of a pretrained LM by ablation (see ntpflow qscan -h)",
+    q = sub.add_parser("qscan", help="Q(w) of SAE latents of a pretrained LM by ablation; `qscan train|scan` for "
+                       "either half (see ntpflow qscan -h)",
                        add_help=False)
     q.add_argument("options", nargs=argparse.REMAINDER, help="options of the scan (ntpflow qscan -h lists them)")
     q.set_defaults(fn=cmd_qscan)

@@ -218,3 +218,15 @@ def test_python_m_help():
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("usage: ntpflow")
     assert "examples:" in res.stdout and "ntpflow demo --out runs/demo" in res.stdout
+
+
+def test_qscan_and_its_halves_go_through_the_face(tmp_path, capsys):
+    """`ntpflow qscan [train|scan] OPTIONS`: the face hands every option to the qscan command line."""
+    pytest.importorskip("transformers")
+    assert main(["qscan", "scan", "--model", "tiny", "--out", str(tmp_path / "empty")]) == 2
+    assert "holds no corpus and SAE" in capsys.readouterr().err
+    assert main(["qscan", "--model", "tiny", "--sae", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["qscan", "train", "--model", "tiny", "--k", "0", "--out", str(tmp_path / "k")]) == 2
+    assert "--k must be positive" in capsys.readouterr().err
+

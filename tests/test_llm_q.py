@@ -12,7 +12,7 @@ pytest.importorskip("sae_lens", reason="the llm tests need sae-lens (pip install
 from ntpflow.llm import qscan
 from ntpflow.llm.adapters import HFAdapter, HookNameError, TLAdapter
 from ntpflow.llm.corpus import DOMAINS, Contexts, build_corpus
-from ntpflow.llm.sae import SimpleSAE, TrainSAEConfig, as_sae, sae_quality, train_sae
+from ntpflow.llm.sae import SimpleSAE, TrainSAEConfig, as_sae, load_sae, sae_quality, save_sae, train_sae
 
 VOCAB, D, L, N_CTX = 97, 32, 24, 6
 HOOK = "blocks.0.hook_resid_post"  # not the last block: an ablation at p reaches later positions
@@ -160,6 +160,37 @@ def test_sae_lens_sae_and_training(models, tokens):
     qual = sae_quality(sae, acts.reshape(-1, D).float())
     assert -1.0 < qual.explained_variance <= 1.0 and 0 < qual.l0 <= 4 + 1e-9 and 0 <= qual.dead_fraction <= 1
     assert info["scale"] > 0
+
+
+def test_sae_storage_round_trip(models, tokens, tmp_path):
+    """Both SAE kinds save as sae_weights.safetensors + cfg.json (no pickle) and load back to the same codes and
+    reconstruction."""
+    hf, _ = models
+    acts = hf.activations(tokens, HOOK).reshape(-1, D).float()
+    simple = SimpleSAE(D, 24, k=3, seed=2)
+    trained, _ = train_sae(acts, TrainSAEConfig(d_sae=32, k=4, steps=5, batch_size=32, seed=0))
+    for name, sae in (("simple", simple), ("sae_lens", trained)):
+        save_sae(sae, tmp_path / name)
+        assert sorted(p.name for p in (tmp_path / name).iterdir()) == ["cfg.json", "sae_weights.safetensors"], name
+        back, h = load_sae(tmp_path / name), as_sae(sae)
+        # sae-lens's inference format folds the decoder norms into the weights: the same codes and reconstruction,
+        # up to float32 rounding (~1e-8 here); a SimpleSAE comes back bit for bit
+        tol = {"rtol": 0, "atol": 0} if name == "simple" else {"rtol": 1e-5, "atol": 1e-6}
+        assert torch.allclose(as_sae(back).encode(acts), h.encode(acts), **tol), name
+        assert torch.allclose(as_sae(back).decode(as_sae(back).encode(acts)), h.decode(h.encode(acts)), **tol), name
+    assert isinstance(load_sae(tmp_path / "simple"), SimpleSAE)
+    save_sae(trained, tmp_path / "simple")  # an existing folder is replaced
+    assert not isinstance(load_sae(tmp_path / "simple"), SimpleSAE)
+    with pytest.raises(FileNotFoundError, match="no SAE"):
+        load_sae(tmp_path)
+
+
+def test_contexts_round_trip(tmp_path):
+    ctx = Contexts(torch.arange(12).reshape(3, 4), ["math", "stories", "code"], [0, 0, 5])
+    ctx.save(tmp_path / "contexts.safetensors")
+    assert (tmp_path / "contexts.json").exists()
+    back = Contexts.load(tmp_path / "contexts.safetensors")
+    assert torch.equal(back.tokens, ctx.tokens) and back.domains == ctx.domains and back.doc_index == ctx.doc_index
 
 
 def test_q_scan_end_to_end(models, sae):

@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from ntpflow.experiments.q_vs_influence import probe_ablation_kl, q_from_d
+from ntpflow.experiments.q_vs_influence import probe_ablation_kl
 from ntpflow.llm.lens import fit_linear, overlap, spearman
+from ntpflow.llm.qscan import q_from_kl
 from ntpflow.llm.steering import code_score, pick_extremes, steering_vectors
 
 
@@ -39,7 +40,7 @@ def test_steering_vectors_coefficient_applied_once():
 
 
 def test_cached_generation_equals_full_reforward():
-    from ntpflow.llm.components import tiny_gpt2
+    from ntpflow.llm.adapters import tiny_gpt2
     from ntpflow.llm.steering import generate
 
     lm = tiny_gpt2(0)
@@ -88,7 +89,7 @@ def test_probe_ablation_zero_direction_gives_zero_kl():
     w = torch.randn(16, generator=torch.Generator().manual_seed(2))
     d1 = probe_ablation_kl(model, tokens, 1, 3, w)
     assert float(d1.max()) > 0 and float(d1[:, 0].min()) >= 0
-    q, tot = q_from_d(d1)
+    q, tot = q_from_kl(d1)
     assert q > 0 and tot > 0
     # after the last block only the prediction at pos itself can change: Q = 0
     d2 = probe_ablation_kl(model, tokens, 2, 3, w)
@@ -109,9 +110,9 @@ def smoke(tmp_path_factory):
 
 
 def test_smoke_end_to_end(smoke):
-    for name in ("meta.json", "quality.json", "contexts.pt", "q_reconstruction.json", "q_error-preserving.json",
-                 "stats.json", "steering.json", "lens.json", "q_vs_influence.json", "summary.json", "report.md",
-                 "report.html", "timing.json"):
+    for name in ("meta.json", "quality.json", "contexts.safetensors", "contexts.json", "sae/sae_weights.safetensors",
+                 "sae/cfg.json", "q_reconstruction.json", "q_error-preserving.json", "stats.json", "steering.json",
+                 "lens.json", "q_vs_influence.json", "summary.json", "report.md", "report.html", "timing.json"):
         assert (smoke / name).exists(), name
     for fig in ("lnq_hist", "q_tails", "steering", "lens", "q_vs_influence"):
         for ext in ("png", "svg"):
@@ -151,7 +152,7 @@ def test_reuse_of_the_sae_only_is_recorded_and_reported(smoke, tmp_path):
 
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("contexts.pt", "quality.json"):
+    for name in ("contexts.safetensors", "contexts.json", "quality.json"):
         shutil.copyfile(smoke / name, src / name)
     shutil.copytree(smoke / "sae", src / "sae")
     out = tmp_path / "out"
@@ -194,3 +195,23 @@ def test_qscan_cli(tmp_path, capsys):
     # the saved SAE loads back for a second scan
     assert main(["--model", "tiny", "--sae", str(tmp_path / "c" / "sae"), "--latents", "3", "--docs", "3",
                  "--ctx-len", "40", "--candidates", "4", "--examples", "2", "--out", str(tmp_path / "d")]) == 0
+
+
+def test_qscan_train_then_scan(tmp_path, capsys):
+    """`ntpflow qscan train` then `scan`: the two halves of the full run, over the same folder."""
+    from ntpflow.llm.qscan_cli import main
+
+    out = str(tmp_path / "e")
+    assert main(["scan", "--model", "tiny", "--out", out]) == 2
+    assert "qscan train --out" in capsys.readouterr().err
+    assert main(["train", "--model", "tiny", "--docs", "3", "--ctx-len", "40", "--d-sae", "16", "--k", "2",
+                 "--steps", "20", "--out", out]) == 0
+    q = json.loads((tmp_path / "e" / "quality.json").read_text())
+    assert q["model"] == "tiny-random-gpt2" and q["eval"]["n_tokens"] > 0 and q["sae"]["config"]["batch_size"] == 256
+    assert not (tmp_path / "e" / "stats.json").exists()
+    assert main(["scan", "--model", "tiny", "--latents", "3", "--candidates", "4", "--examples", "2",
+                 "--kl-cutoff", "0", "--out", out]) == 0
+    stats = json.loads((tmp_path / "e" / "stats.json").read_text())
+    assert set(stats) == {"seconds", "reconstruction", "error-preserving"}
+    assert stats["reconstruction"]["n_scored"] == 3
+

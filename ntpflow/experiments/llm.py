@@ -3,11 +3,13 @@
 ``run_llm(scale, out)`` runs these stages into ``out``, each skipped when its output exists (resumable; every file
 is written atomically):
 
-1. ``sae``: corpus windows (``contexts.pt``), the SAE (``sae/``) and its quality (``quality.json``: explained
-   variance, L0, dead latents on train and held-out activations). The ``paper`` scale uses GemmaScope instead of
-   training one.
+1. ``sae``: corpus windows (``contexts.safetensors`` + ``contexts.json``), the SAE (``sae/``) and its quality
+   (``quality.json``: explained variance, L0, dead latents on train and held-out activations). The ``paper`` scale
+   uses GemmaScope instead of training one.
 2. ``scan``: Q(w) in both ablation modes (``q_reconstruction.json``, ``q_error-preserving.json``) and the paper's
    statistics (``stats.json``).
+
+Stages 1 and 2 are those of ``ntpflow qscan`` (:mod:`ntpflow.llm.stages`).
 3. ``steering``: high-Q vs low-Q latents' steered continuations and their code-likeness (``steering.json``).
 4. ``lens``: look-ahead lenses at the SAE's site and the Spearman correlation of Q with the latents' overlap with
    the lens's top singular directions (``lens.json``).
@@ -15,9 +17,9 @@ is written atomically):
    ``I_pre-cached / I_direct`` (``q_vs_influence.json``).
 
 ``meta.json`` records the scale and what was used. ``reuse=DIR`` (explicit, never implied) copies stage-1/2
-outputs of an earlier ``python -m ntpflow.llm.pipeline train/scan`` (``contexts.pt``, ``sae/``, ``quality.json``,
-and, when DIR holds a scan, ``q_<mode>.json``, ``stats.json``) into ``out`` instead of recomputing them;
-``meta.json["reused_stages"]`` says which.
+outputs of an earlier ``ntpflow qscan train`` / ``scan`` (the corpus, ``sae/``, ``quality.json``, and, when DIR holds
+a scan, ``q_<mode>.json``, ``stats.json``) into ``out`` instead of recomputing them; ``meta.json["reused_stages"]``
+says which.
 
 Scales: ``smoke`` (CI, < 90 s: a tiny random GPT-2 over bytes and a quickly trained SimpleSAE; checks the pipeline,
 not the science), ``small`` (SmolLM2-135M-Instruct offline, a TopK SAE trained here with sae-lens, 384 latents
@@ -36,34 +38,24 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+
+import torch
 
 from ntpflow.experiments.q_vs_influence import q_vs_influence, toy_sites
-from ntpflow.files import ensure_writable_dir, read_json, write_json
-from ntpflow.llm.adapters import load_gemma_preset
-from ntpflow.llm.components import (
-    encoder_matrix,
-    load_model,
-    load_sae_dir,
-    resolve_device,
-    save_sae_dir,
-    train_simple_sae,
-)
-from ntpflow.llm.corpus import Contexts, build_corpus, hf_encoder, tokenize_corpus
+from ntpflow.files import ensure_writable_dir, read_json, resolve_device, write_json
+from ntpflow.llm.adapters import GEMMA_PRESET, load_gemma_preset, load_model
 from ntpflow.llm.lens import _unembedding, fit_lenses, lens_data, lens_q_correlation
-from ntpflow.llm.qscan import QScanConfig, QScanResult, q_scan, q_statistics
-from ntpflow.llm.sae import TrainSAEConfig, collect_activations, sae_quality, train_sae
+from ntpflow.llm.qscan import MODES, QScanConfig, QScanResult
+from ntpflow.llm.sae import encoder_matrix
+from ntpflow.llm.stages import LLMDir, fit_sae, make_contexts, save_sae_stage, save_scan, scan
 from ntpflow.llm.steering import pick_extremes, steer_latents
 from ntpflow.replay.attribution import attribute
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
-from ntpflow.runs.run import Run
 from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import train
 
 log = logging.getLogger(__name__)
-
-MODES = ("reconstruction", "error-preserving")
 
 
 @dataclass(frozen=True)
@@ -135,14 +127,6 @@ def _say(progress: bool, msg: str) -> None:
         print(f"[llm] {msg}", file=sys.stderr, flush=True)
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
-    import torch
-
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _check_online(timeout: float = 3.0) -> None:
     """Raise a one-line RuntimeError unless huggingface.co is reachable and a CUDA GPU is present."""
     msg = ("the llm 'paper' scale needs internet access (gemma-2-2b and GemmaScope from huggingface.co) and a GPU; "
@@ -153,8 +137,6 @@ def _check_online(timeout: float = 3.0) -> None:
         socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
     except OSError:
         raise RuntimeError(msg + " (huggingface.co unreachable)") from None
-    import torch
-
     if not torch.cuda.is_available():
         raise RuntimeError(msg + " (no CUDA GPU)")
 
@@ -164,6 +146,7 @@ class _Session:
 
     def __init__(self, scale: LLMScale, out: Path, device: str):
         self.scale, self.out, self.device = scale, out, device
+        self.files = LLMDir(out)
         self._lm = self._sae = self._ctx = None
 
     @property
@@ -181,17 +164,13 @@ class _Session:
             if self.scale.model == "gemma":
                 _ = self.lm
             else:
-                self._sae = load_sae_dir(self.out / "sae", device=str(self.lm.adapter.device))
+                self._sae = self.files.sae(self.lm.adapter.device)
         return self._sae
 
     @property
     def contexts(self):
         if self._ctx is None:
-            import torch
-
-
-            saved = torch.load(self.out / "contexts.pt")
-            self._ctx = Contexts(saved["tokens"], list(saved["domains"]), list(saved["doc_index"]))
+            self._ctx = self.files.contexts()
         return self._ctx
 
     def hook(self) -> str:
@@ -202,76 +181,32 @@ class _Session:
 
 
 def _stage_sae(s: _Session, progress: bool) -> None:
-    import torch
-
-    out, sc = s.out, s.scale
-    if not (out / "contexts.pt").exists():
+    d, sc = s.files, s.scale
+    if not d.has_contexts():
         _say(progress, "corpus")
-        docs = build_corpus(sc.docs_per_domain, seed=sc.seed, stories_path=sc.extra.get("stories"))
-        ctx = tokenize_corpus(docs, hf_encoder(s.lm.tokenizer), sc.ctx_len, s.lm.bos_id,
-                              max_windows_per_doc=sc.windows_per_doc)
-        _atomic_torch_save({"tokens": ctx.tokens, "domains": ctx.domains, "doc_index": ctx.doc_index},
-                           out / "contexts.pt")
-    if (out / "quality.json").exists() and (sc.model == "gemma" or (out / "sae").exists()):
+        make_contexts(s.lm, sc.docs_per_domain, sc.ctx_len, sc.seed, sc.extra.get("stories"),
+                      sc.windows_per_doc).save(d.contexts_path)
+    pretrained = sc.model == "gemma"
+    if d.quality_path.exists() and (pretrained or d.sae_dir.exists()):
         return
-    ctx = s.contexts
-    n = len(ctx)
-    g = torch.Generator().manual_seed(sc.seed)
-    perm = torch.randperm(n, generator=g)
-    n_eval = max(1, n // 10)
-    t0 = time.perf_counter()
-    _say(progress, f"activations of {n} contexts at {s.hook()}")
-    acts_tr = collect_activations(s.lm.adapter, ctx.tokens[perm[n_eval:]], s.hook())
-    acts_ev = collect_activations(s.lm.adapter, ctx.tokens[perm[:n_eval]], s.hook())
-    t1 = time.perf_counter()
-    cfg = dict(sc.sae)
-    if cfg["kind"] == "simple":
-        _say(progress, "training a SimpleSAE")
-        sae, info = train_simple_sae(acts_tr, cfg["d_sae"], cfg["k"], cfg["steps"], cfg["batch_size"], cfg["lr"],
-                                     seed=sc.seed)
-        save_sae_dir(sae, out / "sae")
-    elif cfg["kind"] == "topk":
-        _say(progress, f"training a TopK SAE ({cfg['d_sae']} latents, k={cfg['k']}, {cfg['steps']} steps)")
-        sae, info = train_sae(acts_tr.to(s.lm.adapter.device), TrainSAEConfig(
-            d_sae=cfg["d_sae"], architecture="topk", k=cfg["k"], steps=cfg["steps"], batch_size=cfg["batch_size"],
-            lr=cfg["lr"], seed=sc.seed))
-        save_sae_dir(sae, out / "sae")
-    else:  # GemmaScope: nothing to train
-        sae, info = s.sae, {"release": "gemma-scope-2b-pt-res-canonical", "sae_id": "layer_15/width_16k/canonical"}
-    t2 = time.perf_counter()
-    dev = s.lm.adapter.device
-    write_json(out / "quality.json", {
-        "model": s.lm.name, "hook": s.hook(), "n_contexts": n, "ctx_len": sc.ctx_len,
-        "n_train_tokens": int(acts_tr.shape[0]), "n_eval_tokens": int(acts_ev.shape[0]),
-        "train": sae_quality(sae, acts_tr.to(dev)).to_dict(), "eval": sae_quality(sae, acts_ev.to(dev)).to_dict(),
-        "sae": info, "seconds": {"activations": t1 - t0, "training": t2 - t1}})
+    given = (s.sae, {"release": GEMMA_PRESET["sae_release"], "sae_id": GEMMA_PRESET["sae_id"]}) if pretrained else None
+    sae, quality = fit_sae(s.lm, s.contexts, sc.sae, sc.seed, given=given, say=lambda m: _say(progress, m))
+    save_sae_stage(d, sae, quality, weights=not pretrained)
 
 
 def _stage_scan(s: _Session, progress: bool) -> None:
-    import torch
-
-
-    out, sc = s.out, s.scale
-    if (out / "stats.json").exists() and all((out / f"q_{m}.json").exists() for m in MODES):
+    sc = s.scale
+    if s.files.has_scan(MODES):
         return
-    d_sae = int(s.sae.W_dec.shape[0])
-    g = torch.Generator().manual_seed(sc.seed)
-    latents = sorted(torch.randperm(d_sae, generator=g)[:min(sc.n_latents, d_sae)].tolist())
-    _say(progress, f"Q scan of {len(latents)} latents over {len(s.contexts)} contexts")
-    t0 = time.perf_counter()
-    res = q_scan(s.lm.adapter, s.sae, s.contexts, s.hook(), latents,
-                 QScanConfig(n_candidates=sc.candidates, n_examples=sc.examples, modes=MODES,
-                             kl_cutoff=sc.kl_cutoff))
-    stats: dict = {"seconds": time.perf_counter() - t0}
-    for mode, r in res.items():
-        write_json(out / f"q_{mode}.json", r.to_dict())
-        stats[mode] = q_statistics(r)
-    write_json(out / "stats.json", stats)
+    res, stats = scan(s.lm, s.sae, s.contexts, sc.n_latents, QScanConfig(
+        n_candidates=sc.candidates, n_examples=sc.examples, modes=MODES, kl_cutoff=sc.kl_cutoff), sc.seed,
+        say=lambda m: _say(progress, m))
+    save_scan(s.files, res, stats)
 
 
-def load_scan(out: str | Path, mode: str):
+def load_scan(out: str | Path, mode: str) -> QScanResult:
     """The :class:`~ntpflow.llm.qscan.QScanResult` saved as ``out/q_<mode>.json``."""
-    return QScanResult(**read_json(Path(out) / f"q_{mode}.json"))
+    return LLMDir(out).scan_result(mode)
 
 
 def _resid_norm(s: _Session, n: int = 16) -> float:
@@ -302,8 +237,6 @@ def _stage_steering(s: _Session, progress: bool) -> None:
 
 
 def _stage_lens(s: _Session, progress: bool) -> None:
-    import torch
-
     out, ls = s.out, s.scale.lens
     if (out / "lens.json").exists():
         return
@@ -332,20 +265,17 @@ def _stage_qvi(s: _Session, progress: bool) -> None:
     out, ty = s.out, s.scale.toy
     if (out / "q_vs_influence.json").exists():
         return
-    import torch
-
-
     cfg = TrainConfig(task="majority", seed=s.scale.seed, device="cpu", **ty["train"])
     _say(progress, f"toy run for Q vs influence ({cfg.steps} steps)")
     with kept_threads():
         torch.set_num_threads(1)  # the toy model's ops are tiny: extra threads only add synchronisation on busy cores
         run = train(cfg, out / "toy_run", progress=False)
         load_or_probe(run, "final", "cpu")
-        attribute(Run.open(out / "toy_run").dir, toy_sites(ty["layers"], ty["positions"]), list(ty["features"]),
+        attribute(run.dir, toy_sites(ty["layers"], ty["positions"]), list(ty["features"]),
                   device="cpu", progress=False, sgd_rows=False)
-        res = q_vs_influence(out / "toy_run", n_sequences=ty["n_sequences"], device="cpu")
+        res = q_vs_influence(run.dir, n_sequences=ty["n_sequences"], device="cpu")
     res["train"] = cfg.to_dict()
-    res["eval"] = {k: v for k, v in read_json(out / "toy_run" / "DONE").items() if k != "step"}
+    res["eval"] = {k: v for k, v in run.final_record().items() if k != "step"}
     write_json(out / "q_vs_influence.json", res)
 
 
@@ -354,12 +284,13 @@ def _copy_reuse(reuse: Path, out: Path, progress: bool) -> list[str]:
     the stages whose outputs were copied now (``"sae"``, and ``"scan"`` when the folder holds one)."""
     if not reuse.is_dir():
         raise FileNotFoundError(f"reuse folder {reuse} does not exist")
-    needed = ["contexts.pt", "sae", "quality.json"]
+    src_dir = LLMDir(reuse)
+    needed = [p.name for p in (*src_dir.contexts_files, src_dir.sae_dir, src_dir.quality_path)]
     missing = [n for n in needed if not (reuse / n).exists()]
     if missing:
         raise FileNotFoundError(f"reuse folder {reuse} lacks {', '.join(missing)}")
-    has_scan = all((reuse / f"q_{m}.json").exists() for m in MODES) and (reuse / "stats.json").exists()
-    names = needed + ([f"q_{m}.json" for m in MODES] + ["stats.json"] if has_scan else [])
+    scan_files = [p.name for p in (*(src_dir.q_path(m) for m in MODES), src_dir.stats_path)]
+    names = needed + (scan_files if src_dir.has_scan(MODES) else [])
     copied = []
     for n in names:
         src, dst = reuse / n, out / n
@@ -375,7 +306,8 @@ def _copy_reuse(reuse: Path, out: Path, progress: bool) -> list[str]:
         else:
             shutil.copyfile(src, tmp)
         os.replace(tmp, dst)
-    return [stage for stage, marker in (("sae", "quality.json"), ("scan", "stats.json")) if marker in copied]
+    markers = (("sae", src_dir.quality_path.name), ("scan", src_dir.stats_path.name))
+    return [stage for stage, marker in markers if marker in copied]
 
 
 STAGES = ("sae", "scan", "steering", "lens", "q_vs_influence")
@@ -390,7 +322,8 @@ def run_llm(scale: str | LLMScale, out: str | Path, *, device: str = "auto", pro
         out: results folder.
         device: ``"auto"`` (CUDA if present), ``"cpu"`` or ``"cuda"``.
         progress: stage messages on stderr.
-        reuse: an earlier ``python -m ntpflow.llm.pipeline`` folder whose corpus/SAE/scan to copy (explicit only).
+        reuse: an earlier ``ntpflow qscan train`` (and ``scan``) folder whose corpus/SAE/scan to copy (explicit
+            only).
         stages: the stages to run (default all, in order).
     """
     if isinstance(scale, str):
@@ -417,7 +350,7 @@ def run_llm(scale: str | LLMScale, out: str | Path, *, device: str = "auto", pro
         reused = set(meta["reused_stages"]) | set(_copy_reuse(Path(reuse), out, progress))
         meta["reused_stages"] = sorted(reused, key=STAGES.index)
     write_json(meta_path, meta)
-    s = _Session(scale, out, resolve_device(device))
+    s = _Session(scale, out, str(resolve_device(device)))
     fns = {"sae": _stage_sae, "scan": _stage_scan, "steering": _stage_steering, "lens": _stage_lens,
            "q_vs_influence": _stage_qvi}
     timing = read_json(out / "timing.json") if (out / "timing.json").exists() else {}

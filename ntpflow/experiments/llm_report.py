@@ -24,6 +24,7 @@ from ntpflow.experiments.report_kit import (
 )
 from ntpflow.files import json_safe, read_json
 from ntpflow.llm.qscan import sigma_ci
+from ntpflow.llm.stages import LLMDir
 
 MODES = ("reconstruction", "error-preserving")
 DOMAINS = ("stories", "code", "math")
@@ -108,11 +109,9 @@ def summarize(out: Path) -> dict:
     sae = quality.get("sae") or {}
     s["setup"] = {**{k: quality.get(k) for k in SETUP_KEYS},
                   "sae": sae.get("config") or {k: v for k, v in sae.items() if k != "final_losses"}}
-    if (out / "contexts.pt").exists():
-        import torch
-
-        saved = torch.load(out / "contexts.pt")
-        s["setup"]["contexts_per_domain"] = {d: sum(x == d for x in saved["domains"]) for d in DOMAINS}
+    if LLMDir(out).has_contexts():
+        domains = LLMDir(out).contexts().domains
+        s["setup"]["contexts_per_domain"] = {d: sum(x == d for x in domains) for d in DOMAINS}
     s["sae_quality"] = {"train": quality.get("train"), "eval": quality.get("eval")}
     qsec = quality.get("seconds") or {}
     orig = {"sae": (qsec.get("activations") or 0) + (qsec.get("training") or 0) or None, "scan": st.get("seconds")}

@@ -1,10 +1,10 @@
 """Pretrained LLMs: Q(w) for SAE latents by ablation (docs/paper.md#q, #gemma).
 
-Modules: :mod:`.adapters` (TransformerLens / Hugging Face models behind one protocol, ``load_smollm2``),
-:mod:`.sae` (SAE interface, training with sae-lens, quality), :mod:`.corpus` (stories / code / math corpus),
-:mod:`.qscan` (top activations, batched ablation KL, Q, statistics), :mod:`.steering` (steering and a code-likeness
-score), :mod:`.lens` (look-ahead lens and its overlap with SAE encoders), :mod:`.components` (tiny test model, SAE storage), :mod:`.qscan_cli`
-(``ntpflow qscan``).
+Modules: :mod:`.adapters` (TransformerLens / Hugging Face models behind one protocol; loading SmolLM2, gemma or
+the tiny test model), :mod:`.sae` (SAE interface, training, quality, storage), :mod:`.corpus` (stories / code / math
+corpus), :mod:`.qscan` (top activations, batched ablation KL, Q, statistics), :mod:`.stages` (corpus, SAE, scan: the
+stages of ``ntpflow qscan`` and ``ntpflow reproduce llm``), :mod:`.steering` (steering and a code-likeness score),
+:mod:`.lens` (look-ahead lens and its overlap with SAE encoders), :mod:`.qscan_cli` (``ntpflow qscan [train|scan]``).
 
 Importing this package needs only torch and numpy; ``transformers``, ``transformer_lens``, ``sae_lens``, ``gguf`` and
 ``scipy`` are imported when a function needs them.

@@ -13,6 +13,10 @@ Shapes: ``tokens`` is ``[B, T]`` (int64), logits are ``[B, T, V]``, activations 
 Logits at position ``t`` predict token ``t + 1``. Right padding is harmless for every quantity this package reads,
 because attention is causal and only positions before the padding are read.
 
+Loading by name (:func:`load_model`): ``"smollm2"`` (SmolLM2-135M-Instruct offline, :func:`load_smollm2`) or
+``"tiny"`` (:func:`tiny_gpt2`: a random GPT-2 over bytes, :class:`ByteTokenizer`); :func:`load_gemma_preset` is the
+reference's gemma-2-2b with its GemmaScope SAE.
+
 Heavy dependencies (``transformers``, ``transformer_lens``) are imported lazily.
 """
 
@@ -393,3 +397,48 @@ def load_gemma_preset(device: str = "cuda") -> tuple[LoadedModel, Any]:
         sae = sae[0]
     tok = model.tokenizer
     return LoadedModel(TLAdapter(model), tok, int(tok.bos_token_id), p["hook"], p["model_name"]), sae
+
+
+class ByteTokenizer:
+    """Bytes as tokens: id = byte + 3; 0 = pad, 1 = BOS, 2 = EOS. Vocabulary 259.
+
+    ``tokenizer(text, add_special_tokens=False)["input_ids"]`` and ``decode(ids)`` mimic the Hugging Face API that
+    :func:`~ntpflow.llm.corpus.hf_encoder` and the steering code use.
+    """
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+    vocab_size = 259
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        ids = [b + 3 for b in text.encode("utf-8")]
+        return {"input_ids": ([self.bos_token_id] + ids) if add_special_tokens else ids}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(int(i) - 3 for i in ids if int(i) >= 3)
+        return data.decode("utf-8", errors="replace")
+
+
+def tiny_gpt2(seed: int = 0, device: str | torch.device = "cpu", n_ctx: int = 128) -> LoadedModel:
+    """A random ``transformers.GPT2LMHeadModel`` (2 layers, d_model 32, 2 heads, byte vocabulary) for CI: it checks
+    the pipeline, not the science. Site ``blocks.0.hook_resid_post``. Seeded, offline."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=ByteTokenizer.vocab_size, n_positions=n_ctx, n_embd=32, n_layer=2, n_head=2,
+                     bos_token_id=1, eos_token_id=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(cfg)
+    model = model.to(device).eval()
+    return LoadedModel(HFAdapter(model), ByteTokenizer(), 1, "blocks.0.hook_resid_post", "tiny-random-gpt2")
+
+
+MODELS = ("smollm2", "tiny")
+
+
+def load_model(name: str, device: str | torch.device = "cpu", seed: int = 0) -> LoadedModel:
+    """``"smollm2"`` (offline SmolLM2-135M-Instruct, :func:`load_smollm2`) or ``"tiny"`` (:func:`tiny_gpt2`)."""
+    if name == "smollm2":
+        return load_smollm2(device)
+    if name == "tiny":
+        return tiny_gpt2(seed, device)
+    raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")

@@ -15,8 +15,11 @@ import random
 import sysconfig
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from ntpflow.files import load_tensors, read_json, save_tensors, sidecar
 
 DOMAINS = ("stories", "code", "math")
 FORMAL_DOMAINS = ("code", "math")
@@ -181,6 +184,19 @@ class Contexts:
     def domain_ids(self) -> torch.Tensor:
         """``[N]`` int64 index into :data:`DOMAINS`."""
         return torch.tensor([DOMAINS.index(d) for d in self.domains], dtype=torch.long)
+
+    def save(self, path: str | Path) -> None:
+        """Save to ``path`` (``.safetensors``: ``tokens`` ``[N, L]``, ``domain`` ``[N]`` (index into
+        :data:`DOMAINS`), ``doc_index`` ``[N]``) and its JSON sidecar (the domain names and the file's checksum)."""
+        save_tensors(path, {"tokens": self.tokens, "domain": self.domain_ids(),
+                            "doc_index": torch.tensor(self.doc_index, dtype=torch.long)}, {"domains": list(DOMAINS)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> Contexts:
+        """The windows saved by :meth:`save` (checked against the sidecar's checksum)."""
+        t = load_tensors(path)
+        names = read_json(sidecar(path))["domains"]
+        return cls(t["tokens"], [names[i] for i in t["domain"].tolist()], t["doc_index"].tolist())
 
 
 def tokenize_corpus(docs: Sequence[Document], encode: Callable[[str], list[int]], ctx_len: int, bos_id: int,

@@ -66,12 +66,6 @@ def fit_linear(X: torch.Tensor, Y: torch.Tensor, ridge: float = 1e-4) -> tuple[t
     return A.float(), b.float()
 
 
-def top_right_singular(A: torch.Tensor, r: int) -> torch.Tensor:
-    """The top-``r`` right singular vectors of ``A`` as rows, ``[r, d_in]``."""
-    _, _, Vh = torch.linalg.svd(A.double(), full_matrices=False)
-    return Vh[:r].float()
-
-
 def overlap(A: torch.Tensor, E: torch.Tensor, ranks: Sequence[int]) -> dict[int, torch.Tensor]:
     """``{r: [S]}``: ``cos(E_f, P_r E_f)`` for each column ``E_f`` of ``E`` ``[d_in, S]`` and each rank ``r``."""
     _, _, Vh = torch.linalg.svd(A.double(), full_matrices=False)

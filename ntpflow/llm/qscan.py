@@ -333,12 +333,14 @@ def reference_loop_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, l
 
 def q_from_kl(d: torch.Tensor) -> tuple[float, float]:
     """``(Q, mean total KL)`` from ``d`` ``[n_examples, H]``: Q is the mean over examples of
-    ``sum_{m>=2} d_m / (d_1 + 1e-8)``."""
+    ``sum_{m>=2} d_m / (d_1 + 1e-8)``; NaN without examples (both) or with ``H < 2`` (Q)."""
     d = torch.as_tensor(d, dtype=torch.float64)
     if d.shape[0] == 0:
         return math.nan, math.nan
-    ratio = d[:, 1:].sum(1) / (d[:, 0] + EPS)
-    return float(ratio.mean()), float(d.sum(1).mean())
+    total = float(d.sum(1).mean())
+    if d.shape[1] < 2:
+        return math.nan, total
+    return float((d[:, 1:].sum(1) / (d[:, 0] + EPS)).mean()), total
 
 
 # ------------------------------------------------------------------------------------------------------ the scan

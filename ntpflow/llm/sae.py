@@ -8,17 +8,26 @@ An SAE here is anything with ``encode(x [..., d_in]) -> f [..., d_sae]``, ``deco
 :func:`train_sae` trains a TopK (default) or standard (ReLU + L1) SAE with the sae-lens training classes and a short
 loop of our own (sae-lens's ``LanguageModelSAETrainingRunner`` wants a TransformerLens model and a hub dataset, which
 this offline setting lacks). Activations are rescaled to mean norm ``sqrt(d_in)`` for training and the scale is folded
-back into the weights afterwards, so the returned SAE works on raw activations.
+back into the weights afterwards, so the returned SAE works on raw activations. :func:`train_simple_sae` trains a
+:class:`SimpleSAE` without sae-lens (the tiny test model's).
+
+:func:`save_sae` / :func:`load_sae`: the one storage of both kinds, sae-lens's folder layout
+(``sae_weights.safetensors`` + ``cfg.json``).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from ntpflow.files import load_tensors, read_json, save_tensors, write_json
 
 
 class SimpleSAE(torch.nn.Module):
@@ -312,13 +321,82 @@ def train_sae(acts: torch.Tensor, cfg: TrainSAEConfig | None = None, log_every: 
     return sae, {"scale": scale, "final_losses": losses, "config": asdict(cfg)}
 
 
-def save_sae(sae: Any, path: str) -> None:
-    """Save an sae-lens training SAE trained by :func:`train_sae` (weights and config) to a folder."""
-    sae.save_inference_model(path)
+def train_simple_sae(acts: torch.Tensor, d_sae: int, k: int = 8, steps: int = 300, batch_size: int = 256,
+                     lr: float = 3e-3, seed: int = 0) -> tuple[SimpleSAE, dict]:
+    """Train a TopK :class:`SimpleSAE` on ``acts`` ``[N, d_in]`` with Adam on the MSE (no sae-lens).
+
+    Decoder rows are renormalised to unit norm after every step; ``b_dec`` starts at the data mean. Returns
+    ``(sae, info)`` with the final loss. Seeded (initialisation and batch order).
+    """
+    acts = acts.float()
+    n, d_in = acts.shape
+    sae = SimpleSAE(d_in, d_sae, k=k, seed=seed)
+    with torch.no_grad():
+        sae.b_dec.copy_(acts.mean(0))
+    opt = torch.optim.Adam(sae.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(seed)
+    loss = torch.tensor(float("nan"))
+    for _ in range(steps):
+        x = acts[torch.randint(0, n, (min(batch_size, n),), generator=gen)]
+        loss = ((sae(x) - x) ** 2).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        with torch.no_grad():
+            sae.W_dec.div_(sae.W_dec.norm(dim=1, keepdim=True).clamp(min=1e-8))
+    sae.eval()
+    for p in sae.parameters():
+        p.requires_grad_(False)
+    return sae, {"final_loss": float(loss.detach()), "config": {"d_sae": d_sae, "k": k, "steps": steps,
+                                                        "batch_size": batch_size, "lr": lr, "seed": seed}}
 
 
-def load_sae(path: str, device: str = "cpu") -> Any:
-    """Load an SAE saved by :func:`save_sae` (an sae-lens inference ``SAE``)."""
-    from sae_lens import SAE
+def encoder_matrix(sae: Any) -> torch.Tensor:
+    """The SAE's encoder ``W_enc`` as ``[d_in, d_sae]`` (float32, CPU)."""
+    W = getattr(sae, "W_enc", None)
+    if W is None:
+        raise TypeError(f"SAE object {type(sae).__name__} has no W_enc")
+    return W.detach().float().cpu()
 
-    return SAE.load_from_disk(path, device=device)
+
+# --------------------------------------------------------------------------------------------------------- storage
+
+WEIGHTS_FILE, CFG_FILE = "sae_weights.safetensors", "cfg.json"  # sae-lens's names (sae_lens.constants)
+SIMPLE_ARCHITECTURE = "ntpflow_simple"  # cfg.json["architecture"] of a SimpleSAE
+
+
+def save_sae(sae: Any, path: str | Path) -> None:
+    """Save an SAE into the folder ``path`` as ``sae_weights.safetensors`` + ``cfg.json`` (sae-lens's layout): a
+    :class:`SimpleSAE` with ``{"architecture": "ntpflow_simple", d_in, d_sae, k}``, an sae-lens SAE in its own
+    inference format. Written to a temporary sibling first and renamed (an existing folder is replaced)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    if isinstance(sae, SimpleSAE):
+        save_tensors(tmp / WEIGHTS_FILE, sae.state_dict())
+        write_json(tmp / CFG_FILE, {"architecture": SIMPLE_ARCHITECTURE, "d_in": sae.d_in, "d_sae": sae.d_sae,
+                                    "k": sae.k})
+    else:
+        sae.save_inference_model(str(tmp))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+
+
+def load_sae(path: str | Path, device: str | torch.device = "cpu") -> Any:
+    """Load an SAE saved by :func:`save_sae` (or any sae-lens SAE folder), frozen, in eval mode on ``device``."""
+    path = Path(path)
+    if not (path / CFG_FILE).exists():
+        raise FileNotFoundError(f"no SAE in {path} (expected {CFG_FILE} and {WEIGHTS_FILE})")
+    cfg = read_json(path / CFG_FILE)
+    if cfg.get("architecture") != SIMPLE_ARCHITECTURE:
+        from sae_lens import SAE
+
+        return SAE.load_from_disk(str(path), device=str(device))
+    sae = SimpleSAE(cfg["d_in"], cfg["d_sae"], k=cfg["k"])
+    sae.load_state_dict(load_tensors(path / WEIGHTS_FILE))
+    for p in sae.parameters():
+        p.requires_grad_(False)
+    return sae.to(device).eval()
