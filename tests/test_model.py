@@ -11,6 +11,7 @@ import torch
 
 from ntpflow import GPT, GPTConfig, Site, lm_loss, per_position_loss, split_groups
 from ntpflow.model.hooks import hooks, run_with_cache
+from ntpflow.model.sites import checked_sites
 
 T, V = 8, 7
 
@@ -240,3 +241,11 @@ def test_resid_last_matches_full_forward(tokens, kw):
                     assert (a is None or not a.any()) and (b is None or not b.any())
                 else:
                     torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
+def test_checked_sites_sorts_dedupes_and_checks():
+    assert checked_sites([Site(2, 3), Site(0, 1), Site(2, 3)], n_layer=2, n_pos=4) == [Site(0, 1), Site(2, 3)]
+    with pytest.raises(ValueError, match="layer must be in 0..2"):
+        checked_sites([Site(3, 0)], n_layer=2, n_pos=4)
+    with pytest.raises(ValueError, match="pos must be in 0..3"):
+        checked_sites([Site(1, 4)], n_layer=2, n_pos=4)

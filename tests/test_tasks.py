@@ -333,6 +333,21 @@ def test_registry_and_unknown_task():
         make_task("othello_nope")
 
 
+def test_task_hooks_declared_with_defaults(tmp_path):
+    # every shipped task subclasses Task and so has its optional hooks; the defaults are
+    # config_fields=(), two seeded sample streams ([seed, 0] train, [seed, 1] eval), and nothing saved
+    for cls in TASKS.values():
+        assert Task in cls.__mro__ and isinstance(cls.config_fields, tuple)
+        assert callable(cls.make_datasets) and callable(cls.save_artifacts)
+    assert Stories.config_fields == ("corpus", "vocab_size") and Majority.config_fields == ()
+    task = make_task("majority")
+    train, evals = task.make_datasets(30, 20, 7)
+    np.testing.assert_array_equal(train.tokens, task.sample(30, np.random.default_rng([7, 0])).tokens)
+    np.testing.assert_array_equal(evals.tokens, task.sample(20, np.random.default_rng([7, 1])).tokens)
+    task.save_artifacts(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_batch_indexing_and_concat():
     task = Majority()
     b = task.sample(10, np.random.default_rng(0))

@@ -53,59 +53,6 @@ def flat_grads(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tens
     return torch.cat(parts, dim=-1)
 
 
-def param_slices(params: Sequence[torch.Tensor]) -> list[slice]:
-    """The slice of each parameter in a flat [n_params] vector (``model.parameters()`` order)."""
-    out, start = [], 0
-    for p in params:
-        out.append(slice(start, start + p.numel()))
-        start += p.numel()
-    return out
-
-
-def vjp_rows(resid: torch.Tensor, params: Sequence[torch.Tensor], cotangents: torch.Tensor, out: torch.Tensor,
-             retain_graph: bool = False) -> torch.Tensor:
-    """Write the VJPs (∂resid/∂θ)ᵀ c of cotangents [n, *resid.shape] into the rows of out [n, n_params].
-
-    One ordinary backward per cotangent, on the same graph; each gradient is copied straight into its slice of the
-    row (no concatenation; parameters the residual does not depend on get zeros). On one CPU thread this was 1.5×
-    faster than a vmap-batched backward (``is_grads_batched``); see BENCHMARKS.md.
-    """
-    slices = param_slices(params)
-    for j, c in enumerate(cotangents):
-        grads = torch.autograd.grad(resid, params, grad_outputs=c, retain_graph=retain_graph or j < len(cotangents) - 1,
-                                    allow_unused=True)
-        row = out[j]
-        for g, sl in zip(grads, slices):
-            if g is None:
-                row[sl].zero_()
-            else:
-                row[sl].copy_(g.reshape(-1))
-    return out
-
-
-def site_vjp(resid: torch.Tensor, params: Sequence[torch.Tensor], cotangents: torch.Tensor) -> torch.Tensor:
-    """VJPs of a residual tensor in the graph: cotangents [n, *resid.shape] -> [n, n_params]."""
-    out = cotangents.new_empty((len(cotangents), sum(p.numel() for p in params)))
-    return vjp_rows(resid, params, cotangents, out, retain_graph=True)
-
-
-def sites_vjp(model: GPT, tokens: torch.Tensor, requests: Sequence[tuple[Site, torch.Tensor]],
-              myopic: str | None = None) -> torch.Tensor:
-    """VJPs (∂r^k_i/∂θ)ᵀ u for requests ``[(Site(k, i), u [batch, d_model]), ...]`` -> [n_requests, n_params].
-
-    r^k_i depends only on tokens 0..i, and its last block only through query i: each site runs
-    ``model.resid_last`` on the prefix ``tokens[:, :i+1]`` (in the model's regime or ``myopic``), and all the
-    requests of one site share that graph.
-    """
-    params = list(model.parameters())
-    out = tokens.new_empty((len(requests), sum(p.numel() for p in params)), dtype=params[0].dtype)
-    for site in sorted({s for s, _ in requests}):
-        r = model.resid_last(tokens[:, :site.pos + 1], site.layer, myopic=myopic)  # [batch, d_model]
-        idx = [n for n, (s, _) in enumerate(requests) if s == site]
-        out[idx] = vjp_rows(r, params, torch.stack([requests[n][1] for n in idx]), out.new_empty((len(idx), out.shape[1])))
-    return out
-
-
 def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, sites: Sequence[Site],
                     primals: Primals, functional: bool = False):
     """(full gradient [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i, filled at the sites' positions},
@@ -167,16 +114,6 @@ def _functional_backward(model: GPT, tokens, loss_mask, layers):
     grads, c_all = pull(torch.ones_like(loss))
     d_logits = torch.func.grad(lambda lg: lm_loss(lg, tokens, loss_mask))(logits)
     return grads, dict(zip(layers, c_all)), d_logits
-
-
-def resid_cotangents(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, layers: Sequence[int]):
-    """Forward in the model's own regime and the cotangents of the residual layers.
-
-    Returns (full_grad [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i at every i}), all
-    cotangents [batch, pos, d_model].
-    """
-    sites = [Site(k, i) for k in layers for i in range(tokens.shape[1])]
-    return _cotangent_pass(model, tokens, loss_mask, sites, Primals(model, tokens))[:3]
 
 
 class SitePasses:

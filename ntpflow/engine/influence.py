@@ -28,7 +28,7 @@ import torch
 from ntpflow.engine.decomposition import SitePasses, flat_grads
 from ntpflow.engine.forward_mode import Primals, all_tangents, site_tangents
 from ntpflow.model.gpt import GPT
-from ntpflow.model.sites import Site
+from ntpflow.model.sites import Site, checked_sites
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 MISMATCHES = ("paper", "centred")  # R = mean_b d_b², and R_c = mean_b (d_b − d̄)²
@@ -135,9 +135,7 @@ class InfluenceTracker:
         self._last_grads: tuple | None = None  # (model, per-parameter gradients) of the last track(), see step
         self.final_model = final_model.eval()
         self.probes = list(probes)
-        self.sites = sorted({p.site for p in self.probes})
-        for s in self.sites:
-            s.check(final_model.cfg.n_layer, final_model.cfg.n_ctx)
+        self.sites = checked_sites((p.site for p in self.probes), final_model.cfg.n_layer, final_model.cfg.n_ctx)
         d = final_model.cfg.d_model
         for p in self.probes:
             if p.w.shape != (d,):

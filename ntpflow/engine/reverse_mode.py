@@ -175,89 +175,21 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
     ln1 per table row [m, R, P, d] (else None; see ``Primals``; with a deduplicated table and shared weights all of
     it, the residual path included, is summed per table row and the first is None); parameter gradients into
     grads."""
-    c, pre = pr.blocks[b], f"blocks.{b}."
     m, bsz, d = d_out.shape
     n_pos = onehot.shape[1]
-    heads = pr.n_head
-    dh = d // heads
-    # MLP and ln2 at the query
-    x2, h = _gather(c["ln2"]["y"], qpos), _gather(c["h"], qpos)
-    _linear_rows(grads, pre + "mlp.c_proj.", d_out, h, qpos)
-    da = _matmul_rows(d_out, _weight_rows(pr, pre + "mlp.c_proj.weight", qpos)) * _gather(c["gelu_slope"], qpos)
-    _linear_rows(grads, pre + "mlp.c_fc.", da, x2, qpos)
-    dx2 = _matmul_rows(da, _weight_rows(pr, pre + "mlp.c_fc.weight", qpos))
-    n2 = _gather(c["ln2"]["n"], qpos)
-    _ln_params_rows(grads, pre + "ln2.", n2, dx2, qpos)
-    w2 = _weight_rows(pr, pre + "ln2.weight", qpos)
-    d_mid = d_out + _ln_back(n2, _gather(c["ln2"]["rsigma"], qpos), w2[:, None] if w2.dim() == 2 else w2, dx2)
-    # attention output projection
-    _linear_rows(grads, pre + "attn.c_proj.", d_mid, _gather(c["z"], qpos), qpos)
-    dz = _matmul_rows(d_mid, _weight_rows(pr, pre + "attn.c_proj.weight", qpos)).view(m, bsz, heads, dh)
-    # attention of the query over keys 0..P−1
-    q = _gather_heads(c["q"], qpos)  # [m, B, H, dh]
-    k, v = c["k"][:, :, :n_pos], c["v"][:, :, :n_pos]  # [B, H, P, dh]
-    att = _gather_heads(c["att"][..., :n_pos], qpos)  # [m, B, H, P], exactly 0 after the query
-    datt = torch.einsum("mbhe,bhpe->mbhp", dz, v)
-    ds = att * (datt - (att * datt).sum(-1, keepdim=True)) / math.sqrt(dh)  # cotangent of q·k_s (scale included)
-    dq = torch.einsum("mbhp,bhpe->mbhe", ds, k)
-    diag = onehot[:, None, None, :]
-    live_k, live_v = (ds, att) if myopic == "none" else (ds * diag, att * diag)  # paths into the residual
-    w_k, w_v = (live_k, live_v) if myopic == "kv" else (ds, att)  # paths into the weights
-    x1 = c["ln1"]["y"][:, :n_pos]  # [B, P, d]
-    x1q = _gather(c["ln1"]["y"], qpos)  # [m, B, d]
-    name = pre + "attn.c_attn."
-    w_attn = _weight(pr, name + "weight", n_pos)  # [3d, d] or [P, 3d, d]
+    d_mid, dz = _top_mlp_back(pr, grads, b, qpos, d_out)
+    q, dq, (live_k, live_v), (w_k, w_v) = _top_attention_back(pr.blocks[b], qpos, onehot, dz, myopic)
+    name = f"blocks.{b}.attn.c_attn."
     dqf = dq.reshape(m, bsz, d)
-    grads.add_rows(grads.view[name + "weight"][:, :, :d], dqf.transpose(1, 2) @ x1q, qpos)
+    grads.add_rows(grads.view[name + "weight"][:, :, :d], dqf.transpose(1, 2) @ _gather(pr.blocks[b]["ln1"]["y"], qpos),
+                   qpos)
     grads.add_rows(grads.view[name + "bias"][:, :, :d], dqf.sum(1), qpos)
     dx1_q = _matmul_rows(dqf, _weight_rows(pr, name + "weight", qpos)[..., :d, :])  # [m, B, d], at the query
-    table = b == 0 and pr.dedupe and pr.groups is None  # block 0's ln1 side per table row, see Primals
-    if table:
-        cols = pr.table_rows(n_pos).view(bsz, n_pos)  # the table row of each (batch row, position)
-        at = cols.view(1, bsz, 1, n_pos).expand(m, bsz, heads, n_pos)
-        n_tab = len(pr.table_tokens) * n_pos
-
-        def spread(w):  # [m, B, H, P] -> [m, B·H, R·P] on the table's columns (distinct per (b, h))
-            return w.new_zeros((m, bsz, heads, n_tab)).scatter_(3, at, w).view(m, bsz * heads, n_tab)
-    if pr.groups is None:  # regrouped per head
-        wk, wv = w_attn[d:2 * d].view(heads, dh, d), w_attn[2 * d:].view(heads, dh, d)
-        if table:  # Σ_p w_p x1_p as one matmul against the table
-            x1_tab = c["tab"]["ln1"]["y"][:, :n_pos].reshape(n_tab, d)
-            uk = (spread(w_k) @ x1_tab).view(m, bsz, heads, d)
-            uv = (spread(w_v) @ x1_tab).view(m, bsz, heads, d)
-        else:
-            uk = torch.einsum("mbhp,bpd->mbhd", w_k, x1)
-            uv = torch.einsum("mbhp,bpd->mbhd", w_v, x1)
-        view_w, view_b = grads.view[name + "weight"][:, 0], grads.view[name + "bias"][:, 0]
-        view_w[:, d:2 * d] += torch.einsum("mbhe,mbhd->mhed", q, uk).reshape(m, d, d)
-        view_w[:, 2 * d:] += torch.einsum("mbhe,mbhd->mhed", dz, uv).reshape(m, d, d)
-        view_b[:, d:2 * d] += torch.einsum("mbhp,mbhe->mhe", w_k, q).reshape(m, d)
-        view_b[:, 2 * d:] += torch.einsum("mbhp,mbhe->mhe", w_v, dz).reshape(m, d)
-        a, e = torch.einsum("mbhe,hed->mbhd", q, wk), torch.einsum("mbhe,hed->mbhd", dz, wv)  # W_kᵀq, W_vᵀdz
-
-        def dx1_of(sk, sv):  # input cotangent at positions 0..P−1 through the keys and values [m, B, P, d]
-            if table:  # summed per table row [m, R, P, d]: one matmul over (batch, head)
-                s_kv = torch.cat([spread(sk), spread(sv)], 1).transpose(1, 2)  # [m, R·P, 2·B·H]
-                return (s_kv @ torch.cat([a, e], 1).view(m, 2 * bsz * heads, d)).view(m, -1, n_pos, d)
-            return torch.einsum("mbhp,mbhd->mbpd", sk, a) + torch.einsum("mbhp,mbhd->mbpd", sv, e)
-    else:  # per-position weights: explicit key and value cotangents
-        def dkv_of(sk, sv):  # [m, B, P, 2d]
-            dk = (sk[..., None] * q[:, :, :, None]).transpose(2, 3).reshape(m, bsz, n_pos, d)
-            dv = (sv[..., None] * dz[:, :, :, None]).transpose(2, 3).reshape(m, bsz, n_pos, d)
-            return torch.cat([dk, dv], -1)
-
-        dkv = dkv_of(w_k, w_v)
-        grads.add_positions(grads.view[name + "weight"][:, :, d:], n_pos, _outer(dkv, x1))
-        grads.add_positions(grads.view[name + "bias"][:, :, d:], n_pos, _summed(dkv))
-
-        def dx1_of(sk, sv):
-            return _matmul_pos(dkv_of(sk, sv), w_attn[..., d:, :])
+    table = _QueryTable(pr, qpos, q.shape, n_pos) if b == 0 and pr.dedupe and pr.groups is None else None
+    dx1_of = _top_kv_back(pr, grads, b, n_pos, q, dz, w_k, w_v, table)
     rows = grads.rows
-    if table:
-        at_q = cols[:, qpos].T[..., None].expand(-1, -1, d)  # [m, B, d]: the table row of each row's query
-
-        def add_query(x, y):  # x [m, R, P, d] += y [m, B, d] at each row's query, summed per table row
-            x.view(m, -1, d).scatter_add_(1, at_q, y)
+    if table is not None:
+        add_query = table.add_query
     else:
         def add_query(x, y):  # x [m, B, P, d] += y [m, B, d] at each row's query
             x.transpose(1, 2)[rows, qpos] += y  # adjacent indices: vmap places them as without it
@@ -268,15 +200,118 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
     else:
         dx1_all = dx1_of(w_k, w_v)
         add_query(dx1_all, dx1_q)
-    d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=table)
+    d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=table is not None)
     if d_tab is None:
         d_in.transpose(1, 2)[rows, qpos] += d_mid  # the residual path at the query
-    elif table:
+    elif table is not None:
         add_query(d_tab, d_mid)
     else:
         d_in = d_mid.new_zeros(dx1_live.shape)
         d_in.transpose(1, 2)[rows, qpos] += d_mid
     return d_in, d_tab
+
+
+def _top_mlp_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor,
+                  d_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block b's MLP, ln2 and attention output projection at each row's query: d_out [m, B, d] -> (the cotangent
+    of the residual between attention and MLP, d_mid [m, B, d]; of the heads' outputs, dz [m, B, H, dh]);
+    parameter gradients into grads."""
+    c, pre = pr.blocks[b], f"blocks.{b}."
+    m, bsz, d = d_out.shape
+    x2, h = _gather(c["ln2"]["y"], qpos), _gather(c["h"], qpos)
+    _linear_rows(grads, pre + "mlp.c_proj.", d_out, h, qpos)
+    da = _matmul_rows(d_out, _weight_rows(pr, pre + "mlp.c_proj.weight", qpos)) * _gather(c["gelu_slope"], qpos)
+    _linear_rows(grads, pre + "mlp.c_fc.", da, x2, qpos)
+    dx2 = _matmul_rows(da, _weight_rows(pr, pre + "mlp.c_fc.weight", qpos))
+    n2 = _gather(c["ln2"]["n"], qpos)
+    _ln_params_rows(grads, pre + "ln2.", n2, dx2, qpos)
+    w2 = _weight_rows(pr, pre + "ln2.weight", qpos)
+    d_mid = d_out + _ln_back(n2, _gather(c["ln2"]["rsigma"], qpos), w2[:, None] if w2.dim() == 2 else w2, dx2)
+    _linear_rows(grads, pre + "attn.c_proj.", d_mid, _gather(c["z"], qpos), qpos)
+    dz = _matmul_rows(d_mid, _weight_rows(pr, pre + "attn.c_proj.weight", qpos)).view(m, bsz, pr.n_head, -1)
+    return d_mid, dz
+
+
+def _top_attention_back(c: dict, qpos: torch.Tensor, onehot: torch.Tensor, dz: torch.Tensor, myopic: str):
+    """The attention of each row's query over keys 0..P−1 (block cache ``c``), backwards from dz [m, B, H, dh]:
+    (q, dq [m, B, H, dh], (score, pattern) weights [m, B, H, P] of the paths into the residual, the same of the
+    paths into the parameters; the two pairs are the same tensors where the regime makes them equal)."""
+    n_pos, dh = onehot.shape[1], dz.shape[-1]
+    q = _gather_heads(c["q"], qpos)  # [m, B, H, dh]
+    k, v = c["k"][:, :, :n_pos], c["v"][:, :, :n_pos]  # [B, H, P, dh]
+    att = _gather_heads(c["att"][..., :n_pos], qpos)  # [m, B, H, P], exactly 0 after the query
+    datt = torch.einsum("mbhe,bhpe->mbhp", dz, v)
+    ds = att * (datt - (att * datt).sum(-1, keepdim=True)) / math.sqrt(dh)  # cotangent of q·k_s (scale included)
+    dq = torch.einsum("mbhp,bhpe->mbhe", ds, k)
+    diag = onehot[:, None, None, :]
+    live = (ds, att) if myopic == "none" else (ds * diag, att * diag)  # paths into the residual
+    return q, dq, live, live if myopic == "kv" else (ds, att)  # paths into the weights
+
+
+class _QueryTable:
+    """Block 0's ln1 side summed per row of the deduplicated table (see ``Primals``), for rows of query positions
+    qpos [m] over keys 0..P−1 (shape: q's [m, B, H, dh])."""
+
+    def __init__(self, pr: Primals, qpos: torch.Tensor, shape: torch.Size, n_pos: int):
+        m, bsz, heads, dh = shape
+        cols = pr.table_rows(n_pos).view(bsz, n_pos)  # the table row of each (batch row, position)
+        self.at = cols.view(1, bsz, 1, n_pos).expand(m, bsz, heads, n_pos)
+        self.n_tab = len(pr.table_tokens) * n_pos
+        self.x1 = pr.blocks[0]["tab"]["ln1"]["y"][:, :n_pos].reshape(self.n_tab, heads * dh)  # [R·P, d]
+        self.at_q = cols[:, qpos].T[..., None].expand(-1, -1, heads * dh)  # [m, B, d]: the table row of each query
+
+    def spread(self, w: torch.Tensor) -> torch.Tensor:
+        """[m, B, H, P] -> [m, B·H, R·P] on the table's columns (distinct per (b, h))."""
+        m, bsz, heads, _ = w.shape
+        return w.new_zeros((m, bsz, heads, self.n_tab)).scatter_(3, self.at, w).view(m, bsz * heads, self.n_tab)
+
+    def add_query(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """x [m, R, P, d] += y [m, B, d] at each row's query, summed per table row."""
+        x.view(len(y), -1, y.shape[-1]).scatter_add_(1, self.at_q, y)
+
+
+def _top_kv_back(pr: Primals, grads: _Grads, b: int, n_pos: int, q: torch.Tensor, dz: torch.Tensor,
+                 w_k: torch.Tensor, w_v: torch.Tensor, table: _QueryTable | None):
+    """Key and value parameter gradients of block b's attention at each row's query (weights w_k, w_v
+    [m, B, H, P] of the paths into the parameters; q, dz [m, B, H, dh]) into grads. Returns ``dx1_of(sk, sv)``:
+    the cotangent of ln1's output through the keys and values for weights sk, sv, [m, B, P, d] (with ``table``,
+    summed per table row [m, R, P, d])."""
+    name = f"blocks.{b}.attn.c_attn."
+    m, bsz, heads, dh = q.shape
+    d = heads * dh
+    x1 = pr.blocks[b]["ln1"]["y"][:, :n_pos]  # [B, P, d]
+    w_attn = _weight(pr, name + "weight", n_pos)  # [3d, d] or [P, 3d, d]
+    if pr.groups is not None:  # per-position weights: explicit key and value cotangents
+        def dkv_of(sk, sv):  # [m, B, P, 2d]
+            dk = (sk[..., None] * q[:, :, :, None]).transpose(2, 3).reshape(m, bsz, n_pos, d)
+            dv = (sv[..., None] * dz[:, :, :, None]).transpose(2, 3).reshape(m, bsz, n_pos, d)
+            return torch.cat([dk, dv], -1)
+
+        dkv = dkv_of(w_k, w_v)
+        grads.add_positions(grads.view[name + "weight"][:, :, d:], n_pos, _outer(dkv, x1))
+        grads.add_positions(grads.view[name + "bias"][:, :, d:], n_pos, _summed(dkv))
+        return lambda sk, sv: _matmul_pos(dkv_of(sk, sv), w_attn[..., d:, :])
+    # shared weights: regrouped per head
+    wk, wv = w_attn[d:2 * d].view(heads, dh, d), w_attn[2 * d:].view(heads, dh, d)
+    if table is not None:  # Σ_p w_p x1_p as one matmul against the table
+        uk = (table.spread(w_k) @ table.x1).view(m, bsz, heads, d)
+        uv = (table.spread(w_v) @ table.x1).view(m, bsz, heads, d)
+    else:
+        uk = torch.einsum("mbhp,bpd->mbhd", w_k, x1)
+        uv = torch.einsum("mbhp,bpd->mbhd", w_v, x1)
+    view_w, view_b = grads.view[name + "weight"][:, 0], grads.view[name + "bias"][:, 0]
+    view_w[:, d:2 * d] += torch.einsum("mbhe,mbhd->mhed", q, uk).reshape(m, d, d)
+    view_w[:, 2 * d:] += torch.einsum("mbhe,mbhd->mhed", dz, uv).reshape(m, d, d)
+    view_b[:, d:2 * d] += torch.einsum("mbhp,mbhe->mhe", w_k, q).reshape(m, d)
+    view_b[:, 2 * d:] += torch.einsum("mbhp,mbhe->mhe", w_v, dz).reshape(m, d)
+    a, e = torch.einsum("mbhe,hed->mbhd", q, wk), torch.einsum("mbhe,hed->mbhd", dz, wv)  # W_kᵀq, W_vᵀdz
+
+    def dx1_of(sk, sv):  # through the keys and values at positions 0..P−1
+        if table is not None:  # summed per table row [m, R, P, d]: one matmul over (batch, head)
+            s_kv = torch.cat([table.spread(sk), table.spread(sv)], 1).transpose(1, 2)  # [m, R·P, 2·B·H]
+            return (s_kv @ torch.cat([a, e], 1).view(m, 2 * bsz * heads, d)).view(m, -1, n_pos, d)
+        return torch.einsum("mbhp,mbhd->mbpd", sk, a) + torch.einsum("mbhp,mbhd->mbpd", sv, e)
+    return dx1_of
 
 
 def _ln1_back(pr: Primals, grads: _Grads, b: int, dx1_all: torch.Tensor, dx1_live: torch.Tensor,

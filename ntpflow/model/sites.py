@@ -8,6 +8,7 @@ Convention:
     Logits at position p predict token p+1; "the loss at position p" is that prediction. Position 0 is BOS.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 
@@ -37,6 +38,15 @@ class Site:
         except ValueError:
             raise ValueError(f"cannot parse site {text!r}; expected LAYER:POS, e.g. 1:5") from None
         return cls(layer, pos)
+
+
+def checked_sites(sites: Iterable[Site], n_layer: int, n_pos: int) -> list[Site]:
+    """The distinct ``sites``, sorted, each checked to lie in a model with ``n_layer`` blocks and ``n_pos`` positions
+    (ValueError otherwise)."""
+    out = sorted(set(sites))
+    for s in out:
+        s.check(n_layer, n_pos)
+    return out
 
 
 def resid_hook_name(layer: int, n_layer: int) -> str:

@@ -8,14 +8,10 @@ from ntpflow.tasks import Batch, Task
 
 
 def make_datasets(cfg: TrainConfig, task: Task) -> tuple[Batch, Batch]:
-    """(train, eval) sets from ``data_seed`` (default ``seed``): independent generated streams, or the task's own
-    ``make_datasets`` for a task that reads a fixed corpus."""
+    """(train, eval) sets from ``data_seed`` (default ``seed``), by the task's :meth:`~ntpflow.tasks.Task.make_datasets`
+    (independent generated streams, or windows of a fixed corpus)."""
     seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
-    if hasattr(task, "make_datasets"):
-        return task.make_datasets(cfg.n_train, cfg.n_eval, seed)
-    train = task.sample(cfg.n_train, np.random.default_rng([seed, 0]))
-    evals = task.sample(cfg.n_eval, np.random.default_rng([seed, 1]))
-    return train, evals
+    return task.make_datasets(cfg.n_train, cfg.n_eval, seed)
 
 
 class DataOrder:

@@ -148,7 +148,7 @@ def task_for(cfg: TrainConfig) -> Task:
     """The task of a config; a task class lists in ``config_fields`` the TrainConfig fields it is built with."""
 
     cls = TASKS.get(cfg.task)
-    return make_task(cfg.task, **{f: getattr(cfg, f) for f in getattr(cls, "config_fields", ())})
+    return make_task(cfg.task, **{f: getattr(cfg, f) for f in cls.config_fields})
 
 
 def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,

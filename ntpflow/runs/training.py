@@ -116,8 +116,7 @@ def _prepare_run_dir(cfg: TrainConfig, run_dir: Path, *, extend: bool = False) -
     (run_dir / "ckpt").mkdir(exist_ok=True)
     write_json(run_dir / "config.json", {"train": cfg.to_dict(), "model": model, "config_hash": cfg.hash()})
     write_json(run_dir / "env.json", environment())
-    if hasattr(task, "save_artifacts"):  # e.g. the stories task's tokenizer
-        task.save_artifacts(run_dir)
+    task.save_artifacts(run_dir)  # e.g. the stories task's tokenizer
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track: Sequence = (),

@@ -15,9 +15,10 @@ Conventions shared by every task:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -125,6 +126,11 @@ class Task(Protocol):
         useful: bool ``[T, F]``; whether feature ``f`` at position ``t`` is
             NTP-useful (helps predict token ``t + 1``).
         first_output_pos: position whose logits predict the first output token.
+        config_fields: the ``TrainConfig`` fields the task is built with (passed to its constructor by
+            name); default none.
+
+    Optional hooks, with defaults that a task inherits by subclassing ``Task`` explicitly (as the shipped
+    tasks do): :attr:`config_fields`, :meth:`make_datasets` and :meth:`save_artifacts`.
     """
 
     name: str
@@ -133,7 +139,22 @@ class Task(Protocol):
     feature_names: tuple[str, ...]
     useful: np.ndarray
     first_output_pos: int
+    config_fields: ClassVar[tuple[str, ...]] = ()
 
     def sample(self, n: int, rng: np.random.Generator) -> Batch:
         """Draw ``n`` sequences using only ``rng`` for randomness."""
         ...
+
+    def make_datasets(self, n_train: int, n_eval: int, seed: int) -> tuple[Batch, Batch]:
+        """(train, eval) sets of ``n_train`` / ``n_eval`` sequences seeded by ``seed``.
+
+        Default: :meth:`sample` from two independent streams, ``default_rng([seed, 0])`` for train and
+        ``default_rng([seed, 1])`` for eval. A task that reads a fixed corpus overrides it.
+        """
+        train = self.sample(n_train, np.random.default_rng([seed, 0]))
+        evals = self.sample(n_eval, np.random.default_rng([seed, 1]))
+        return train, evals
+
+    def save_artifacts(self, run_dir: str | os.PathLike) -> None:
+        """Write what a run needs beside its weights into the new ``run_dir`` (e.g. a tokenizer); default
+        nothing."""

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ntpflow.tasks.base import BOS_ID, N_SPECIAL, Batch
+from ntpflow.tasks.base import BOS_ID, N_SPECIAL, Batch, Task
 
 __all__ = ["CondMajority", "Majority"]
 
@@ -44,7 +44,7 @@ def _count_dtype(seq_len: int) -> type:
 
 
 @dataclass(frozen=True)
-class _SymbolTask:
+class _SymbolTask(Task):
     n_inputs: int = 10
     n_outputs: int = 10
     n_symbols: int = 3

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from ntpflow.tasks.base import BOS_ID, Batch
+from ntpflow.tasks.base import BOS_ID, Batch, Task
 from ntpflow.tasks.othello_engine import (
     GAME_LEN,
     PASS,
@@ -54,7 +54,7 @@ SQUARE_OFFSET = 3  #: token id of square ``s`` is ``SQUARE_OFFSET + s``
 
 
 @dataclass(frozen=True)
-class Othello:
+class Othello(Task):
     """Random legal Othello games as a :class:`~ntpflow.tasks.base.Task` (see module docstring).
 
     ``useful`` is static while Othello usefulness is per example (``feature_types == 2``); it is all True,

@@ -308,29 +308,42 @@ def _pick(rng: np.random.Generator, options: tuple[str, ...]) -> str:
     return options[int(rng.integers(len(options)))]
 
 
+# body sentences: ``{name}``, ``{pron}``/``{pron_l}``, ``{poss}``/``{poss_l}`` (the character), ``{subj}`` (name or
+# pronoun) and ``{a} {n} {t} {p}`` (an adjective, animal, thing and place) are drawn once per sentence; every other
+# field draws afresh from its word list where it stands, left to right
+_BODY_SENTENCES = (
+    "One day, {pron_l} went to the {p} with {poss_l} {friend}.",
+    "{subj} {past} a {a} {t} near the {p}.",
+    "The {n} was very {feeling}, and it did not want to {base}.",
+    '{name} said, "{exclaim}! Can I {base} with the {a} {t}?"',
+    "{subj} and the {n} liked to {base} {adv}.",
+    "Then {pron_l} {past} {poss_l} {t} and felt {feeling}.",
+    "In the {p}, there was a {a} {n} who could {base}.",
+    "{poss} {friend} smiled and gave {name} a {a} {t}.",
+    "{subj} didn't know why the {t} was so {a}, but {pron_l} was {feeling}.",
+    "They {past} the {t} {adv} because it was {a}.",
+)
+_FRESH_WORDS = {"friend": _FRIENDS, "past": _VERBS_PAST, "base": _VERBS_BASE, "feeling": _FEELINGS,
+                "exclaim": _EXCLAIMS, "adv": _ADVS}
+
+
+class _SentenceFields(dict):
+    """The fields of one body sentence; a missing one is a fresh draw from its word list (``_FRESH_WORDS``)."""
+
+    def __init__(self, rng: np.random.Generator, **fields: str):
+        super().__init__(fields)
+        self.rng = rng
+
+    def __missing__(self, key: str) -> str:
+        return _pick(self.rng, _FRESH_WORDS[key])
+
+
 def _body_sentence(rng: np.random.Generator, name: str, pron: str, poss: str) -> str:
-    k = int(rng.integers(10))
+    k = int(rng.integers(len(_BODY_SENTENCES)))
     a, n, t, p = _pick(rng, _ADJS), _pick(rng, _ANIMALS), _pick(rng, _THINGS), _pick(rng, _PLACES)
     subj = name if rng.random() < 0.5 else pron
-    if k == 0:
-        return f"One day, {pron.lower()} went to the {p} with {poss.lower()} {_pick(rng, _FRIENDS)}."
-    if k == 1:
-        return f"{subj} {_pick(rng, _VERBS_PAST)} a {a} {t} near the {p}."
-    if k == 2:
-        return f"The {n} was very {_pick(rng, _FEELINGS)}, and it did not want to {_pick(rng, _VERBS_BASE)}."
-    if k == 3:
-        return f'{name} said, "{_pick(rng, _EXCLAIMS)}! Can I {_pick(rng, _VERBS_BASE)} with the {a} {t}?"'
-    if k == 4:
-        return f"{subj} and the {n} liked to {_pick(rng, _VERBS_BASE)} {_pick(rng, _ADVS)}."
-    if k == 5:
-        return f"Then {pron.lower()} {_pick(rng, _VERBS_PAST)} {poss.lower()} {t} and felt {_pick(rng, _FEELINGS)}."
-    if k == 6:
-        return f"In the {p}, there was a {a} {n} who could {_pick(rng, _VERBS_BASE)}."
-    if k == 7:
-        return f"{poss} {_pick(rng, _FRIENDS)} smiled and gave {name} a {a} {t}."
-    if k == 8:
-        return f"{subj} didn't know why the {t} was so {a}, but {pron.lower()} was {_pick(rng, _FEELINGS)}."
-    return f"They {_pick(rng, _VERBS_PAST)} the {t} {_pick(rng, _ADVS)} because it was {a}."
+    return _BODY_SENTENCES[k].format_map(_SentenceFields(rng, name=name, pron=pron, pron_l=pron.lower(), poss=poss,
+                                                         poss_l=poss.lower(), subj=subj, a=a, n=n, t=t, p=p))
 
 
 def generate_stories(n: int, seed: int, min_sentences: int = 2, max_sentences: int = 14) -> list[str]:

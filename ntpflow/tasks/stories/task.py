@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ntpflow.tasks.base import Batch
+from ntpflow.tasks.base import Batch, Task
 from ntpflow.tasks.stories import FEATURE_GROUPS, FEATURE_NAMES, build_story_data, get_tokenizer, load_corpus
 
 __all__ = ["Stories", "default_cache_dir"]
@@ -30,7 +30,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("NTPFLOW_CACHE") or Path.home() / ".cache" / "ntpflow")
 
 
-class Stories:
+class Stories(Task):
     """Windows of a story corpus. ``corpus``: a source understood by ``ntpflow.tasks.stories.load_corpus``."""
 
     name = "stories"
