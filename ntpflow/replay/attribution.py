@@ -40,7 +40,7 @@ from ntpflow.files import (
     resolve_device,
     write_json,
 )
-from ntpflow.model.sites import Site
+from ntpflow.model.sites import Site, checked_sites
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
 from ntpflow.runs.probe import load_or_probe
@@ -87,7 +87,7 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
     dev = resolve_device(device if device != "auto" else cfg.device)
-    sites = checked_sites(run, sites)
+    sites = run_sites(run, sites)
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
         return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, midpoint)
@@ -118,7 +118,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     outs = list(out_dirs) if out_dirs is not None else [None] * len(runs)
     if len(outs) != len(runs):
         raise ValueError("give one output folder per run dir")
-    sites = checked_sites(runs[0], sites)
+    sites = run_sites(runs[0], sites)
     outs = [ensure_writable_dir(run.attribution(o).dir) for o, run in zip(outs, runs)]
     if len({o.resolve() for o in outs}) < len(outs):
         raise ValueError("the members need distinct output folders")
@@ -180,13 +180,11 @@ def influence_read_at(attribution_dirs: Sequence[str | Path]) -> str | None:
     return next(iter(kinds), None)
 
 
-def checked_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
-    """The distinct ``sites``, sorted, checked against the run's model (before anything is written)."""
-    sites = sorted(set(sites))
+def run_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
+    """The distinct ``sites``, sorted, checked against the run's model (before anything is written); at least one."""
+    sites = checked_sites(sites, run.model_config().n_layer, run.task.seq_len)
     if not sites:
         raise ValueError("no sites to attribute")
-    for s in sites:
-        s.check(run.model_config().n_layer, run.task.seq_len)
     return sites
 
 

@@ -34,7 +34,7 @@ from ntpflow.engine.influence import MISMATCHES, Probe, mismatch_value
 from ntpflow.files import DirLock, ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
-from ntpflow.replay.attribution import check_replay, checked_sites, load_resume_point, make_probes, save_resume_point
+from ntpflow.replay.attribution import check_replay, load_resume_point, make_probes, run_sites, save_resume_point
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import replay_stepper
 from ntpflow.runs.run import AttributionDir, Run
@@ -102,7 +102,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
         raise ValueError("n_held_out must be at least 2 (R_c is a variance)")
     cfg = run.cfg
     dev = resolve_device(device if device != "auto" else cfg.device)
-    sites = checked_sites(run, sites)
+    sites = run_sites(run, sites)
     probes = [Probe(p.site, p.name, p.w.to(dev)) for p in make_probes(run, sites, features, device)]
     out = ensure_writable_dir(run.balance_dir(out_dir))
     folder = AttributionDir(out)
