@@ -135,7 +135,7 @@ def test_welch_and_sd_ratio_intervals_against_scipy():
     import numpy as np
     from scipy import stats as st
 
-    from ntpflow.experiments.report_kit import sd_ratio_ci, welch_ci
+    from ntpflow.stats import sd_ratio_ci, welch_ci
 
     rng = np.random.default_rng(0)
     a, b = rng.normal(1.0, 2.0, 12), rng.normal(0.0, 0.5, 7)

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ntpflow.experiments.q_vs_influence import probe_ablation_kl, q_from_d
-from ntpflow.llm.lens import fit_linear, overlap, spearman
+from ntpflow.llm.lens import fit_linear, overlap
 from ntpflow.llm.steering import code_score, pick_extremes, steering_vectors
+from ntpflow.stats import spearman
 
 
 def test_code_score_hand_written():

@@ -14,19 +14,9 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
 from ntpflow.experiments.claim_registry import PAPER_CI, othello_claims
+from ntpflow.experiments.formats import mismatch_summary, plain_number, read_at_settings, select, sites_text
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
-from ntpflow.experiments.report_kit import (
-    finite,
-    mean_of,
-    mismatch_summary,
-    plain_number,
-    read_at_settings,
-    select,
-    sites_text,
-    slope,
-    stat_rows,
-    stats,
-)
+from ntpflow.stats import finite, mean_of, slope, stat_rows, stats
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-caching", "shared": "shared", "full": "combined"}

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from ntpflow.llm.lens import spearman
 from ntpflow.model.hooks import hooks
 from ntpflow.model.sites import Site
 from ntpflow.runs.data import make_datasets
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
+from ntpflow.stats import spearman
 
 EPS = 1e-8
 

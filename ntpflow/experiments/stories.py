@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ntpflow.experiments.parallel import run_jobs, run_threads
-from ntpflow.experiments.report_kit import finite_or_none as _finite
 from ntpflow.experiments.stories_report import write_report
 from ntpflow.files import ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.model.sampling import sample
@@ -41,6 +40,7 @@ from ntpflow.runs.data import make_datasets
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run, task_for
 from ntpflow.runs.training import train
+from ntpflow.stats import finite_or_none as _finite
 from ntpflow.tasks.stories import FEATURE_GROUPS, FEATURE_NAMES
 
 log = logging.getLogger(__name__)

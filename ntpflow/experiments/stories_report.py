@@ -18,20 +18,17 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
 from ntpflow.experiments.claim_registry import PAPER_LOSS, stories_claims
-from ntpflow.experiments.render import report_main, template_blocks, write_from_data
-from ntpflow.experiments.report_kit import (
+from ntpflow.experiments.formats import (
     COMPONENT_LABELS,
     COMPONENTS,
-    mean_of,
     mismatch_summary,
-    paired,
     read_at_settings,
     select,
     sites_text,
-    stat_rows,
-    stats,
     train_settings,
 )
+from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.stats import mean_of, paired, stat_rows, stats
 
 REGIMES = ("vanilla", "myopic")
 GROUPS = ("tags", "deps", "position", "syntax")  # "syntax" = tags + deps, added by summarize

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ntpflow.experiments.parallel import run_jobs, run_threads
-from ntpflow.experiments.report_kit import finite_or_none as _finite
 from ntpflow.files import ensure_writable_dir, read_json, write_json
 from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
@@ -25,6 +24,7 @@ from ntpflow.runs.group import train_group
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
 from ntpflow.runs.training import train
+from ntpflow.stats import finite_or_none as _finite
 from ntpflow.tasks import make_task
 
 log = logging.getLogger(__name__)

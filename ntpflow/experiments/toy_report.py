@@ -26,22 +26,18 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
 from ntpflow.experiments.claim_registry import CLAIM_LAYERS, CLAIM_POSITIONS, GATE_ACC, GATE_GAP, toy_claims
-from ntpflow.experiments.render import report_main, template_blocks, write_from_data
-from ntpflow.experiments.report_kit import (
+from ntpflow.experiments.formats import (
     COMPONENT_LABELS,
     COMPONENTS,
-    mean_of,
-    paired,
     plain_number,
-    r_stats,
     read_at_settings,
     select,
     sites_text,
-    stat_rows,
-    stats,
     train_settings,
 )
+from ntpflow.experiments.render import report_main, template_blocks, write_from_data
 from ntpflow.runs.config import REGIMES
+from ntpflow.stats import mean_of, paired, r_stats, stat_rows, stats
 
 TASK_ORDER = ("majority", "cond_majority")
 TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}
