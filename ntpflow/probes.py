@@ -349,6 +349,11 @@ class ProbeSet:
         save_tensors(directory / TENSORS_FILE, tensors)
         atomic_write(directory / META_FILE, meta_text)
 
+    @staticmethod
+    def saved(directory: str | os.PathLike[str]) -> bool:
+        """Whether ``directory`` holds a saved ProbeSet (:meth:`save` writes ``probes.json`` last)."""
+        return (Path(directory) / META_FILE).exists()
+
     @classmethod
     def load(cls, directory: str | os.PathLike[str], device: str | torch.device = "cpu") -> ProbeSet:
         """Read a ProbeSet written by :meth:`save`."""

@@ -113,7 +113,7 @@ def test_templates_ship_with_the_package():
 
     import tomllib
 
-    from ntpflow.experiments import EXPERIMENTS
+    from ntpflow.experiments.report_all import EXPERIMENTS
 
     folder = files("ntpflow.experiments") / "templates"
     names = {f"{name}.md.j2" for name in EXPERIMENTS} | {"_macros.j2"}

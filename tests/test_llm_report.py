@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from ntpflow.experiments.q_vs_influence import probe_ablation_kl, q_from_d
+from ntpflow.experiments.q_vs_influence import probe_ablation_kl
 from ntpflow.llm.lens import fit_linear, overlap
+from ntpflow.llm.qscan import q_from_kl
 from ntpflow.llm.steering import code_score, pick_extremes, steering_vectors
 from ntpflow.stats import spearman
 
@@ -89,7 +90,7 @@ def test_probe_ablation_zero_direction_gives_zero_kl():
     w = torch.randn(16, generator=torch.Generator().manual_seed(2))
     d1 = probe_ablation_kl(model, tokens, 1, 3, w)
     assert float(d1.max()) > 0 and float(d1[:, 0].min()) >= 0
-    q, tot = q_from_d(d1)
+    q, tot = q_from_kl(d1)
     assert q > 0 and tot > 0
     # after the last block only the prediction at pos itself can change: Q = 0
     d2 = probe_ablation_kl(model, tokens, 2, 3, w)

@@ -25,21 +25,12 @@ from typing import Any
 
 import torch
 
+from ntpflow.llm.qscan import q_from_kl
 from ntpflow.model.hooks import hooks
-from ntpflow.model.sites import Site
-from ntpflow.runs.data import make_datasets
+from ntpflow.model.sites import Site, resid_hook_name
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
 from ntpflow.stats import spearman
-
-EPS = 1e-8
-
-
-def resid_hook_name(layer: int, n_layer: int) -> str:
-    """The HookPoint holding ``resid[layer]`` of a :class:`~ntpflow.model.gpt.GPT`."""
-    if not 0 <= layer <= n_layer:
-        raise ValueError(f"layer {layer} out of range 0..{n_layer}")
-    return f"blocks.{layer}.hook_resid_pre" if layer < n_layer else f"blocks.{n_layer - 1}.hook_resid_post"
 
 
 @torch.no_grad()
@@ -79,13 +70,6 @@ def probe_ablation_kl(model: Any, tokens: torch.Tensor, layer: int, pos: int, w:
     finally:
         model.train(was)
     return torch.cat(out)
-
-
-def q_from_d(d: torch.Tensor) -> tuple[float, float]:
-    """``(Q, mean total KL)`` from ``d`` ``[N, H]`` (H >= 2): mean over rows of ``sum_{m>=2} d_m / (d_1 + 1e-8)``."""
-    if d.shape[1] < 2:
-        return math.nan, float(d.sum(1).mean())
-    return float((d[:, 1:].sum(1) / (d[:, 0] + EPS)).mean()), float(d.sum(1).mean())
 
 
 def influence_ratios(parquet: str | Path, optimizer: str = "adam", mismatch: str = "paper"
@@ -130,10 +114,10 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
     """
     run = Run.open(run_dir)
     probes = load_or_probe(run, "final", device)
-    parquet = Path(run_dir) / "attribution" / "influence.parquet"
+    parquet = run.attribution().influence
     infl, centred = influence_ratios(parquet), influence_ratios(parquet, mismatch="centred")
     model = run.load_model("final", device)
-    _, eval_set = make_datasets(run.cfg, run.task)
+    _, eval_set = run.datasets()
     tokens = torch.as_tensor(eval_set.tokens[:n_sequences]).long()
     rows = []
     for (layer, pos, feat), comp in sorted(infl.items()):
@@ -141,7 +125,7 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
         if pos > tokens.shape[1] - 3:  # fewer than 2 predictions after pos
             continue
         d = probe_ablation_kl(model, tokens, layer, pos, w, horizon)
-        q, tot = q_from_d(d)
+        q, tot = q_from_kl(d)
         row = {"layer": layer, "pos": pos, "feature": feat, "q": q, "total_kl": tot, "H": int(d.shape[1])}
         for suffix, c in (("", comp), ("_centred", centred.get((layer, pos, feat), {}))):
             pre, direct = c.get("pre_cached", math.nan), c.get("direct", math.nan)
