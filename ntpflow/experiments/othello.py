@@ -39,7 +39,7 @@ from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute, influence_read_at
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
-from ntpflow.runs.run import Run
+from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.training import train
 from ntpflow.tasks.othello_engine import SQUARE_NAMES
 
@@ -169,9 +169,6 @@ def _num(x, digits: int = 6):
 
 def gather(scale: OthelloScale, out: Path) -> dict:
     """Collect the finished stages of ``out/run`` into the data.json dict (schema: ``othello_report``)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     run = Run.open(out / "run")
     cfg = run.cfg
     done = run.final_record()
@@ -179,8 +176,26 @@ def gather(scale: OthelloScale, out: Path) -> dict:
     eval_curve = [{k: m[k] for k in ("step", "eval_loss", "legal_acc", "first_acc") if k in m}
                   for m in metrics if m["kind"] == "eval"]
     train_curve = [{"step": m["step"], "loss": m["loss"]} for m in metrics if m["kind"] == "train"]
+    probes, feature_names = _probe_records(run)
+    att = run.attribution()
+    by_mismatch, curves = _influence_records(att, cfg.steps - 1, scale.curve_every)
+    sanity, mismatch = _held_out_records(att)
+    timings = read_json(out / "timings.json") if (out / "timings.json").exists() else {}
+    return {
+        "scale": scale.name, "scale_note": scale.note, "seed": cfg.seed, "train": scale.train,
+        "config": cfg.to_dict(), "n_params": _n_params(run),
+        "sites": [[s.layer, s.pos] for s in scale.sites], "squares": list(scale.squares),
+        "feature_names": feature_names,
+        "run": {k: v for k, v in done.items() if k != "step"}, "eval_curve": eval_curve, "train_curve": train_curve,
+        "probes": probes, "influence": by_mismatch["paper"], "curves": curves, "sanity": sanity,
+        "influence_centred": by_mismatch["centred"], "mismatch": mismatch,
+        "timings": timings, "influence_read_at": influence_read_at([att.dir] if att.summary.exists() else []),
+    }
 
-    # ---- probes: one record per (weights, metric, type, layer, pos) with the 64 per-square values
+
+def _probe_records(run: Run) -> tuple[list[dict], list[str]]:
+    """One record per (weights, metric, type, layer, pos) with the 64 per-square values of the ridge probes (r) and
+    the classifier (acc); and the probed feature names."""
     probes = []
     for weights in ("final", "init"):
         ps = ProbeSet.load(run.probes_dir(weights))
@@ -197,11 +212,17 @@ def gather(scale: OthelloScale, out: Path) -> dict:
                 for pos in ps.positions:
                     probes.append({"weights": weights, "metric": metric, "type": tname, "layer": layer, "pos": pos,
                                    "values": [_num(v) for v in arr[layer, pos].tolist()]})
-        feature_names = list(ps.feature_names)
+    return probes, list(ps.feature_names)
 
-    # ---- influence: integrated (= summed) Adam influence per (layer, pos, square, type, component), for the paper's
-    # R (figures, claims) and the centred R_c (influence_centred); risk rows have mismatch "none"
-    att = run.attribution()
+
+def _influence_records(att: AttributionDir, last: int, curve_every: int) -> tuple[dict, list[dict]]:
+    """``({"paper": rows, "centred": rows}, curves)``: the integrated (= summed) Adam influence per (layer, pos,
+    square, type, component) for the paper's R and the centred R_c (risk rows have mismatch "none"), and the mean
+    over units (layer × pos × square with that type) of the cumulative influence on R every ``curve_every`` steps
+    and at step ``last``."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
     full_table = pq.read_table(att.influence,
                                columns=["step", "layer", "pos", "feature", "feature_type", "mismatch", "component",
                                         "value"], filters=[("optimizer", "==", "adam")])
@@ -214,23 +235,27 @@ def gather(scale: OthelloScale, out: Path) -> dict:
                 {"layer": r["layer"], "pos": r["pos"], "square": r["feature"],
                  "type": TYPE_NAMES.get(r["feature_type"], str(r["feature_type"])), "component": r["component"],
                  "total": _num(r["value_sum"], 12), "n_steps": r["value_count"]})
-    influence = by_mismatch["paper"]
     table = full_table.filter(pc.equal(full_table["mismatch"], "paper"))
-    # curves: mean over units (layer x pos x square with that type) of the cumulative influence, every curve_every
     units = {}
-    for r in influence:
+    for r in by_mismatch["paper"]:
         units.setdefault((r["type"], r["component"]), set()).add((r["layer"], r["pos"], r["square"]))
     per_step = table.group_by(["step", "feature_type", "component"]).aggregate([("value", "sum")])
     per_step = per_step.sort_by([("feature_type", "ascending"), ("component", "ascending"), ("step", "ascending")])
     curves, acc = [], {}
-    last = cfg.steps - 1
     for r in per_step.to_pylist():
         tname = TYPE_NAMES.get(r["feature_type"], str(r["feature_type"]))
         key = (tname, r["component"])
         acc[key] = acc.get(key, 0.0) + r["value_sum"]
-        if (r["step"] + 1) % scale.curve_every == 0 or r["step"] == last:
+        if (r["step"] + 1) % curve_every == 0 or r["step"] == last:
             curves.append({"step": r["step"] + 1, "type": tname, "component": r["component"],
                            "mean_cumulative": _num(acc[key] / len(units[key]), 12)})
+    return by_mismatch, curves
+
+
+def _held_out_records(att: AttributionDir) -> tuple[list[dict], list[dict]]:
+    """``(sanity, mismatch)`` from the attribution's summary (empty without one): per tracked site × square, the
+    held-out R removed beside the full Adam influence (the paper's R), and per mismatch R(θ_0), R removed and the
+    offset share."""
     sanity, mismatch = [], []
     if att.summary.exists():
         for p in read_json(att.summary)["probes"]:  # one entry per tracked site x square x mismatch
@@ -241,17 +266,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
             if p.get("mismatch", "paper") == "paper":  # the sanity check and figures use the paper's R
                 sanity.append({**site, "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 12),
                                "adam_full": _num(p.get("adam_full", math.nan), 12)})
-    timings = read_json(out / "timings.json") if (out / "timings.json").exists() else {}
-    return {
-        "scale": scale.name, "scale_note": scale.note, "seed": cfg.seed, "train": scale.train,
-        "config": cfg.to_dict(), "n_params": _n_params(run),
-        "sites": [[s.layer, s.pos] for s in scale.sites], "squares": list(scale.squares),
-        "feature_names": feature_names,
-        "run": {k: v for k, v in done.items() if k != "step"}, "eval_curve": eval_curve, "train_curve": train_curve,
-        "probes": probes, "influence": influence, "curves": curves, "sanity": sanity,
-        "influence_centred": by_mismatch["centred"], "mismatch": mismatch,
-        "timings": timings, "influence_read_at": influence_read_at([att.dir] if att.summary.exists() else []),
-    }
+    return sanity, mismatch
 
 
 def _n_params(run) -> int:
