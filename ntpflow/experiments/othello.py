@@ -271,8 +271,3 @@ def _held_out_records(att: AttributionDir) -> tuple[list[dict], list[dict]]:
 
 def _n_params(run) -> int:
     return sum(p.numel() for p in run.load_model("init").parameters())
-
-
-def load_data(out: str | Path) -> dict:
-    """The parsed ``out/data.json``."""
-    return read_json(Path(out) / "data.json")

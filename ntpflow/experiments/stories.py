@@ -21,7 +21,6 @@ Output folder::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import defaultdict
@@ -306,8 +305,3 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
 def _mean(values):
     xs = [v for v in values if v is not None]
     return sum(xs) / len(xs) if xs else None
-
-
-def load_data(out: str | Path) -> dict:
-    """The parsed ``out/data.json``."""
-    return json.loads((Path(out) / "data.json").read_text())

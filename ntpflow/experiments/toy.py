@@ -8,7 +8,6 @@ are replayed together in one replay of the group (``ntpflow.replay.attribution.a
 Every stage is resumable and skipped when finished, so an interrupted call continues where it stopped.
 """
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
@@ -232,8 +231,3 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             if replays else [], "replays": replays,
             "runs": runs, "probes": probes, "influence": influence, "curves": curves, "mismatch": mismatch,
             "eval_curves": eval_curves}
-
-
-def load_data(out: str | Path) -> dict:
-    """The parsed ``out/data.json``."""
-    return json.loads((Path(out) / "data.json").read_text())
