@@ -351,7 +351,7 @@ class ProbeSet:
 
     @staticmethod
     def saved(directory: str | os.PathLike[str]) -> bool:
-        """Whether ``directory`` holds a saved ProbeSet (its metadata, written last, exists)."""
+        """Whether ``directory`` holds a saved ProbeSet (:meth:`save` writes ``probes.json`` last)."""
         return (Path(directory) / META_FILE).exists()
 
     @classmethod

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from ntpflow.experiments.q_vs_influence import probe_ablation_kl
-from ntpflow.llm.lens import fit_linear, overlap, spearman
+from ntpflow.llm.lens import fit_linear, overlap
 from ntpflow.llm.qscan import q_from_kl
 from ntpflow.llm.steering import code_score, pick_extremes, steering_vectors
+from ntpflow.stats import spearman
 
 
 def test_code_score_hand_written():

@@ -14,7 +14,7 @@ from ntpflow.experiments.claims import NOT_TESTABLE
 from ntpflow.experiments.othello import CENTRAL_SQUARES, SCALES, run_othello
 from ntpflow.experiments.othello_probes import ClassifierProbes, board_classes, fit_classifier
 from ntpflow.experiments.othello_report import summarize, write_report
-from ntpflow.experiments.report_kit import slope
+from ntpflow.stats import slope
 
 VERDICTS = ("reproduced", "not reproduced", "inconclusive")
 

@@ -12,6 +12,7 @@ import json
 import math
 
 import pytest
+import torch
 from _util import all_numbers
 
 from ntpflow.experiments import stories as S
@@ -101,6 +102,19 @@ def test_rerun_does_not_retrain_and_gives_same_report(smoke):
     for p, content in before.items():
         assert p.read_bytes() == content, p.name
     assert {p: p.stat().st_mtime_ns for p in mtimes} == mtimes
+
+
+@needs_extra
+def test_reproduction_gives_the_caller_its_thread_count_back(smoke):
+    """In this process (workers=1) every run trains on one torch thread; the caller's count comes back after."""
+    out, _ = smoke
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        S.run_stories("smoke", out, workers=1, device="cpu", progress=False)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_missing_corpus_and_unknown_scale_are_clear_errors(tmp_path):

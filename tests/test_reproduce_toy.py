@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 from _util import all_numbers
 
 from ntpflow.cli import main
@@ -45,6 +46,17 @@ def test_rerun_reuses_runs_and_regenerates_same_report(smoke):
     for p, content in before.items():
         assert p.read_bytes() == content, p.name
     assert {p: p.stat().st_mtime_ns for p in (smoke / "runs").glob("*/model.safetensors")} == mtimes
+
+
+def test_reproduction_gives_the_caller_its_thread_count_back(smoke):
+    """In this process (--workers 1) every run trains on one torch thread; the caller's count comes back after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert main(["-q", "reproduce", "toy", "--scale", "smoke", "--out", str(smoke), "--workers", "1"]) == 0
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_unknown_scale_is_a_clean_error(tmp_path, capsys):

@@ -10,8 +10,8 @@ from _util import all_numbers
 
 from ntpflow.experiments.claims import NOT_TESTABLE
 from ntpflow.experiments.figure_style import SIGN
-from ntpflow.experiments.report_kit import r_stats
 from ntpflow.experiments.toy_report import FIGURES, summarize, write_report
+from ntpflow.stats import r_stats
 
 REGIMES = ("vanilla", "myopic", "untied", "myopic-untied")
 FEATURES = {"majority": [f"is_majority_<{v}>" for v in range(3)], "cond_majority": [f"prev_is_<{v}>" for v in range(3)]}
@@ -154,7 +154,7 @@ def test_summary_numbers_and_verdicts(good):
         assert r["n"] == 3 and r["mean"] == pytest.approx(0.72 + 0.01 * (feats - 1) / 2, abs=1e-12)
         per_seed = [0.7 + 0.02 * sd + 0.01 * (feats - 1) / 2 for sd in range(3)]
         half = 4.302652729911275 * statistics.stdev(per_seed) / math.sqrt(3)  # t(0.975, 2)
-        # report_kit's t quantile is a series approximation, good to ~1e-11 here
+        # ntpflow.stats's t quantile is a series approximation, good to ~1e-11 here
         assert (r["lo"], r["hi"]) == pytest.approx((r["mean"] - half, r["mean"] + half), abs=1e-9)
 
 

@@ -20,17 +20,8 @@ from ntpflow.experiments.claims import (
     interval_above,
     interval_contains,
 )
-from ntpflow.experiments.report_kit import (
-    COMPONENT_LABELS,
-    COMPONENTS,
-    fmt,
-    fmt_ci,
-    fmt_g,
-    fmt_interval,
-    fmt_sigma,
-    has_ci,
-    stats,
-)
+from ntpflow.experiments.formats import COMPONENT_LABELS, COMPONENTS, fmt, fmt_ci, fmt_g, fmt_interval, fmt_sigma
+from ntpflow.stats import has_ci, stats
 
 BALANCE = 2.0  # every influence claim: Σ full influence within this factor of the mismatch removed (docs/balance.md)
 ROW_LIMIT = 2 * (BALANCE - 1) / (BALANCE + 1)  # the same, row by row: see row_balance_check

@@ -13,18 +13,11 @@ from pathlib import Path
 
 from ntpflow.experiments.claim_registry import llm_claims
 from ntpflow.experiments.figure_style import BASELINE, SIGN, error_bars, figure, finish
+from ntpflow.experiments.formats import fmt, fmt_interval
 from ntpflow.experiments.render import draw_figures, report_main, stored_summary, template_blocks, write_documents
-from ntpflow.experiments.report_kit import (
-    finite,
-    fmt,
-    fmt_interval,
-    sd_ratio_ci,
-    stats,
-    welch_ci,
-)
 from ntpflow.files import json_safe, read_json
-from ntpflow.llm.qscan import sigma_ci
 from ntpflow.llm.stages import LLMDir
+from ntpflow.stats import finite, sd_ratio_ci, sigma_ci, stats, welch_ci
 
 MODES = ("reconstruction", "error-preserving")
 DOMAINS = ("stories", "code", "math")

@@ -31,14 +31,15 @@ from pathlib import Path
 
 from ntpflow.experiments.othello_probes import ClassifierProbes, classifier_path, load_or_classify
 from ntpflow.experiments.othello_report import write_report
+from ntpflow.experiments.parallel import on_threads
+from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.files import ensure_writable_dir, read_json, write_json
 from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute, influence_read_at
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
-from ntpflow.runs.run import Run
-from ntpflow.runs.threads import kept_threads
+from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.training import train
 from ntpflow.tasks.othello_engine import SQUARE_NAMES
 
@@ -71,10 +72,6 @@ class OthelloScale:
         return TrainConfig(task="othello", regime="vanilla", seed=SEED, device=device, **self.train)
 
 
-def _sites(layers, positions) -> tuple[Site, ...]:
-    return tuple(Site(k, p) for k in layers for p in positions)
-
-
 PAPER_POSITIONS = tuple(range(4, 57, 4))  # 4, 8, ..., 56
 
 SCALES = {
@@ -87,7 +84,7 @@ SCALES = {
         "paper",
         {"n_layer": 6, "d_model": 256, "n_head": 4, "batch_size": 1024, "steps": 5000, "lr": 1e-3,
          "n_train": 1_000_000, "n_eval": 20_480, "eval_every": 500, "ckpt_every": 500, "log_every": 50},
-        _sites(range(1, 7), PAPER_POSITIONS), curve_every=50,
+        site_grid(range(1, 7), PAPER_POSITIONS), curve_every=50,
         note="the paper's setting"),
     # this shared 2-core CPU machine, under an hour including attribution, with 1 torch thread (3x faster than 2
     # threads under the load of other jobs). A 3-layer d-64 model at batch 64 trains at ~0.12 CPU-s/step; a tracked
@@ -100,28 +97,16 @@ SCALES = {
         "small",
         {"n_layer": 3, "d_model": 64, "n_head": 4, "batch_size": 64, "steps": 1600, "lr": 3e-3,
          "n_train": 51_200, "n_eval": 4_096, "eval_every": 200, "ckpt_every": 200, "log_every": 20},
-        _sites((2,), (30,)), threads=1, curve_every=20,
+        site_grid((2,), (30,)), threads=1, curve_every=20,
         note="a small CPU setting, not the paper's"),
     # CI: the whole pipeline in well under a minute; checks the plumbing, not the science
     "smoke": OthelloScale(
         "smoke",
         {"n_layer": 2, "d_model": 32, "n_head": 2, "batch_size": 32, "steps": 12, "lr": 1e-3,
          "n_train": 384, "n_eval": 256, "eval_every": 6, "ckpt_every": 6, "log_every": 2},
-        _sites((1, 2), (12,)), squares=("sq_C3", "sq_D4", "sq_E5", "sq_F6"), threads=1, curve_every=2,
+        site_grid((1, 2), (12,)), squares=("sq_C3", "sq_D4", "sq_E5", "sq_F6"), threads=1, curve_every=2,
         note="CI smoke test, not the paper's setting"),
 }
-
-
-@contextmanager
-def _threads(n: int | None):
-    """Inside: ``n`` torch threads (None: as is); the caller's count is restored on leaving."""
-    import torch
-
-
-    with kept_threads():
-        if n:
-            torch.set_num_threads(n)
-        yield
 
 
 class _Timer:
@@ -149,18 +134,13 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     ``out/figures/`` the results. A second call with finished stages only regathers and rewrites the report.
     ``midpoint`` (default): the replay reads each step's ∇R at the step's midpoint; False: at θ_t, as the paper.
     """
-    if isinstance(scale, str):
-        if scale not in SCALES:
-            raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
-        scale = SCALES[scale]
-    if not isinstance(scale, OthelloScale):
-        raise TypeError(f"scale must be a name or an OthelloScale, got {type(scale).__name__}")
+    scale = resolve_scale(scale, SCALES, OthelloScale)
     out = ensure_writable_dir(out)
     cfg = scale.config(device)
     run_dir = out / "run"
     timer = _Timer(out / "timings.json")
-    with _threads(scale.threads):
-        with timer.stage("train", (run_dir / "DONE").exists()):
+    with on_threads(scale.threads):
+        with timer.stage("train", Run(run_dir, cfg).done):
             if progress:
                 log.info("othello %s: training %s", scale.name, run_dir)
             run = train(cfg, run_dir, progress=progress)
@@ -169,8 +149,8 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                 load_or_probe(run, which, device)
             with timer.stage(f"classifier_{which}", classifier_path(run.dir, which).with_suffix(".json").exists()):
                 load_or_classify(run, which, device)
-        with timer.stage("attribution", (run.dir / "attribution" / "influence.parquet").exists()):
-            attribute(Run.open(run.dir).dir, list(scale.sites), list(scale.squares), device=device,
+        with timer.stage("attribution", run.attribution().done):
+            attribute(run.dir, list(scale.sites), list(scale.squares), device=device,
                       progress=progress, sgd_rows=False, midpoint=midpoint)
         data = gather(scale, out)
         write_json(out / "data.json", data)
@@ -189,21 +169,36 @@ def _num(x, digits: int = 6):
 
 def gather(scale: OthelloScale, out: Path) -> dict:
     """Collect the finished stages of ``out/run`` into the data.json dict (schema: ``othello_report``)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     run = Run.open(out / "run")
     cfg = run.cfg
-    done = read_json(run.dir / "DONE")
+    done = run.final_record()
     metrics = run.metrics()
     eval_curve = [{k: m[k] for k in ("step", "eval_loss", "legal_acc", "first_acc") if k in m}
                   for m in metrics if m["kind"] == "eval"]
     train_curve = [{"step": m["step"], "loss": m["loss"]} for m in metrics if m["kind"] == "train"]
+    probes, feature_names = _probe_records(run)
+    att = run.attribution()
+    by_mismatch, curves = _influence_records(att, cfg.steps - 1, scale.curve_every)
+    sanity, mismatch = _held_out_records(att)
+    timings = read_json(out / "timings.json") if (out / "timings.json").exists() else {}
+    return {
+        "scale": scale.name, "scale_note": scale.note, "seed": cfg.seed, "train": scale.train,
+        "config": cfg.to_dict(), "n_params": _n_params(run),
+        "sites": [[s.layer, s.pos] for s in scale.sites], "squares": list(scale.squares),
+        "feature_names": feature_names,
+        "run": {k: v for k, v in done.items() if k != "step"}, "eval_curve": eval_curve, "train_curve": train_curve,
+        "probes": probes, "influence": by_mismatch["paper"], "curves": curves, "sanity": sanity,
+        "influence_centred": by_mismatch["centred"], "mismatch": mismatch,
+        "timings": timings, "influence_read_at": influence_read_at([att.dir] if att.summary.exists() else []),
+    }
 
-    # ---- probes: one record per (weights, metric, type, layer, pos) with the 64 per-square values
+
+def _probe_records(run: Run) -> tuple[list[dict], list[str]]:
+    """One record per (weights, metric, type, layer, pos) with the 64 per-square values of the ridge probes (r) and
+    the classifier (acc); and the probed feature names."""
     probes = []
-    for weights, folder in (("final", "probes"), ("init", "probes_init")):
-        ps = ProbeSet.load(run.dir / folder)
+    for weights in ("final", "init"):
+        ps = ProbeSet.load(run.probes_dir(weights))
         cl = ClassifierProbes.load(classifier_path(run.dir, weights))
         sources = {("r", "all"): ps.r, ("acc", "all"): cl.acc}
         for t, name in TYPE_NAMES.items():
@@ -217,11 +212,18 @@ def gather(scale: OthelloScale, out: Path) -> dict:
                 for pos in ps.positions:
                     probes.append({"weights": weights, "metric": metric, "type": tname, "layer": layer, "pos": pos,
                                    "values": [_num(v) for v in arr[layer, pos].tolist()]})
-        feature_names = list(ps.feature_names)
+    return probes, list(ps.feature_names)
 
-    # ---- influence: integrated (= summed) Adam influence per (layer, pos, square, type, component), for the paper's
-    # R (figures, claims) and the centred R_c (influence_centred); risk rows have mismatch "none"
-    full_table = pq.read_table(run.dir / "attribution" / "influence.parquet",
+
+def _influence_records(att: AttributionDir, last: int, curve_every: int) -> tuple[dict, list[dict]]:
+    """``({"paper": rows, "centred": rows}, curves)``: the integrated (= summed) Adam influence per (layer, pos,
+    square, type, component) for the paper's R and the centred R_c (risk rows have mismatch "none"), and the mean
+    over units (layer × pos × square with that type) of the cumulative influence on R every ``curve_every`` steps
+    and at step ``last``."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    full_table = pq.read_table(att.influence,
                                columns=["step", "layer", "pos", "feature", "feature_type", "mismatch", "component",
                                         "value"], filters=[("optimizer", "==", "adam")])
     totals = full_table.group_by(["layer", "pos", "feature", "feature_type", "mismatch", "component"]).aggregate(
@@ -233,27 +235,30 @@ def gather(scale: OthelloScale, out: Path) -> dict:
                 {"layer": r["layer"], "pos": r["pos"], "square": r["feature"],
                  "type": TYPE_NAMES.get(r["feature_type"], str(r["feature_type"])), "component": r["component"],
                  "total": _num(r["value_sum"], 12), "n_steps": r["value_count"]})
-    influence = by_mismatch["paper"]
     table = full_table.filter(pc.equal(full_table["mismatch"], "paper"))
-    # curves: mean over units (layer x pos x square with that type) of the cumulative influence, every curve_every
     units = {}
-    for r in influence:
+    for r in by_mismatch["paper"]:
         units.setdefault((r["type"], r["component"]), set()).add((r["layer"], r["pos"], r["square"]))
     per_step = table.group_by(["step", "feature_type", "component"]).aggregate([("value", "sum")])
     per_step = per_step.sort_by([("feature_type", "ascending"), ("component", "ascending"), ("step", "ascending")])
     curves, acc = [], {}
-    last = cfg.steps - 1
     for r in per_step.to_pylist():
         tname = TYPE_NAMES.get(r["feature_type"], str(r["feature_type"]))
         key = (tname, r["component"])
         acc[key] = acc.get(key, 0.0) + r["value_sum"]
-        if (r["step"] + 1) % scale.curve_every == 0 or r["step"] == last:
+        if (r["step"] + 1) % curve_every == 0 or r["step"] == last:
             curves.append({"step": r["step"] + 1, "type": tname, "component": r["component"],
                            "mean_cumulative": _num(acc[key] / len(units[key]), 12)})
+    return by_mismatch, curves
+
+
+def _held_out_records(att: AttributionDir) -> tuple[list[dict], list[dict]]:
+    """``(sanity, mismatch)`` from the attribution's summary (empty without one): per tracked site × square, the
+    held-out R removed beside the full Adam influence (the paper's R), and per mismatch R(θ_0), R removed and the
+    offset share."""
     sanity, mismatch = [], []
-    summ = run.dir / "attribution" / "summary.json"
-    if summ.exists():
-        for p in read_json(summ)["probes"]:  # one entry per tracked site x square x mismatch
+    if att.summary.exists():
+        for p in read_json(att.summary)["probes"]:  # one entry per tracked site x square x mismatch
             site = {"layer": p["layer"], "pos": p["pos"], "square": p["feature"]}
             mismatch.append({**site, "mismatch": p.get("mismatch", "paper"),
                              **{k: _num(p.get(k, math.nan), 12)
@@ -261,23 +266,8 @@ def gather(scale: OthelloScale, out: Path) -> dict:
             if p.get("mismatch", "paper") == "paper":  # the sanity check and figures use the paper's R
                 sanity.append({**site, "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 12),
                                "adam_full": _num(p.get("adam_full", math.nan), 12)})
-    timings = read_json(out / "timings.json") if (out / "timings.json").exists() else {}
-    return {
-        "scale": scale.name, "scale_note": scale.note, "seed": cfg.seed, "train": scale.train,
-        "config": cfg.to_dict(), "n_params": _n_params(run),
-        "sites": [[s.layer, s.pos] for s in scale.sites], "squares": list(scale.squares),
-        "feature_names": feature_names,
-        "run": {k: v for k, v in done.items() if k != "step"}, "eval_curve": eval_curve, "train_curve": train_curve,
-        "probes": probes, "influence": influence, "curves": curves, "sanity": sanity,
-        "influence_centred": by_mismatch["centred"], "mismatch": mismatch,
-        "timings": timings, "influence_read_at": influence_read_at([run.dir / "attribution"] if summ.exists() else []),
-    }
+    return sanity, mismatch
 
 
 def _n_params(run) -> int:
     return sum(p.numel() for p in run.load_model("init").parameters())
-
-
-def load_data(out: str | Path) -> dict:
-    """The parsed ``out/data.json``."""
-    return read_json(Path(out) / "data.json")

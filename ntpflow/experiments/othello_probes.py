@@ -31,7 +31,6 @@ import torch
 
 from ntpflow.files import load_tensors, read_json, resolve_device, save_tensors
 from ntpflow.probes import fit_ridge
-from ntpflow.runs.data import make_datasets
 from ntpflow.runs.probe import collect_resid
 
 __all__ = ["CLASSES", "ClassifierProbes", "board_classes", "classify_run", "fit_classifier", "load_or_classify"]
@@ -171,7 +170,7 @@ def classify_run(run, which: str | int = "final", *, alpha: float = 1.0, train_f
                  device: str = "auto") -> ClassifierProbes:
     """Fit the classifier on ``run``'s eval set (residuals of the weights ``which``) and save it in the run dir."""
     model = run.load_model(which, resolve_device(device))
-    _, eval_set = make_datasets(run.cfg, run.task)
+    _, eval_set = run.datasets()
     if eval_set.feature_types is None:
         raise ValueError(f"task {run.cfg.task!r} has no feature types; the board classifier is for othello")
     resid = collect_resid(model, torch.as_tensor(eval_set.tokens))

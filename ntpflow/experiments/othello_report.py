@@ -14,19 +14,9 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
 from ntpflow.experiments.claim_registry import PAPER_CI, othello_claims
+from ntpflow.experiments.formats import mismatch_summary, plain_number, read_at_settings, select, sites_text
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
-from ntpflow.experiments.report_kit import (
-    finite,
-    mean_of,
-    mismatch_summary,
-    plain_number,
-    read_at_settings,
-    select,
-    sites_text,
-    slope,
-    stat_rows,
-    stats,
-)
+from ntpflow.stats import finite, mean_of, slope, stat_rows, stats
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-caching", "shared": "shared", "full": "combined"}
@@ -73,34 +63,7 @@ def summarize(data: dict) -> dict:
     """Every aggregate of the report and the claims table from the parsed data.json (pure, no I/O)."""
     pr = _Probes(data.get("probes") or [])
     layers, positions = pr.layers, pr.positions
-    upper = [k for k in layers if k >= 1]
-    weights_present = sorted({r["weights"] for r in data.get("probes") or []}, key=lambda w: w != "final")
-
-    # ---- probe quality per type, and Fig. 3: the gap useful − useless (by layer: mean over positions; by move:
-    # mean over layers ≥ 1; per square, then stats over squares)
-    by_layer, by_pos, grid, gap_slopes = [], [], [], {}
-    for metric in METRICS:
-        for w in weights_present:
-            for typ in (*PROBE_TYPES, "gap"):
-                key = {"metric": metric, "weights": w, "type": typ}
-                per_layer = {k: pr.per_square(w, metric, typ, [(k, p) for p in positions]) for k in layers}
-                for k in layers:
-                    if (s := stats(per_layer[k]))["n"]:
-                        by_layer.append({**key, "layer": k, **s})
-                    for p in positions:
-                        if (m := mean_of(pr.get(w, metric, typ, k, p) or [])) is not None:
-                            grid.append({**key, "layer": k, "pos": p, "mean": m})
-                per_pos = {p: pr.per_square(w, metric, typ, [(k, p) for k in upper]) for p in positions}
-                by_pos += [{**key, "pos": p, **s} for p in positions if (s := stats(per_pos[p]))["n"]]
-            squares = range(pr.n_sq)  # per_layer, per_pos: of the gap, the last type
-            gap_slopes[f"{metric}/{w}"] = {
-                "per_layer": stats(slope(upper, [per_layer[k][j] for k in upper]) for j in squares),
-                "per_move": stats(slope(positions, [per_pos[p][j] for p in positions]) for j in squares),
-                "mean_layers_ge1": stats(mean_of(per_layer[k][j] for k in upper) for j in squares)}
-
-    def split(rows, gap):
-        """The probe-quality rows, or the gap rows without their type."""
-        return [{k: v for k, v in r.items() if k != "type"} if gap else r for r in rows if (r["type"] == "gap") == gap]
+    by_layer, by_pos, grid, gap_slopes = _probe_quality(pr, data.get("probes") or [])
 
     # ---- integrated influence table
     influence = [r for r in data.get("influence") or [] if r["component"] in COMPONENTS]
@@ -126,31 +89,69 @@ def summarize(data: dict) -> dict:
     run = data.get("run") or {}
     timings = data.get("timings") or {}
     cfg = data.get("config") or {}
-    steps = cfg.get("steps")
-    step_times = {}
-    if steps and finite(timings.get("train")):
-        step_times["train_s_per_step"] = timings["train"] / steps
-    if steps and finite(timings.get("attribution")):
-        step_times["tracked_s_per_step"] = timings["attribution"] / steps
 
     summary = {
         "scale": data.get("scale"), "scale_note": data.get("scale_note", ""), "seed": data.get("seed"),
         "config": cfg, "n_params": data.get("n_params"), "sites": data.get("sites") or [],
         "squares": data.get("squares") or [], "settings": _settings(data), "timings": timings,
-        "step_times": step_times, "sign_convention": SIGN, "influence_unit": INFLUENCE_UNIT,
+        "step_times": _step_times(timings, cfg.get("steps")), "sign_convention": SIGN, "influence_unit": INFLUENCE_UNIT,
         "ci": ("two-sided 95% Student-t intervals; probe quality over squares (n ≤ 64), influence over units "
                "square × position × layer; lo/hi null when n < 2"),
         "run": {k: run.get(k) for k in ("legal_acc", "first_acc", "eval_loss")},
         "eval_curve": data.get("eval_curve") or [], "train_curve": data.get("train_curve") or [],
         "layers": layers, "positions": positions,
-        "probe_by_layer": split(by_layer, False), "probe_by_pos": split(by_pos, False),
-        "probe_grid": split(grid, False), "gap_by_layer": split(by_layer, True), "gap_by_pos": split(by_pos, True),
-        "gap_grid": split(grid, True), "gap_slopes": gap_slopes,
+        "probe_by_layer": _split(by_layer, False), "probe_by_pos": _split(by_pos, False),
+        "probe_grid": _split(grid, False), "gap_by_layer": _split(by_layer, True), "gap_by_pos": _split(by_pos, True),
+        "gap_grid": _split(grid, True), "gap_slopes": gap_slopes,
         "influence": table, "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
         **by_mismatch,
     }
     summary["claims"] = [c.to_dict() for c in othello_claims(summary)]
     return summary
+
+
+def _probe_quality(pr: _Probes, probes: list[dict]) -> tuple[list, list, list, dict]:
+    """``(by_layer, by_pos, grid, gap_slopes)``: the probe quality per type and Fig. 3's gap useful − useless, by
+    layer (mean over positions), by move (mean over layers ≥ 1) and per (layer, move); per square, then stats over
+    squares; and the slopes of the gap over layers and moves."""
+    layers, positions = pr.layers, pr.positions
+    upper = [k for k in layers if k >= 1]
+    weights_present = sorted({r["weights"] for r in probes}, key=lambda w: w != "final")
+    by_layer, by_pos, grid, gap_slopes = [], [], [], {}
+    for metric in METRICS:
+        for w in weights_present:
+            for typ in (*PROBE_TYPES, "gap"):
+                key = {"metric": metric, "weights": w, "type": typ}
+                per_layer = {k: pr.per_square(w, metric, typ, [(k, p) for p in positions]) for k in layers}
+                for k in layers:
+                    if (s := stats(per_layer[k]))["n"]:
+                        by_layer.append({**key, "layer": k, **s})
+                    for p in positions:
+                        if (m := mean_of(pr.get(w, metric, typ, k, p) or [])) is not None:
+                            grid.append({**key, "layer": k, "pos": p, "mean": m})
+                per_pos = {p: pr.per_square(w, metric, typ, [(k, p) for k in upper]) for p in positions}
+                by_pos += [{**key, "pos": p, **s} for p in positions if (s := stats(per_pos[p]))["n"]]
+            squares = range(pr.n_sq)  # per_layer, per_pos: of the gap, the last type
+            gap_slopes[f"{metric}/{w}"] = {
+                "per_layer": stats(slope(upper, [per_layer[k][j] for k in upper]) for j in squares),
+                "per_move": stats(slope(positions, [per_pos[p][j] for p in positions]) for j in squares),
+                "mean_layers_ge1": stats(mean_of(per_layer[k][j] for k in upper) for j in squares)}
+    return by_layer, by_pos, grid, gap_slopes
+
+
+def _split(rows: list[dict], gap: bool) -> list[dict]:
+    """The probe-quality rows, or the gap rows without their type."""
+    return [{k: v for k, v in r.items() if k != "type"} if gap else r for r in rows if (r["type"] == "gap") == gap]
+
+
+def _step_times(timings: dict, steps: int | None) -> dict:
+    """Seconds per training step and per tracked (replayed) step, from the stage timings."""
+    step_times = {}
+    if steps and finite(timings.get("train")):
+        step_times["train_s_per_step"] = timings["train"] / steps
+    if steps and finite(timings.get("attribution")):
+        step_times["tracked_s_per_step"] = timings["attribution"] / steps
+    return step_times
 
 
 def _settings(data: dict) -> list[dict]:

@@ -1,11 +1,21 @@
-"""Run an experiment's independent runs, in this process or in worker processes."""
+"""Run an experiment's independent runs, in this process or in worker processes, and the job of one run."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
+
+import torch
 
 from ntpflow.files import resolve_device
+from ntpflow.model.sites import Site
+from ntpflow.replay.attribution import attribute
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.threads import kept_threads
+from ntpflow.runs.training import train
 
 
 def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progress: bool = True) -> None:
@@ -28,7 +38,28 @@ def run_threads(device: str, workers: int) -> int:
     """Torch threads for each of ``workers`` parallel runs on ``device``. On a CPU always 1: a CPU's sums depend on
     the thread count (``ntpflow/runs/threads.py``), so a run's bits must not depend on how many runs were queued beside
     it or on the machine's cores. On a GPU, where the threads only feed it, the cores are shared out."""
-    import os
-
-
     return 1 if resolve_device(device).type == "cpu" else max(1, (os.cpu_count() or 1) // workers)
+
+
+def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
+            threads: int, midpoint: bool = False) -> dict:
+    """The job of one run (for :func:`run_jobs`): train it, probe its final and step-0 weights and, with ``sites``,
+    replay it with influence tracking at ``sites`` × ``features`` (``midpoint``: see ``InfluenceTracker``); each
+    stage skips itself when done. Runs on ``threads`` torch threads and gives the caller its count back."""
+    with on_threads(threads):
+        run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=False)
+        load_or_probe(run, "final", device)
+        load_or_probe(run, "init", device)
+        if sites:
+            attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
+                      midpoint=midpoint)
+    return {"run_dir": run_dir}
+
+
+@contextmanager
+def on_threads(n: int | None) -> Iterator[None]:
+    """Inside: ``n`` torch threads (None: as they are); the caller's count comes back on leaving."""
+    with kept_threads():
+        if n:
+            torch.set_num_threads(n)
+        yield

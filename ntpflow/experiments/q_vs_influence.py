@@ -25,13 +25,12 @@ from typing import Any
 
 import torch
 
-from ntpflow.llm.lens import spearman
 from ntpflow.llm.qscan import q_from_kl
 from ntpflow.model.hooks import hooks
 from ntpflow.model.sites import Site, resid_hook_name
-from ntpflow.runs.data import make_datasets
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
+from ntpflow.stats import spearman
 
 
 @torch.no_grad()
@@ -115,10 +114,10 @@ def q_vs_influence(run_dir: str | Path, horizon: int = 10, n_sequences: int = 10
     """
     run = Run.open(run_dir)
     probes = load_or_probe(run, "final", device)
-    parquet = Path(run_dir) / "attribution" / "influence.parquet"
+    parquet = run.attribution().influence
     infl, centred = influence_ratios(parquet), influence_ratios(parquet, mismatch="centred")
     model = run.load_model("final", device)
-    _, eval_set = make_datasets(run.cfg, run.task)
+    _, eval_set = run.datasets()
     tokens = torch.as_tensor(eval_set.tokens[:n_sequences]).long()
     rows = []
     for (layer, pos, feat), comp in sorted(infl.items()):

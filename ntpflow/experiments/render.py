@@ -33,25 +33,26 @@ import re
 from pathlib import Path
 
 from ntpflow.experiments import figure_style
-from ntpflow.experiments import report_kit as kit
+from ntpflow.experiments import formats as fm
 from ntpflow.files import atomic_write, read_json
+from ntpflow.stats import finite
 
 CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
 TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")  # "| a | b |", optionally " #html_id"
 
 
 def _environment():
-    """The templates' Jinja environment, with report_kit's number formats as filters."""
+    """The templates' Jinja environment, with the number formats of ``formats`` as filters."""
     import jinja2
 
     env = jinja2.Environment(loader=jinja2.PackageLoader("ntpflow.experiments", "templates"), trim_blocks=True,
                              lstrip_blocks=True, undefined=jinja2.StrictUndefined, autoescape=False,
                              extensions=["jinja2.ext.do"])
-    env.filters.update(fmt=kit.fmt, fmt_g=kit.fmt_g, fmt_ci=kit.fmt_ci, fmt_ci_g=lambda s: kit.fmt_ci(s, kit.fmt_g),
-                       fmt_interval=kit.fmt_interval, fmt_sigma=kit.fmt_sigma, sites=kit.sites_text, where=kit.select,
+    env.filters.update(fmt=fm.fmt, fmt_g=fm.fmt_g, fmt_ci=fm.fmt_ci, fmt_ci_g=lambda s: fm.fmt_ci(s, fm.fmt_g),
+                       fmt_interval=fm.fmt_interval, fmt_sigma=fm.fmt_sigma, sites=fm.sites_text, where=fm.select,
                        pick=lambda mapping, keys, default=None: [mapping.get(k, default) for k in keys], repr=repr,
                        row=lambda cells: json.dumps([str(c) for c in cells], ensure_ascii=False))
-    env.tests["finite"] = kit.finite
+    env.tests["finite"] = finite
     return env
 
 

@@ -1,6 +1,6 @@
 """Every experiment in one go, and one self-contained page that gathers their claims and figures.
 
-``run_all(scale, out)`` runs each experiment of ``ntpflow.experiments.EXPERIMENTS`` into ``out/<experiment>`` (each
+``run_all(scale, out)`` runs each experiment of :data:`EXPERIMENTS` into ``out/<experiment>`` (each
 resumable) and writes its report; ``write_report(out)`` then writes ``out/report.html`` (no network needed to view
 it: inline CSS, figures as data URIs), ``out/report.md`` and ``out/summary.json``. The page has the claims table of
 all experiments (claim, the paper's value, ours, verdict, rule), one section per experiment linked from the top
@@ -9,26 +9,36 @@ with a link to the experiment's own report, and every figure with the caption it
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 from pathlib import Path
 
-from ntpflow.experiments import EXPERIMENTS
+from ntpflow.experiments import llm_report, othello_report, stories_report, toy_report
 from ntpflow.experiments.figure_style import SIGN
+from ntpflow.experiments.llm import run_llm
+from ntpflow.experiments.othello import run_othello
 from ntpflow.experiments.render import write_documents
+from ntpflow.experiments.stories import run_stories
+from ntpflow.experiments.toy import run_toy
 from ntpflow.files import ensure_writable_dir
+
+#: experiment name -> (its run function ``run(scale, out, **options)``, its ``write_report(out)``)
+EXPERIMENTS = {
+    "toy": (run_toy, toy_report.write_report),
+    "othello": (run_othello, othello_report.write_report),
+    "stories": (run_stories, stories_report.write_report),
+    "llm": (run_llm, llm_report.write_report),
+}
 
 
 def run_experiment(name: str, scale: str, out: str | Path, **options) -> Path:
     """Run (or resume) one experiment into ``out`` and write its report; returns the report's path."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
-    module, fn, report_module = EXPERIMENTS[name]
-    run = getattr(importlib.import_module(f"ntpflow.experiments.{module}"), fn)
+    run, write = EXPERIMENTS[name]
     accepted = inspect.signature(run).parameters
     run(scale, out, **{k: v for k, v in options.items() if k in accepted and v is not None})
-    return importlib.import_module(f"ntpflow.experiments.{report_module}").write_report(out)
+    return write(out)
 
 
 def run_all(scale: str, out: str | Path, **options) -> Path:

@@ -21,27 +21,26 @@ Output folder::
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ntpflow.experiments.parallel import run_jobs, run_threads
-from ntpflow.experiments.report_kit import finite_or_none as _finite
+from ntpflow.experiments.parallel import one_run, run_jobs, run_threads
+from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.experiments.stories_report import write_report
 from ntpflow.files import ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.model.sampling import sample
 from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
-from ntpflow.replay.attribution import attribute, influence_read_at
+from ntpflow.replay.attribution import influence_read_at
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import make_datasets
-from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run, task_for
-from ntpflow.runs.training import train
+from ntpflow.stats import finite_or_none as _finite
 from ntpflow.tasks.stories import FEATURE_GROUPS, FEATURE_NAMES
+from ntpflow.tasks.stories.tokenizer import META_FILE as TOKENIZER_META
 
 log = logging.getLogger(__name__)
 
@@ -84,15 +83,11 @@ class StoriesScale:
     curve_every: int = 10
 
 
-def _sites(layers, positions) -> tuple[Site, ...]:
-    return tuple(Site(k, p) for k in layers for p in positions)
-
-
 SCALES = {
     # the paper (docs/paper.md#tinystories): 4 layers, d 128, 4 heads, T 64, batch 256, 1000 steps, lr 1e-3, 10 seeds,
     # 300,000 training windows of TinyStoriesV2-GPT4 from the hub (30,000 eval windows), tracked positions 30-39 at
     # layers 1-4 (the paper splits them over two runs of 5 positions; here one replay tracks all 40 sites)
-    "paper": StoriesScale("paper", "hf", tuple(range(10)), _sites((1, 2, 3, 4), range(30, 40)),
+    "paper": StoriesScale("paper", "hf", tuple(range(10)), site_grid((1, 2, 3, 4), range(30, 40)),
                           {"n_layer": 4, "d_model": 128, "n_head": 4, "batch_size": 256, "steps": 1000, "lr": 1e-3,
                            "n_train": 300_000, "n_eval": 30_000, "eval_every": 100, "ckpt_every": 100},
                           curve_every=10),
@@ -103,7 +98,7 @@ SCALES = {
     # (~4 epochs) at lr 2e-3 (twice the paper's, to get further in few steps), 3 seeds, and two tracked sites inside
     # the paper's layers 1-4 x positions 30-39, ⟨2, 32⟩ and ⟨3, 36⟩, with all 22 features. Measured: 37 min for
     # all six runs, sampling and the report (2026-11-30, load ~2; docs/results/stories-small).
-    "small": StoriesScale("small", None, (0, 1, 2), _sites((2,), (32,)) + _sites((3,), (36,)),
+    "small": StoriesScale("small", None, (0, 1, 2), site_grid((2,), (32,)) + site_grid((3,), (36,)),
                           {"n_layer": 4, "d_model": 64, "n_head": 4, "batch_size": 32, "steps": 300, "lr": 2e-3,
                            "n_train": 2_315, "n_eval": 1_727, "eval_every": 100, "ckpt_every": 50, "log_every": 10},
                           curve_every=5),
@@ -114,15 +109,6 @@ SCALES = {
                            "n_train": 640, "n_eval": 64, "eval_every": 15, "ckpt_every": 15, "log_every": 10},
                           SamplingSpec(n_prompts=2, prompt_len=8, n_new=60), curve_every=3),
 }
-
-
-def resolve_scale(scale: str | StoriesScale) -> StoriesScale:
-    """``scale`` itself, or the StoriesScale of that name in ``SCALES``."""
-    if isinstance(scale, StoriesScale):
-        return scale
-    if scale not in SCALES:
-        raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
-    return SCALES[scale]
 
 
 def check_corpus(corpus: str | None, scale: str = "") -> None:
@@ -148,22 +134,6 @@ def run_dir_name(cfg: TrainConfig) -> str:
     return f"{cfg.regime}-s{cfg.seed}"
 
 
-def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], device: str, threads: int,
-             midpoint: bool) -> dict:
-    """Train, probe (final and step 0) and attribute one run at ``sites`` × all 22 features; each stage skips
-    itself when done."""
-    import torch
-
-    torch.set_num_threads(threads)
-    cfg = TrainConfig.from_dict(cfg_dict)
-    run = train(cfg, run_dir, progress=False)
-    load_or_probe(run, "final", device)
-    load_or_probe(run, "init", device)
-    attribute(Run.open(run_dir).dir, [Site(*s) for s in sites], list(FEATURE_NAMES), device=device, progress=False,
-              sgd_rows=False, midpoint=midpoint)
-    return {"run_dir": run_dir}
-
-
 def _prepare_data(cfg: TrainConfig) -> None:
     """Train the tokenizer and featurize the corpus once, in this process, before the workers read the caches."""
     make_datasets(cfg, task_for(cfg))
@@ -175,30 +145,31 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). ``midpoint``
     (default): the replays read each step's ∇R at the step's midpoint; False: at θ_t, as the paper. Returns ``out``.
     """
-    scale = resolve_scale(scale)
+    scale = resolve_scale(scale, SCALES, StoriesScale)
     corpus = corpus or scale.corpus
     check_corpus(corpus, scale.name)
     corpus = str(corpus)
     out = ensure_writable_dir(out)
     (out / "runs").mkdir(exist_ok=True)
     configs = run_configs(scale, corpus)
-    todo = [c for c in configs if not _finished(out / "runs" / run_dir_name(c))]
+    todo = [c for c in configs if not _finished(Run(out / "runs" / run_dir_name(c), c))]
     if todo:
         _prepare_data(todo[0])
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     threads = run_threads(device, workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
-    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, device, threads, midpoint) for c in configs]
-    run_jobs(_one_run, jobs, workers, f"stories {scale.name}", progress)
+    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, list(FEATURE_NAMES), device, threads, midpoint)
+            for c in configs]
+    run_jobs(one_run, jobs, workers, f"stories {scale.name}", progress)
     sample_continuations(scale, out, configs, device=device)
     write_json(out / "data.json", gather(scale, out, configs))
     write_report(out)
     return out
 
 
-def _finished(run_dir: Path) -> bool:
-    return (run_dir / "DONE").exists() and (run_dir / "attribution" / "influence.parquet").exists() \
-        and (run_dir / "probes_init" / "probes.json").exists()
+def _finished(run: Run) -> bool:
+    """Whether ``run`` trained, was probed at step 0 and attributed (its last stages)."""
+    return run.done and run.attribution().done and ProbeSet.saved(run.probes_dir("init"))
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -265,17 +236,17 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
     runs, probes, profiles, influence, curves, influence_centred, mismatch = [], [], [], [], [], [], []
     tokenizer = None
     for cfg in configs:
-        rd = out / "runs" / run_dir_name(cfg)
+        run = Run(out / "runs" / run_dir_name(cfg), cfg)
         key = {"regime": cfg.regime, "seed": cfg.seed}
-        done = read_json(rd / "DONE")
-        train_losses = [m["loss"] for m in Run.open(rd).metrics() if m["kind"] == "train"]
+        done = run.final_record()
+        train_losses = [m["loss"] for m in run.metrics() if m["kind"] == "train"]
         runs.append({**key, "eval_loss": done["eval_loss"], "train_loss": train_losses[-1] if train_losses else None,
                      "steps": done["step"]})
         if tokenizer is None:
-            meta = rd / "tokenizer_meta.json"
+            meta = run.dir / TOKENIZER_META
             tokenizer = read_json(meta) if meta.exists() else {}
-        for weights, folder in (("final", "probes"), ("init", "probes_init")):
-            ps = ProbeSet.load(rd / folder)
+        for weights in ("final", "init"):
+            ps = ProbeSet.load(run.probes_dir(weights))
             r = ps.r  # [L+1, T, F]
             for f, name in enumerate(ps.feature_names):
                 for layer in range(r.shape[0]):
@@ -291,7 +262,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                     for p in ps.positions:
                         profiles.append({**key, "weights": weights, "layer": layer, "pos": p, "group": g,
                                          "r": _mean(_finite(r[layer, p, c].item()) for c in cols)})
-        table = pq.read_table(rd / "attribution" / "influence.parquet")
+        att = run.attribution()
+        table = pq.read_table(att.influence)
         table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
         rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
@@ -306,9 +278,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                 cacc[(r["step"], g, r["component"])].append(r["cumulative"])
         for (step, g, c), vals in sorted(cacc.items()):
             curves.append({**key, "step": step + 1, "group": g, "component": c, "cumulative": _mean(vals)})
-        summ = rd / "attribution" / "summary.json"
-        if summ.exists():
-            for p in read_json(summ)["probes"]:  # one entry per site x feature x mismatch
+        if att.summary.exists():
+            for p in read_json(att.summary)["probes"]:  # one entry per site x feature x mismatch
                 site = {**key, "layer": p["layer"], "pos": p["pos"], "feature": p["feature"]}
                 mismatch.append({**site, "mismatch": p.get("mismatch", "paper"),
                                  **{k: _finite(p.get(k)) for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")}})
@@ -320,7 +291,7 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
     samples = read_json(samples_path) if samples_path.exists() else None
     first = configs[0]
     return {"scale": scale.name, "corpus": first.corpus, "seeds": list(scale.seeds),
-            "influence_read_at": influence_read_at([out / "runs" / run_dir_name(c) / "attribution" for c in configs]),
+            "influence_read_at": influence_read_at([Run(out / "runs" / run_dir_name(c), c).attribution().dir for c in configs]),
             "sites": [[s.layer, s.pos] for s in scale.sites], "train": scale.train,
             "n_layer": first.n_layer, "seq_len": 64,
             "tokenizer": {"source": tokenizer.get("source", "?") if tokenizer else "?",
@@ -334,8 +305,3 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
 def _mean(values):
     xs = [v for v in values if v is not None]
     return sum(xs) / len(xs) if xs else None
-
-
-def load_data(out: str | Path) -> dict:
-    """The parsed ``out/data.json``."""
-    return json.loads((Path(out) / "data.json").read_text())

@@ -18,20 +18,17 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
 from ntpflow.experiments.claim_registry import PAPER_LOSS, stories_claims
-from ntpflow.experiments.render import report_main, template_blocks, write_from_data
-from ntpflow.experiments.report_kit import (
+from ntpflow.experiments.formats import (
     COMPONENT_LABELS,
     COMPONENTS,
-    mean_of,
     mismatch_summary,
-    paired,
     read_at_settings,
     select,
     sites_text,
-    stat_rows,
-    stats,
     train_settings,
 )
+from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.stats import mean_of, paired, stat_rows, stats
 
 REGIMES = ("vanilla", "myopic")
 GROUPS = ("tags", "deps", "position", "syntax")  # "syntax" = tags + deps, added by summarize
@@ -83,12 +80,43 @@ def summarize(data: dict) -> dict:
     seeds = sorted({r["seed"] for r in records} | set(data.get("seeds") or []))
     n_layer = data.get("n_layer") or max([p["layer"] for p in probes] or [0])
     layers = list(range(1, n_layer + 1))
-    raw = data.get("feature_groups") or {}
-    groups = {g: raw[g] for g in [*(g for g in PLOT_GROUPS if g in raw), *sorted(set(raw) - set(PLOT_GROUPS))]}
-    if "tags" in groups and "deps" in groups:  # the 20 syntactic features together, for claims b and c
-        groups["syntax"] = list(groups["tags"]) + list(groups["deps"])
+    groups = _groups(data.get("feature_groups") or {})
+    init_rg = regimes[0] if regimes else None  # the untrained profile: of the first regime's step-0 weights
+    profile_rows = stat_rows([{**p, "regime": "init" if p["weights"] == "init" else p["regime"]} for p in profiles
+                              if p["layer"] in layers and (p["weights"] != "init" or p["regime"] == init_rg)],
+                             ("group", "regime", "layer", "pos"), "r")
+    # R_c and R per regime × layer × feature, mean over its tracked positions and seeds (old: mismatch_removed)
+    mismatch = data.get("mismatch") or [{**r, "mismatch": "paper", "R0_minus_RT_eval": r["total"]} for r in influence
+                                        if r["component"] == "mismatch_removed"]
+    by_mismatch = mismatch_summary(influence, data.get("influence_centred"), mismatch, ("regime", "layer", "feature"))
+    # influence curves: mean over site × features of the group; stats over seeds
+    curve_rows = stat_rows([r for r in curves if r["component"] in ALL_COMPONENTS],
+                           ("group", "regime", "component", "step"), "cumulative")
+    summary = {
+        "scale": data.get("scale"), "corpus": _corpus_text(data.get("corpus")), "tokenizer": data.get("tokenizer") or {},
+        "seeds": seeds, "n_seeds": len(seeds), "regimes": regimes, "sites": data.get("sites") or [],
+        "train": data.get("train") or {}, "layers": layers, "feature_groups": groups,
+        "settings": _settings(data, seeds), "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
+        "ci": "two-sided 95% Student-t interval over seeds; lo/hi are null when n < 2",
+        "loss": _loss(runs, regimes), "probe_quality": _probe_quality(probes, groups, regimes, seeds, layers),
+        "probe_per_feature": _probe_per_feature(probes, groups, regimes, seeds, layers),
+        "probe_profiles": profile_rows, "influence": _influence(influence, groups, regimes, seeds),
+        "influence_curves": curve_rows, **by_mismatch, "samples": data.get("samples") or None,
+    }
+    summary["claims"] = [c.to_dict() for c in stories_claims(summary)]
+    return summary
 
-    # ---- loss
+
+def _groups(raw: dict) -> dict:
+    """The feature groups in plot order, with "syntax" (tags + deps, for claims b and c) where both are there."""
+    groups = {g: raw[g] for g in [*(g for g in PLOT_GROUPS if g in raw), *sorted(set(raw) - set(PLOT_GROUPS))]}
+    if "tags" in groups and "deps" in groups:
+        groups["syntax"] = list(groups["tags"]) + list(groups["deps"])
+    return groups
+
+
+def _loss(runs: list[dict], regimes: list[str]) -> dict:
+    """The paper's losses, ours per regime (stats over seeds) and the paired myopic − vanilla difference."""
     loss = {"paper": {rg: {"mean": m, "sd": sd} for rg, (m, sd) in PAPER_LOSS.items()}, "per_regime": {}}
     per_seed_loss = {rg: {r["seed"]: r.get("eval_loss") for r in runs if r["regime"] == rg} for rg in regimes}
     for rg in regimes:
@@ -98,9 +126,18 @@ def summarize(data: dict) -> dict:
                                   "per_seed": [{"seed": r["seed"], "eval_loss": r.get("eval_loss")} for r in sel]}
     if "vanilla" in regimes and "myopic" in regimes:
         loss["myopic_minus_vanilla"] = paired(per_seed_loss["myopic"], per_seed_loss["vanilla"])
+    return loss
 
-    # ---- probe quality per group: mean over the group's features and layers 1..L of r_mean, per seed
-    r_at = {(p["regime"], p["seed"], p["weights"], p["layer"], p["feature"]): p.get("r_mean") for p in probes}
+
+def _probe_r(probes: list[dict]) -> dict:
+    """``{(regime, seed, weights, layer, feature): r_mean}``."""
+    return {(p["regime"], p["seed"], p["weights"], p["layer"], p["feature"]): p.get("r_mean") for p in probes}
+
+
+def _probe_quality(probes: list[dict], groups: dict, regimes, seeds, layers) -> dict:
+    """Probe quality per group: the mean over the group's features and layers 1..L of r_mean, per seed; stats over
+    seeds per regime and layer, the gain over step 0 and the paired vanilla − myopic difference."""
+    r_at = _probe_r(probes)
 
     def q(regime, seed, weights, group, lays=None):
         return mean_of(r_at.get((regime, seed, weights, k, f)) for k in (lays or layers) for f in groups.get(group, ()))
@@ -124,7 +161,12 @@ def summarize(data: dict) -> dict:
         if "vanilla" in per and "myopic" in per:
             entry["vanilla_minus_myopic"] = paired(per["vanilla"], per["myopic"])
         probe_quality[g] = entry
+    return probe_quality
 
+
+def _probe_per_feature(probes: list[dict], groups: dict, regimes, seeds, layers) -> list[dict]:
+    """Per feature (of the base groups): stats over seeds of its mean r over layers, per regime and at step 0."""
+    r_at = _probe_r(probes)
     per_feature = []
     base = [g for g in groups if g != "syntax"]
     for f in [f for g in base for f in groups[g]]:
@@ -134,13 +176,27 @@ def summarize(data: dict) -> dict:
         if regimes:
             row["init"] = stats(mean_of(r_at.get((regimes[0], s, "init", k, f)) for k in layers) for s in seeds)
         per_feature.append(row)
+    return per_feature
 
-    init_rg = regimes[0] if regimes else None  # the untrained profile: of the first regime's step-0 weights
-    profile_rows = stat_rows([{**p, "regime": "init" if p["weights"] == "init" else p["regime"]} for p in profiles
-                              if p["layer"] in layers and (p["weights"] != "init" or p["regime"] == init_rg)],
-                             ("group", "regime", "layer", "pos"), "r")
 
-    # ---- integrated influence per group and component (raw, and shares)
+def _shares(tot: dict, regime: str, seed: int, pairs: list) -> dict:
+    """Per component, the mean over ``pairs`` (site × feature) of its share of |direct| + |pre-cached| + |shared|
+    (pairs with a non-finite component skipped)."""
+    sh = defaultdict(list)
+    for x in pairs:
+        v = {c: tot.get((regime, seed, *x, c)) for c in COMPONENTS}
+        if any(v[c] is None or not math.isfinite(v[c]) for c in COMPONENTS):
+            continue
+        den = sum(abs(v[c]) for c in COMPONENTS)
+        if den > 0:
+            for c in COMPONENTS:
+                sh[c].append(v[c] / den)
+    return {c: mean_of(sh[c]) for c in COMPONENTS}
+
+
+def _influence(influence: list[dict], groups: dict, regimes, seeds) -> dict:
+    """Integrated influence per group and component, raw and as shares (stats over seeds), with the paired
+    differences of the shares."""
     tot = {}
     for r in influence:
         tot[(r["regime"], r["seed"], r["layer"], r["pos"], r["feature"], r["component"])] = r["total"]
@@ -157,17 +213,8 @@ def summarize(data: dict) -> dict:
             for s in seeds:
                 for c, per_seed in raw.items():
                     per_seed[s] = mean_of(tot.get((rg, s, *x, c)) for x in gp)
-                sh = defaultdict(list)
-                for x in gp:
-                    v = {c: tot.get((rg, s, *x, c)) for c in COMPONENTS}
-                    if any(v[c] is None or not math.isfinite(v[c]) for c in COMPONENTS):
-                        continue
-                    den = sum(abs(v[c]) for c in COMPONENTS)
-                    if den > 0:
-                        for c in COMPONENTS:
-                            sh[c].append(v[c] / den)
-                for c in COMPONENTS:
-                    share[c][s] = mean_of(sh[c])
+                for c, v in _shares(tot, rg, s, gp).items():
+                    share[c][s] = v
             if not any(v is not None for v in raw["full"].values()):
                 continue
             entry["per_regime"][rg] = {
@@ -178,29 +225,7 @@ def summarize(data: dict) -> dict:
                 "direct_minus_shared_share": paired(share["direct"], share["shared"]),
             }
         infl[g] = entry
-
-    # ---- R_c and R per regime × layer × feature, mean over its tracked positions and seeds (old: mismatch_removed)
-    records = data.get("mismatch") or [{**r, "mismatch": "paper", "R0_minus_RT_eval": r["total"]} for r in influence
-                                       if r["component"] == "mismatch_removed"]
-    by_mismatch = mismatch_summary(influence, data.get("influence_centred"), records, ("regime", "layer", "feature"))
-
-    # ---- influence curves (mean over site × features of the group; stats over seeds)
-    curve_rows = stat_rows([r for r in curves if r["component"] in ALL_COMPONENTS],
-                           ("group", "regime", "component", "step"), "cumulative")
-
-    samples = data.get("samples") or None
-    summary = {
-        "scale": data.get("scale"), "corpus": _corpus_text(data.get("corpus")), "tokenizer": data.get("tokenizer") or {},
-        "seeds": seeds, "n_seeds": len(seeds), "regimes": regimes, "sites": data.get("sites") or [],
-        "train": data.get("train") or {}, "layers": layers, "feature_groups": groups,
-        "settings": _settings(data, seeds), "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
-        "ci": "two-sided 95% Student-t interval over seeds; lo/hi are null when n < 2",
-        "loss": loss, "probe_quality": probe_quality, "probe_per_feature": per_feature,
-        "probe_profiles": profile_rows, "influence": infl, "influence_curves": curve_rows, **by_mismatch,
-        "samples": samples,
-    }
-    summary["claims"] = [c.to_dict() for c in stories_claims(summary)]
-    return summary
+    return infl
 
 
 # ---------------------------------------------------------------------------------------------------- figures

@@ -8,23 +8,22 @@ are replayed together in one replay of the group (``ntpflow.replay.attribution.a
 Every stage is resumable and skipped when finished, so an interrupted call continues where it stopped.
 """
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ntpflow.experiments.parallel import run_jobs, run_threads
-from ntpflow.experiments.report_kit import finite_or_none as _finite
+from ntpflow.experiments.parallel import on_threads, one_run, run_jobs, run_threads
+from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.files import ensure_writable_dir, read_json, write_json
 from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
-from ntpflow.replay.attribution import attribute, attribute_group, influence_read_at
+from ntpflow.replay.attribution import attribute_group, influence_read_at
 from ntpflow.runs.config import REGIMES, TrainConfig
 from ntpflow.runs.group import train_group
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
-from ntpflow.runs.training import train
+from ntpflow.stats import finite_or_none as _finite
 from ntpflow.tasks import make_task
 
 log = logging.getLogger(__name__)
@@ -59,21 +58,17 @@ class ToyScale:
 MAX_CURVE_POINTS = 200  # influence curves keep at most about this many steps per run (the last step always)
 
 
-def _sites(layers, positions) -> tuple[Site, ...]:
-    return tuple(Site(k, p) for k in layers for p in positions)
-
-
 SCALES = {
     # the paper: 2 layers, d 128, 4 heads, batch 256, 3000 steps, lr 1e-3, 102,400 sequences, 10 seeds,
     # tracked sites layers 1-2 x positions 2-19 in the 20 vanilla runs; the 10 seeds of a (task, regime) train as
     # one run group (scripts/paper_gpu.sh)
-    "paper": ToyScale("paper", tuple(range(10)), _sites((1, 2), range(2, 20)),
+    "paper": ToyScale("paper", tuple(range(10)), site_grid((1, 2), range(2, 20)),
                       {"steps": 3000, "n_train": 102_400, "n_eval": 10_240, "eval_every": 500, "ckpt_every": 500},
                       curve_every=50, grouped=True, tracked=("vanilla",)),
     # this 2-core machine in under an hour for both tasks: a narrower model (d_model 64), 3 seeds, 300 steps
     # (the toy tasks are learned within a few hundred steps), 25,600 sequences, and 3 tracked sites at layer 1:
     # input positions 4 and 8, where the features are NTP-useless, and output position 14, where they are useful
-    "small": ToyScale("small", (0, 1, 2), _sites((1,), (4, 8, 14)),
+    "small": ToyScale("small", (0, 1, 2), site_grid((1,), (4, 8, 14)),
                       {"steps": 300, "d_model": 64, "n_train": 25_600, "n_eval": 4_096, "eval_every": 100,
                        "ckpt_every": 100},
                       curve_every=5),
@@ -85,17 +80,17 @@ SCALES = {
     # docs/experiments/toy.md), so 5000. Three vanilla seeds per task are replayed at layer-1 sites: input
     # positions 4, 6, 8 (NTP-useless) and output position 14 (useful). Layer-2 sites are the last residual, where
     # pre-caching is zero by construction.
-    "medium": ToyScale("medium", (0, 1, 2, 3, 4), _sites((1,), (4, 6, 8, 14)),
+    "medium": ToyScale("medium", (0, 1, 2, 3, 4), site_grid((1,), (4, 6, 8, 14)),
                        {"n_train": 102_400, "n_eval": 10_240, "eval_every": 200, "ckpt_every": 200},
                        curve_every=10, tracked=("vanilla",), tracked_seeds=(0, 1, 2),
                        task_train={"majority": {"steps": 600}, "cond_majority": {"steps": 5000}}),
     # CI: a narrow model, 40 steps, two sites; checks the pipeline, not the science
-    "smoke": ToyScale("smoke", (0,), _sites((1,), (5, 12)),
+    "smoke": ToyScale("smoke", (0,), site_grid((1,), (5, 12)),
                       {"steps": 40, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 2_560, "n_eval": 512,
                        "eval_every": 20, "ckpt_every": 20},
                       curve_every=2),
     # the paper scale's code path (run groups, tracked vanilla replays) at the smoke size: scripts/paper_gpu.sh --smoke
-    "paper-smoke": ToyScale("paper-smoke", (0, 1), _sites((1,), (5, 12)),
+    "paper-smoke": ToyScale("paper-smoke", (0, 1), site_grid((1,), (5, 12)),
                             {"steps": 40, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 2_560,
                              "n_eval": 512, "eval_every": 20, "ckpt_every": 20},
                             curve_every=2, grouped=True, tracked=("vanilla",)),
@@ -114,53 +109,23 @@ def run_dir_name(cfg: TrainConfig) -> str:
     return f"{cfg.task}-{cfg.regime}-s{cfg.seed}"
 
 
-def _one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
-             threads: int, midpoint: bool = False) -> dict:
-    """Train, probe (final and step 0) and attribute one run (if ``sites``); each stage skips itself when done."""
-    import torch
-
-    torch.set_num_threads(threads)
-    run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=False)
-    load_or_probe(run, "final", device)
-    load_or_probe(run, "init", device)
-    if sites:
-        _one_replay(run_dir, sites, features, device, threads, midpoint)
-    return {"run_dir": run_dir}
-
-
 def _one_group(cfg_dicts: list[dict], run_dirs: list[str], device: str, threads: int) -> dict:
-    """Train the runs of one (task, regime) as one run group, then probe each (final and step 0)."""
-    import torch
-
-    torch.set_num_threads(threads)
-    for run in train_group([TrainConfig.from_dict(d) for d in cfg_dicts], run_dirs, progress=False):
-        load_or_probe(run, "final", device)
-        load_or_probe(run, "init", device)
+    """Train the runs of one (task, regime) as one run group, then probe each (final and step 0), on ``threads``
+    torch threads (the caller's count is restored)."""
+    with on_threads(threads):
+        for run in train_group([TrainConfig.from_dict(d) for d in cfg_dicts], run_dirs, progress=False):
+            load_or_probe(run, "final", device)
+            load_or_probe(run, "init", device)
     return {"run_dirs": run_dirs}
-
-
-def _one_replay(run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str, threads: int,
-                midpoint: bool = False) -> dict:
-    """Replay one finished run with influence tracking at ``sites`` (skipped when done); ``midpoint``: see
-    ``InfluenceTracker``."""
-    import torch
-
-
-    torch.set_num_threads(threads)
-    attribute(run_dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
-              midpoint=midpoint)
-    return {"run_dir": run_dir}
 
 
 def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: list[str], device: str,
                   threads: int, midpoint: bool = False) -> dict:
-    """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped)."""
-    import torch
-
-
-    torch.set_num_threads(threads)
-    attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
-                    midpoint=midpoint)
+    """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped),
+    on ``threads`` torch threads (the caller's count is restored)."""
+    with on_threads(threads):
+        attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False,
+                        sgd_rows=False, midpoint=midpoint)
     return {"run_dirs": run_dirs}
 
 
@@ -172,10 +137,7 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
     ``replays=False`` trains and probes only: the tracked replays (the costly part) are skipped, and the influence
     claims come out not testable; a later call with ``replays=True`` adds them. ``midpoint=True`` replays with the
     influence read at each step's midpoint (``InfluenceTracker``; docs/balance.md). Returns ``out``."""
-    if isinstance(scale, str):
-        if scale not in SCALES:
-            raise ValueError(f"unknown scale {scale!r}; choose one of {sorted(SCALES)}")
-        scale = SCALES[scale]
+    scale = resolve_scale(scale, SCALES, ToyScale)
     if seeds is not None:
         if not seeds or set(seeds) - set(scale.seeds):
             raise ValueError(f"seeds {sorted(set(seeds) - set(scale.seeds)) or '(none)'} are not seeds of scale "
@@ -209,7 +171,7 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
     else:
         jobs = [(c.to_dict(), run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), device, threads,
                  midpoint) for c in configs]
-        run_jobs(_one_run, jobs, workers, f"toy {scale.name}", progress)
+        run_jobs(one_run, jobs, workers, f"toy {scale.name}", progress)
     data = gather(scale, out, configs, replays)
     write_json(out / "data.json", data)
     return out
@@ -223,16 +185,16 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
 
     runs, probes, influence, curves, mismatch, eval_curves, attributed = [], [], [], [], [], [], []
     for cfg in configs:
-        rd = out / "runs" / run_dir_name(cfg)
+        run = Run(out / "runs" / run_dir_name(cfg), cfg)
         key = {"task": cfg.task, "regime": cfg.regime, "seed": cfg.seed}
         task = make_task(cfg.task)
-        done = {k: v for k, v in read_json(rd / "DONE").items() if k != "step"}
+        done = {k: v for k, v in run.final_record().items() if k != "step"}
         runs.append({**key, **done, "steps": cfg.steps, "optimal_loss": task.optimal_loss(),
                      "loss_gap": done["eval_loss"] - task.optimal_loss()})
         eval_curves += [{**key, "step": m["step"], "loss_gap": m["eval_loss"] - task.optimal_loss(),
-                         "first_acc": m.get("first_acc")} for m in Run(rd, cfg).metrics() if m["kind"] == "eval"]
-        for weights, folder in (("final", "probes"), ("init", "probes_init")):
-            ps = ProbeSet.load(rd / folder)
+                         "first_acc": m.get("first_acc")} for m in run.metrics() if m["kind"] == "eval"]
+        for weights in ("final", "init"):
+            ps = ProbeSet.load(run.probes_dir(weights))
             for f, name in enumerate(ps.feature_names):
                 for layer in range(ps.r.shape[0]):
                     for pos in ps.positions:
@@ -241,8 +203,9 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
                                        "useful": bool(task.useful[pos, f])})
         if not (replays and scale.is_tracked(cfg)):
             continue
-        attributed.append(rd / "attribution")
-        table = pq.read_table(rd / "attribution" / "influence.parquet")
+        att = run.attribution()
+        attributed.append(att.dir)
+        table = pq.read_table(att.influence)
         table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
         rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
@@ -255,7 +218,7 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             if r["step"] % stride == 0 or r["step"] == last:
                 curves.append({**key, **site, "step": r["step"] + 1, "component": r["component"],
                                "cumulative": r["cumulative"]})
-        for p in read_json(rd / "attribution" / "summary.json")["probes"]:  # held-out R(θ_0), R removed, offset
+        for p in read_json(att.summary)["probes"]:  # held-out R(θ_0), R removed, offset
             mismatch.append({**key, **{k: p[k] for k in ("layer", "pos", "feature", "mismatch", "R0_eval",
                                                          "R0_minus_RT_eval", "offset_share_R0")},
                              "useful": bool(task.useful[p["pos"], task.feature_names.index(p["feature"])])})
@@ -268,8 +231,3 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             if replays else [], "replays": replays,
             "runs": runs, "probes": probes, "influence": influence, "curves": curves, "mismatch": mismatch,
             "eval_curves": eval_curves}
-
-
-def load_data(out: str | Path) -> dict:
-    """The parsed ``out/data.json``."""
-    return json.loads((Path(out) / "data.json").read_text())

@@ -26,22 +26,18 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
 from ntpflow.experiments.claim_registry import CLAIM_LAYERS, CLAIM_POSITIONS, GATE_ACC, GATE_GAP, toy_claims
-from ntpflow.experiments.render import report_main, template_blocks, write_from_data
-from ntpflow.experiments.report_kit import (
+from ntpflow.experiments.formats import (
     COMPONENT_LABELS,
     COMPONENTS,
-    mean_of,
-    paired,
     plain_number,
-    r_stats,
     read_at_settings,
     select,
     sites_text,
-    stat_rows,
-    stats,
     train_settings,
 )
+from ntpflow.experiments.render import report_main, template_blocks, write_from_data
 from ntpflow.runs.config import REGIMES
+from ntpflow.stats import mean_of, paired, r_stats, stat_rows, stats
 
 TASK_ORDER = ("majority", "cond_majority")
 TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}
@@ -58,13 +54,34 @@ INFLUENCE_UNIT = "probe units² (first-order change of the mismatch)"
 def summarize(data: dict) -> dict:
     """Every aggregate of the report and the claims, from the parsed data.json (pure, no I/O)."""
     runs, probes = data.get("runs") or [], data.get("probes") or []
-    influence, curves, mismatch = data.get("influence") or [], data.get("curves") or [], data.get("mismatch") or []
+    influence, mismatch = data.get("influence") or [], data.get("mismatch") or []
     tasks = [t for t in TASK_ORDER if any(r["task"] == t for r in runs + probes)]
     regimes = [g for g in REGIMES if any(r["regime"] == g for r in runs + probes)]
     seeds = sorted({r["seed"] for r in runs + probes})
     n_layer = max([p["layer"] for p in probes], default=2)
+    success, gates = _task_success(runs, tasks, regimes)
+    layers = sorted({p["layer"] for p in probes})
+    profiles = _probe_profiles(probes, tasks, regimes, seeds, layers)
+    probe_gain = _probe_gain(probes, tasks, regimes, seeds)
+    offset_rows, balance_rows, site_rows = _balance(influence, mismatch)
+    summary = {"scale": data.get("scale"), "seeds": seeds, "n_seeds": len(seeds), "tasks": tasks,
+               "regimes": regimes, "sites": data.get("sites") or [], "n_layer": n_layer,
+               "tracked_seeds": data.get("tracked_seeds", seeds), "train": data.get("train") or {},
+               "task_train": data.get("task_train") or {}, "settings": _settings(data, len(seeds)),
+               "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
+               "ci": "two-sided 95% Student-t interval over seeds (Pearson r: in Fisher z); null when n < 2",
+               "task_success": success, "gates": gates, "learning": _learning(data.get("eval_curves") or [], tasks, seeds),
+               "probe_layers": layers, "probe_profiles": profiles,
+               "probe_gain": probe_gain, "influence": _influence(influence, tasks, n_layer), "offset_share": offset_rows,
+               "balance": balance_rows, "sites_detail": site_rows,
+               "influence_curves": _influence_curves(data.get("curves") or [], n_layer)}
+    summary["claims"] = [c.to_dict() for c in toy_claims(summary)]
+    return summary
 
-    # ---- task success and gates
+
+def _task_success(runs: list[dict], tasks: list[str], regimes: list[str]) -> tuple[dict, dict]:
+    """``(success, gates)``: per task × regime the stats over seeds of the final scores, and per task what the
+    vanilla seeds reached (the preconditions of the claims)."""
     success, gates = {}, {}
     for t in tasks:
         success[t] = {}
@@ -82,13 +99,16 @@ def summarize(data: dict) -> dict:
                     "max_loss_gap": max((r["loss_gap"] for r in van if r.get("loss_gap") is not None), default=None),
                     "optimal_loss": next((r.get("optimal_loss") for r in van), None),
                     "steps": next((r.get("steps") for r in van), None)}
+    return success, gates
 
-    # ---- learning curves: from which evaluation on does each vanilla seed pass both gates?
+
+def _learning(eval_curves: list[dict], tasks: list[str], seeds: list[int]) -> dict:
+    """Per task: from which evaluation on each vanilla seed passes both gates, and the vanilla learning curves."""
     learning = {}
     for t in tasks:
         per_seed, van_curves = {}, []
         for sd in seeds:
-            ev = select(data.get("eval_curves") or [], "step", task=t, regime="vanilla", seed=sd)
+            ev = select(eval_curves, "step", task=t, regime="vanilla", seed=sd)
             van_curves += [{k: e[k] for k in ("seed", "step", "loss_gap", "first_acc")} for e in ev]
             if ev:
                 ok = [e["first_acc"] is not None and e["first_acc"] >= GATE_ACC and e["loss_gap"] <= GATE_GAP
@@ -100,15 +120,19 @@ def summarize(data: dict) -> dict:
                            "last_step": max(e["step"] for e in van_curves),
                            "all_pass_from": None if None in per_seed.values() else max(per_seed.values()),
                            "curves": van_curves}
+    return learning
 
-    # ---- probes: profiles for the figures, window means and gains per seed
+
+def _probe_r(probes: list[dict]):
+    """``r_of(task, regime, seed, weights, layer, pos)``: the probe r there, mean over the task's probed features."""
     r_at = {(p["task"], p["regime"], p["seed"], p["weights"], p["layer"], p["pos"], p["feature"]): p["r"]
             for p in probes}
-    layers = sorted({p["layer"] for p in probes})
+    return lambda t, g, s, w, k, i: mean_of(r_at.get((t, g, s, w, k, i, f)) for f in PROBE_FEATURES[t])
 
-    def r_of(t, g, s, w, k, i):
-        return mean_of(r_at.get((t, g, s, w, k, i, f)) for f in PROBE_FEATURES[t])
 
+def _probe_profiles(probes: list[dict], tasks, regimes, seeds, layers) -> list[dict]:
+    """Rows of the probe figures: per task × regime (step 0: vanilla) × layer × position, r over seeds."""
+    r_of = _probe_r(probes)
     profiles = []
     for t in tasks:
         positions = sorted({p["pos"] for p in probes if p["task"] == t and p["pos"] >= 1})
@@ -119,6 +143,13 @@ def summarize(data: dict) -> dict:
                         s = r_stats(r_of(t, g, sd, w, k, i) for sd in seeds)
                         if s["n"]:
                             profiles.append({"task": t, "regime": g, "weights": w, "layer": k, "pos": i, **s})
+    return profiles
+
+
+def _probe_gain(probes: list[dict], tasks, regimes, seeds) -> dict:
+    """Per task: the probe r in the claims' window (final, step 0, their gain) per regime, and the paired
+    differences of the gains between regimes."""
+    r_of = _probe_r(probes)
 
     def window(t, g, s, w):
         return mean_of(r_of(t, g, s, w, k, i) for k in CLAIM_LAYERS for i in CLAIM_POSITIONS)
@@ -139,14 +170,19 @@ def summarize(data: dict) -> dict:
                            if g != "vanilla" and "vanilla" in gain},
             "myopic-untied_vs": {g: paired(gain["myopic-untied"], gain[g]) for g in ("myopic", "untied")
                                  if g in gain and "myopic-untied" in gain}}
+    return probe_gain
 
-    # ---- influence at NTP-useless sites below the last layer (pre-caching is zero by construction at the last)
-    def useless(r):
-        return not r["useful"] and r["layer"] < n_layer
 
+def _useless(r: dict, n_layer: int) -> bool:
+    """An NTP-useless site below the last layer (pre-caching is zero by construction at the last)."""
+    return not r["useful"] and r["layer"] < n_layer
+
+
+def _influence(influence: list[dict], tasks, n_layer: int) -> dict:
+    """Per task × mismatch: each component's integrated influence at the useless sites, stats over seeds."""
     acc = defaultdict(list)
     for r in influence:
-        if useless(r):
+        if _useless(r, n_layer):
             acc[(r["task"], r["mismatch"], r["seed"], r["component"])].append(r["total"])
     infl = {}
     for t in tasks:
@@ -158,8 +194,13 @@ def summarize(data: dict) -> dict:
             row = {c: stats(per[c].values()) for c in per}
             row["pre_cached+shared"] = stats(per["pre_cached"][s] + per["shared"][s] for s in tracked_seeds)
             infl.setdefault(t, {})[m] = row
+    return infl
 
-    # ---- offset share of R(θ_0) and the balance check, per task × mismatch, useless vs useful sites
+
+def _balance(influence: list[dict], mismatch: list[dict]) -> tuple[list, list, list]:
+    """``(offset_rows, balance_rows, site_rows)``: the offset share of R(θ_0) per task × where × position, the
+    balance check per task × mismatch × useless/useful sites, and per site × feature (vanilla, mean over tracked
+    seeds) the offset share, both decompositions and their balance."""
     balance = defaultdict(list)
     full_total = {(r["task"], r["seed"], r["layer"], r["pos"], r["feature"], r["mismatch"]): r["total"]
                   for r in influence if r["component"] == "full"}
@@ -171,7 +212,6 @@ def summarize(data: dict) -> dict:
     per_seed = stat_rows([{**r, "where": "useful" if r["useful"] else "useless"} for r in mismatch
                           if r["mismatch"] == "paper"], ("task", "where", "pos", "seed"), "offset_share_R0")
     offset_rows = stat_rows(per_seed, ("task", "where", "pos"), "mean")  # mean over features, then CI over seeds
-    # per site × feature (vanilla, mean over tracked seeds): offset share, both decompositions and their balance
     cell = defaultdict(list)
     for r in influence:
         cell[(r["task"], r["layer"], r["pos"], r["feature"], r["mismatch"], r["component"])].append(r["total"])
@@ -188,30 +228,21 @@ def summarize(data: dict) -> dict:
     balance_rows = [{"task": t, "mismatch": m, "where": w,
                      "influence": mean_of(f for f, _, _ in v), "removed": mean_of(d for _, d, _ in v),
                      "R0": mean_of(r0 for _, _, r0 in v)} for (t, m, w), v in sorted(balance.items())]
+    return offset_rows, balance_rows, site_rows
 
-    # ---- cumulative influence curves (vanilla, useless sites below the last layer)
+
+def _influence_curves(curves: list[dict], n_layer: int) -> list[dict]:
+    """Cumulative influence curves (vanilla, useless sites below the last layer): per task × mismatch × component
+    × step, stats over seeds of the mean over sites."""
     cacc = defaultdict(list)
     for r in curves:
-        if useless({**r, "useful": r.get("useful", r["pos"] >= 10)}):
+        if _useless({**r, "useful": r.get("useful", r["pos"] >= 10)}, n_layer):
             cacc[(r["task"], r["mismatch"], r["component"], r["step"], r["seed"])].append(r["cumulative"])
     per_seed = defaultdict(lambda: defaultdict(list))
     for (t, m, c, step, s), v in cacc.items():
         per_seed[(t, m, c)][step].append(mean_of(v))
-    curve_rows = [{"task": t, "mismatch": m, "component": c, "step": step, **stats(v)}
-                  for (t, m, c), by_step in sorted(per_seed.items()) for step, v in sorted(by_step.items())]
-
-    summary = {"scale": data.get("scale"), "seeds": seeds, "n_seeds": len(seeds), "tasks": tasks,
-               "regimes": regimes, "sites": data.get("sites") or [], "n_layer": n_layer,
-               "tracked_seeds": data.get("tracked_seeds", seeds), "train": data.get("train") or {},
-               "task_train": data.get("task_train") or {}, "settings": _settings(data, len(seeds)),
-               "sign_convention": fs.SIGN, "influence_unit": INFLUENCE_UNIT,
-               "ci": "two-sided 95% Student-t interval over seeds (Pearson r: in Fisher z); null when n < 2",
-               "task_success": success, "gates": gates, "learning": learning, "probe_layers": layers, "probe_profiles": profiles,
-               "probe_gain": probe_gain, "influence": infl, "offset_share": offset_rows, "balance": balance_rows,
-               "sites_detail": site_rows,
-               "influence_curves": curve_rows}
-    summary["claims"] = [c.to_dict() for c in toy_claims(summary)]
-    return summary
+    return [{"task": t, "mismatch": m, "component": c, "step": step, **stats(v)}
+            for (t, m, c), by_step in sorted(per_seed.items()) for step, v in sorted(by_step.items())]
 
 
 def _settings(data: dict, n_seeds: int) -> list[dict]:

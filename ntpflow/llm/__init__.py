@@ -23,7 +23,6 @@ from ntpflow.llm.lens import fit_lenses as fit_lenses
 from ntpflow.llm.lens import fit_linear as fit_linear
 from ntpflow.llm.lens import lens_q_correlation as lens_q_correlation
 from ntpflow.llm.lens import overlap as overlap
-from ntpflow.llm.lens import spearman as spearman
 from ntpflow.llm.qscan import QScanConfig as QScanConfig
 from ntpflow.llm.qscan import QScanResult as QScanResult
 from ntpflow.llm.qscan import ablation_kl as ablation_kl
@@ -39,3 +38,4 @@ from ntpflow.llm.steering import code_score as code_score
 from ntpflow.llm.steering import generate as generate
 from ntpflow.llm.steering import steer_latents as steer_latents
 from ntpflow.llm.steering import steering_vectors as steering_vectors
+from ntpflow.stats import spearman as spearman

@@ -19,7 +19,7 @@ and in **closed form**:
 Overlap of a latent with the lens: ``A = U S V^T``; for rank r, ``P_r`` projects onto the top-r right singular
 vectors (input space) and ``overlap_r(f) = cos(E_f, P_r E_f) = ||V_r^T E_f|| / ||E_f||`` with ``E_f`` the SAE's
 **encoder** column ``W_enc[:, f]`` (as the reference's notebook). The paper reports a negative correlation between
-Q and this overlap; :func:`spearman` gives Spearman's rho with a Fisher-z 95% CI (standard error
+Q and this overlap; ``ntpflow.stats.spearman`` gives Spearman's rho with a Fisher-z 95% CI (standard error
 ``1.03 / sqrt(n - 3)``, Fieller et al. 1957).
 """
 
@@ -30,8 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
+
+from ntpflow.stats import spearman
 
 
 @dataclass
@@ -78,26 +79,6 @@ def overlap(A: torch.Tensor, E: torch.Tensor, ranks: Sequence[int]) -> dict[int,
         if not 1 <= r <= Vh.shape[0]:
             raise ValueError(f"rank {r} out of range 1..{Vh.shape[0]}")
         out[int(r)] = (csum[r - 1].sqrt() / En).float()
-    return out
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> dict:
-    """Spearman's rho of the finite pairs with a Fisher-z 95% CI (se ``1.03/sqrt(n-3)``) and the two-sided p of
-    scipy; ``{"rho", "lo", "hi", "p", "n"}`` (None where undefined: n < 4 or a constant input)."""
-    from scipy import stats
-
-    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    ok = np.isfinite(a) & np.isfinite(b)
-    a, b = a[ok], b[ok]
-    n = int(a.size)
-    out: dict = {"rho": None, "lo": None, "hi": None, "p": None, "n": n}
-    if n < 4 or np.ptp(a) == 0 or np.ptp(b) == 0:
-        return out
-    res = stats.spearmanr(a, b)
-    rho = float(res.statistic if hasattr(res, "statistic") else res[0])
-    p = float(res.pvalue if hasattr(res, "pvalue") else res[1])
-    z, se = math.atanh(max(-0.999999, min(0.999999, rho))), 1.03 / math.sqrt(n - 3)
-    out.update(rho=rho, lo=math.tanh(z - 1.96 * se), hi=math.tanh(z + 1.96 * se), p=p)
     return out
 
 

@@ -32,6 +32,7 @@ import torch
 
 from ntpflow.llm.corpus import DOMAINS, FORMAL_DOMAINS, Contexts
 from ntpflow.llm.sae import as_sae
+from ntpflow.stats import sigma_ci
 
 MODES = ("reconstruction", "error-preserving")
 EPS = 1e-8
@@ -479,21 +480,6 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
 
 
 # ------------------------------------------------------------------------------------------------------ statistics
-
-
-def sigma_ci(x: Sequence[float], alpha: float = 0.05) -> tuple[float, float]:
-    """Midpoint and half-width of the chi-square ``1 - alpha`` confidence interval for the standard deviation of
-    ``x`` (normal model), the paper's ``sigma(ln Q)`` statistic."""
-    from scipy import stats
-
-    x = np.asarray(x, dtype=float)
-    n = x.size
-    if n < 2:
-        return math.nan, math.nan
-    s2, df = x.var(ddof=1), n - 1
-    lo = math.sqrt(df * s2 / stats.chi2.ppf(1 - alpha / 2, df))
-    hi = math.sqrt(df * s2 / stats.chi2.ppf(alpha / 2, df))
-    return (lo + hi) / 2, (hi - lo) / 2
 
 
 def q_statistics(result: QScanResult, tail: float = 0.1) -> dict:
