@@ -101,7 +101,8 @@ def read_state(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def apply_state(model: GPT, opt: torch.optim.Adam, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
-    """Put a state read by :func:`read_state` into ``model`` and ``opt``."""
+    """Restore a state read by :func:`read_state` into ``model`` and ``opt`` (``load_latest`` reads every member's
+    first, then restores them)."""
     model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
     if meta["adam_step"]:
         sd = opt.state_dict()
@@ -110,13 +111,6 @@ def apply_state(model: GPT, opt: torch.optim.Adam, meta: dict, tensors: dict[str
                            "exp_avg": tensors[f"adam.exp_avg.{n}"],
                            "exp_avg_sq": tensors[f"adam.exp_avg_sq.{n}"]} for i, n in enumerate(names)}
         opt.load_state_dict(sd)
-
-
-def load_state(path: Path, model: GPT, opt: torch.optim.Adam, device) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Restore what ``save_state`` wrote into ``model`` and ``opt``; returns (meta, all tensors)."""
-    meta, tensors = read_state(path, device)
-    apply_state(model, opt, meta, tensors)
-    return meta, tensors
 
 
 class Checkpoints:

@@ -36,7 +36,7 @@ from ntpflow.files import (
 from ntpflow.model.gpt import GPT
 from ntpflow.model.loss import lm_loss
 from ntpflow.runs.config import TrainConfig
-from ntpflow.runs.data import DataOrder, to_torch
+from ntpflow.runs.data import DataOrder, make_datasets, to_torch
 from ntpflow.runs.metrics import MetricsLog, check_sinks, make_sinks
 from ntpflow.runs.run import Run, load_latest, save_state
 from ntpflow.runs.threads import continue_threads, kept_threads
@@ -188,7 +188,7 @@ class Alone:
 
     def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Adam], device):
         (run,), (self.model,), (self.opt,) = runs, models, opts
-        train_set, eval_set = run.datasets()
+        train_set, eval_set = make_datasets(run.cfg, run.task)  # not cached on the Run, which train() returns
         self.data, self.evals = to_torch(train_set, device), [to_torch(eval_set, device)]
         self.order, self.device = DataOrder(run.cfg.seed, run.cfg.n_train, run.cfg.batch_size), device
 
