@@ -555,7 +555,7 @@ def test_replay_resumes_after_kill(finished_run, tmp_path):
     cmd = [sys.executable, "-m", "ntpflow", "-q", "attribute", str(finished_run), "--sites", "1:3",
            "--features", "is_majority_<1>", "--out", str(out)]
     # SIGKILL just after the first resume point is in place (a named fault point: deterministic, no timing)
-    env = {**os.environ, "NTPFLOW_FAULT": "attribute:after_state_rename:kill"}
+    env = {**os.environ, "NTPFLOW_FAULT": "attribute:after_checkpoint:kill"}
     assert subprocess.run(cmd, check=False, env=env).returncode == -signal.SIGKILL
     assert list((out / "state").glob("step_*"))
     assert subprocess.run(cmd, check=False).returncode == 0

@@ -123,7 +123,7 @@ def test_audit_resumes_after_kill(finished_run, tmp_path):
            "--features", FEATURE, "--held-out", "64"]
     ref, out = tmp_path / "ref", tmp_path / "killed"
     assert subprocess.run([*cmd, "--out", str(ref)], check=False).returncode == 0
-    env = {**os.environ, "NTPFLOW_FAULT": "attribute:after_state_rename:kill"}  # right after the first resume point
+    env = {**os.environ, "NTPFLOW_FAULT": "attribute:after_checkpoint:kill"}  # right after the first resume point
     assert subprocess.run([*cmd, "--out", str(out)], check=False, env=env).returncode == -signal.SIGKILL
     assert list((out / "state").glob("step_*")) and not (out / "summary.json").exists()
     assert subprocess.run([*cmd, "--out", str(out)], check=False, capture_output=True).returncode == 0

@@ -20,8 +20,8 @@ from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.runs.config import REGIMES, TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets
 from ntpflow.runs.group import GroupData, group_step, stack_runs, train_group
-from ntpflow.runs.run import Run, model_config, task_for
-from ntpflow.runs.training import make_optimizer, train
+from ntpflow.runs.run import Checkpoints, Run, model_config, task_for
+from ntpflow.runs.training import TrainingDiverged, make_optimizer, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(task="majority", steps=12, d_model=16, n_head=2, batch_size=16, n_train=320, n_eval=64, eval_every=6,
@@ -122,19 +122,19 @@ def test_group_members_are_ordinary_runs_close_to_separate_runs(group, tmp_path)
 
 def test_killed_group_resumes_to_the_same_bits(group, tmp_path, monkeypatch):
     root, cfgs, runs = group
-    real, calls = run_group.save_state, []
+    real, calls = Checkpoints.save, []
 
-    def dying_save_state(path, *args, **kw):  # dies after the first member's checkpoint at step 8 is written
-        real(path, *args, **kw)
-        calls.append(path)
-        if Path(path).name == "step_000008.safetensors":
+    def dying_save(self, step, *args, **kw):  # dies after the first member's checkpoint at step 8 is written
+        real(self, step, *args, **kw)
+        calls.append(self.path(step))
+        if step == 8:
             raise KeyboardInterrupt("injected kill")
 
-    monkeypatch.setattr(run_group, "save_state", dying_save_state)
+    monkeypatch.setattr(Checkpoints, "save", dying_save)
     dirs = [tmp_path / f"g{c.seed}" for c in cfgs]
     with pytest.raises(KeyboardInterrupt):
         train_group(cfgs, dirs, progress=False)
-    monkeypatch.setattr(run_group, "save_state", real)
+    monkeypatch.setattr(Checkpoints, "save", real)
     assert [Run.open(d).checkpoints() for d in dirs] == [[4, 8], [4]]
     resumed = train_group(cfgs, dirs, progress=False)
     for a, b in zip(resumed, runs):
@@ -172,13 +172,15 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 
 def resume_points(folder: Path) -> list[int]:
-    return sorted(int(p.name.split("_")[1]) for p in (folder / "state").glob("step_*"))
+    from ntpflow.replay import attribution as replay
+
+    return replay.resume_points(folder).steps()
 
 
 def killed_group_replay(monkeypatch, what, outs, opts, expect):
     """Run ``attribute_group(*what, out_dirs=outs, **opts)``, killed right after the first resume point it writes;
     then check the members' resume points against ``expect``."""
-    monkeypatch.setenv("NTPFLOW_FAULT", "attribute:after_state_rename")
+    monkeypatch.setenv("NTPFLOW_FAULT", "attribute:after_checkpoint")
     with pytest.raises(SimulatedKill):
         attribute_group(*what, out_dirs=outs, **opts)
     monkeypatch.delenv("NTPFLOW_FAULT")
@@ -197,7 +199,7 @@ def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(gr
     alone = [attribute(d, sites, features, out_dir=tmp_path / f"alone{r}", device="cpu", progress=False, block=3)
              for r, d in enumerate(dirs)]
     want = [tree(o) for o in alone]
-    assert "influence.parquet" in want[0] and "state/step_000012/state.safetensors" in want[1]
+    assert "influence.parquet" in want[0] and "state/step_000012.safetensors" in want[1]
 
     def killed(outs, expect):
         killed_group_replay(monkeypatch, (dirs, sites, features), outs, opts, expect)
@@ -326,7 +328,7 @@ def test_replay_stepper_of_a_member_is_its_group_step(group):
 
 def test_a_diverging_group_stops_without_done(tmp_path):
     cfgs = configs(lr=1e30)  # Adam's first step moves every weight by ~lr: the next loss is inf or nan
-    with pytest.raises(run_group.TrainingDiverged, match="non-finite"):
+    with pytest.raises(TrainingDiverged, match="non-finite"):
         train_group(cfgs, [tmp_path / "a", tmp_path / "b"], progress=False)
     assert not (tmp_path / "a" / "DONE").exists() and not (tmp_path / "b" / "DONE").exists()
 

@@ -47,6 +47,11 @@ class RunStack(nn.Module):
             return vmap(fn)(dict(zip(self.names, self.stacked)), *tensors)
 
     @torch.no_grad()
+    def finite(self) -> torch.Tensor:
+        """Whether each run's weights are all finite: [R] bool (no sync)."""
+        return torch.stack([torch.isfinite(s).flatten(1).all(1) for s in self.stacked]).all(0)
+
+    @torch.no_grad()
     def export(self, r: int, group_opt: torch.optim.Adam, model: GPT, opt: torch.optim.Adam) -> None:
         """Copy run r's weights and Adam state into an ordinary ``model`` and its optimizer ``opt``."""
         model.load_state_dict({n: s[r] for n, s in zip(self.names, self.stacked)})

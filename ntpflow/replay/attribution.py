@@ -4,8 +4,8 @@ Output folder (default ``RUN_DIR/attribution``)::
 
     spec.json           sites, features, the run's config hash, whether SGD rows are written (``sgd_rows``)
     parts/part_*.parquet  rows per block of steps (written before the state that covers them)
-    state/step_000500/state.safetensors(+.json)  model, Adam and tracker state at a block boundary (resume point;
-                        the folder is renamed into place whole, and the last two are kept)
+    state/step_000500.safetensors(+.json)  model, Adam and tracker state at a block boundary (resume point, in the
+                        run's checkpoint format: the sidecar is written last; the last two are kept)
     influence.parquet   all rows {step, layer, pos, feature, feature_type, mismatch, component, optimizer, value,
                         cumulative, task, regime, seed}; mismatch "paper" (R) or "centred" (R_c, see
                         ntpflow.engine.influence); the schema of every column: docs/outputs.md
@@ -16,9 +16,6 @@ Output folder (default ``RUN_DIR/attribution``)::
 """
 
 import logging
-import os
-import secrets
-import shutil
 from collections import defaultdict
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -31,11 +28,9 @@ from tqdm.auto import tqdm
 from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe, mismatch_value
 from ntpflow.engine.run_axis import RunAxisTracker
 from ntpflow.files import (
-    CorruptFileError,
     DirLock,
     ensure_writable_dir,
     fault_point,
-    fsync_dir,
     read_json,
     resolve_device,
     write_json,
@@ -44,7 +39,7 @@ from ntpflow.model.sites import Site, checked_sites
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
 from ntpflow.runs.probe import load_or_probe
-from ntpflow.runs.run import AttributionDir, Run, load_state, save_state
+from ntpflow.runs.run import AttributionDir, Checkpoints, Run
 from ntpflow.runs.threads import follow_threads
 from ntpflow.runs.training import make_optimizer
 
@@ -304,54 +299,24 @@ class _Tracked:
         _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev)
 
 
+def resume_points(out: Path) -> Checkpoints:
+    """The replay's resume points in ``out``: checkpoints of ``state/`` in the run's format (model, Adam and the
+    replay's own tensors as extras), so a torn write is never read and a corrupt one falls back to the one before."""
+    return Checkpoints(AttributionDir(out).states)
+
+
 def save_resume_point(out: Path, model, opt, step: int, extra: dict[str, torch.Tensor]) -> None:
-    """Write ``out/state/step_NNNNNN`` (model, Adam and ``extra`` tensors, and a sidecar) in a temporary folder and
-    rename it into place: a resume point exists whole or not at all. Keeps this one and the one before (the fallback
-    if this one rots)."""
-    states = out / "state"
-    states.mkdir(exist_ok=True)
-    tmp = states / f".tmp-{step:06d}-{secrets.token_hex(4)}"
-    tmp.mkdir()
-    save_state(tmp / "state.safetensors", model, opt, {"step": step}, extra)
-    fault_point("attribute:before_state_rename")
-    final = states / f"step_{step:06d}"
-    if final.exists():  # a state that failed its checksum before, now recomputed
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    fsync_dir(states)
-    fault_point("attribute:after_state_rename")
-    for old in resume_points(out)[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
-
-
-def resume_points(out: Path) -> list[Path]:
-    """The complete resume points ``out/state/step_*``, oldest first."""
-    return sorted(p for p in (out / "state").glob("step_*") if (p / "state.json").exists())
-
-
-def load_resume_point(out: Path, model, opt, dev, upto: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
-    """Remove what a kill left half-written in ``out``, then load the newest intact resume point (at or before step
-    ``upto``, if given) into ``model`` and ``opt``: (its step, all its tensors), or (0, {}) when there is none."""
-    for stale in [*(out / "state").glob(".tmp-*"), out / "state.safetensors", out / "state.json"]:
-        if stale.is_dir():  # a resume point cut short by a kill, or the single state of older versions
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
-    for point in reversed(resume_points(out)):
-        if upto is not None and int(point.name.split("_")[1]) > upto:
-            continue
-        try:
-            meta, state = load_state(point / "state.safetensors", model, opt, dev)
-        except (CorruptFileError, FileNotFoundError) as e:
-            log.warning("warning: %s; falling back to the previous resume point", e)
-            continue
-        return meta["step"], state
-    return 0, {}
+    """Save the resume point of ``step`` in ``out`` (model, Adam and ``extra`` tensors). Keeps this one and the one
+    before (the fallback if this one rots)."""
+    points = resume_points(out)
+    points.save(step, model, opt, extra=extra)
+    fault_point("attribute:after_checkpoint")
+    points.prune(keep=2)
 
 
 def _resume(out: Path, model, opt, tracker, dev, upto: int | None = None):
     cums: dict[tuple, float] = defaultdict(float)
-    start, state = load_resume_point(out, model, opt, dev, upto)
+    start, state = resume_points(out).load_latest(model, opt, dev, upto)
     if not start:
         for p in (out / "parts").glob("part_*.parquet"):
             p.unlink()

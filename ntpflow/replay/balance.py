@@ -17,7 +17,7 @@ probes and both mismatches (R and R_c) at once: about 3 forwards of B and of H p
 Output folder (default ``RUN_DIR/balance``)::
 
     spec.json            sites, features, held-out size, the run's config hash
-    state/step_NNNNNN/   model, Adam and the running sums at a block boundary (resume point; the last two kept)
+    state/step_NNNNNN.*  model, Adam and the running sums at a block boundary (resume point; the last two kept)
     summary.json         per probe and mismatch: the sums above and their cumulative curves every ``block`` steps
 """
 
@@ -34,7 +34,7 @@ from ntpflow.engine.influence import MISMATCHES, Probe, mismatch_value
 from ntpflow.files import DirLock, ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
-from ntpflow.replay.attribution import check_replay, load_resume_point, make_probes, run_sites, save_resume_point
+from ntpflow.replay.attribution import check_replay, make_probes, resume_points, run_sites, save_resume_point
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import replay_stepper
 from ntpflow.runs.run import AttributionDir, Run
@@ -128,7 +128,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
         r0 = _mismatches(model, held, probes, held_star)  # [n_mismatch, n_probes]
         sums = torch.zeros(len(MISMATCHES), len(TERMS) - 1, len(probes), dtype=torch.float64, device=dev)
         curve = []
-        start, state = load_resume_point(out, model, opt, dev)
+        start, state = resume_points(out).load_latest(model, opt, dev)
         if start:
             sums, curve = state["sums"], list(state["curve"].unbind(0))
             log.info("resuming the audit in %s from step %d", out, start)

@@ -11,7 +11,8 @@ Each member is an ordinary run directory (``config.json``, ``init``, ``metrics.j
 
     group.json   {"index": r, "members": [config dicts, in group order], "dirs": [member dirs relative to this one]}
 
-which says that it was trained in a group. Its replay (``ntpflow attribute``) goes through the same batched step
+which says that it was trained in a group. A group trains through the loop of a single run
+(``ntpflow.runs.training.fit``: same cadence, checkpoints and resume) with the batched :class:`Stacked` step. Its replay (``ntpflow attribute``) goes through the same batched step
 (:func:`replay_stepper`), so the replay reproduces the run bit for bit. A killed group resumes from the last
 checkpoint that every member has, to the same bits.
 """
@@ -23,30 +24,19 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
-from ntpflow.files import (
-    CorruptFileError,
-    DirLock,
-    ensure_writable_dir,
-    read_json,
-    resolve_device,
-    save_tensors,
-    write_json,
-)
+from ntpflow.files import DirLock, ensure_writable_dir, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.model.stack import RunStack
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets, to_torch
-from ntpflow.runs.metrics import MetricsLog
-from ntpflow.runs.run import Run, load_state, model_config, save_state, task_for
-from ntpflow.runs.threads import continue_threads, kept_threads
+from ntpflow.runs.run import Run, load_latest, task_for
+from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import (
-    TrainingDiverged,
-    _prepare_run_dir,
-    _truncate_metrics,
-    evaluate,
+    fit,
+    init_members,
     make_optimizer,
+    prepare_run_dir,
     train_step,
 )
 
@@ -122,19 +112,20 @@ def group_record(cfgs: Sequence[TrainConfig], run_dirs: Sequence[Path], r: int) 
             "dirs": [os.path.relpath(d, run_dirs[r]) for d in run_dirs]}
 
 
-def _prepare(cfgs: Sequence[TrainConfig], run_dirs: Sequence[Path]) -> None:
+def _prepare(runs: Sequence[Run]) -> None:
     """Create the member dirs (``group.json`` first), or check that existing ones belong to this group."""
-    for r, (cfg, d) in enumerate(zip(cfgs, run_dirs)):
+    cfgs, run_dirs = [run.cfg for run in runs], [run.dir for run in runs]
+    for r, run in enumerate(runs):
         record = group_record(cfgs, run_dirs, r)
-        if (d / "group.json").exists():
-            if read_json(d / "group.json")["members"] != record["members"]:
-                raise ValueError(f"{d} holds a run of another run group; choose another output directory")
-        elif (d / "config.json").exists():
-            raise ValueError(f"{d} holds a run trained alone; a run group cannot take it over")
+        if run.in_group:
+            if run.group_record()["members"] != record["members"]:
+                raise ValueError(f"{run.dir} holds a run of another run group; choose another output directory")
+        elif run.config_path.exists():
+            raise ValueError(f"{run.dir} holds a run trained alone; a run group cannot take it over")
         else:
-            ensure_writable_dir(d)
-            write_json(d / "group.json", record)
-        _prepare_run_dir(cfg, d)
+            ensure_writable_dir(run.dir)
+            write_json(run.group_path, record)
+        prepare_run_dir(run)
 
 
 def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, progress: bool = True) -> list[Run]:
@@ -144,110 +135,38 @@ def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, 
     check_group(cfgs)
     if len(cfgs) != len(run_dirs) or len({d.resolve() for d in run_dirs}) != len(run_dirs):
         raise ValueError("a run group needs one distinct run directory per config")
-    for c in cfgs:
-        task_for(c)  # a bad task setting fails before anything is written
-    _prepare(cfgs, run_dirs)
+    runs = [Run(d, c) for c, d in zip(cfgs, run_dirs)]
+    for run in runs:
+        run.task  # a bad task setting fails before anything is written
+    _prepare(runs)
     with ExitStack() as locks, kept_threads():
-        for d in run_dirs:  # one writer per run directory
-            locks.enter_context(DirLock(d))
-        _prepare(cfgs, run_dirs)
-        runs = [Run(d, c) for c, d in zip(cfgs, run_dirs)]
+        for run in runs:  # one writer per run directory
+            locks.enter_context(DirLock(run.dir))
+        _prepare(runs)
         if not all(run.done for run in runs):
-            _train_group(cfgs, runs, progress)
+            fit(runs, Stacked, progress=progress)
     return runs
 
 
-def _members(cfgs: Sequence[TrainConfig], device) -> tuple[list[GPT], list[torch.optim.Adam]]:
-    """Each member's model at its initial weights on ``device``, and its (fresh) Adam."""
-    mcfg = model_config(cfgs[0], task_for(cfgs[0]))
-    models = [GPT(mcfg, seed=c.seed).to(device).train() for c in cfgs]
-    return models, [make_optimizer(m, c) for m, c in zip(models, cfgs)]
+class Stacked:
+    """The members of a run group stepping as one batched model (a :class:`~ntpflow.runs.training.Stepper`): the
+    models and Adams stacked (:func:`stack_runs`), one :func:`group_step` per step on the batches [R, batch, pos]."""
 
+    def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Adam], device):
+        self.data = GroupData([run.cfg for run in runs], device)
+        self.evals, self.models, self.opts = self.data.evals, list(models), list(opts)
+        self.stack, self.group_opt = stack_runs(self.models, self.opts, runs[0].cfg)
 
-def _resume(runs: Sequence[Run], models, opts, device, upto: int) -> int:
-    """Load the members' latest common checkpoint at step <= ``upto`` into ``models`` and ``opts``; returns its
-    step (0: none, the models keep their initial weights)."""
-    common = set.intersection(*(set(run.checkpoints()) for run in runs))
-    for step in sorted((s for s in common if s <= upto), reverse=True):
-        try:
-            for run, m, o in zip(runs, models, opts):
-                load_state(run.weights_path(step), m, o, device)
-            return step
-        except (CorruptFileError, FileNotFoundError) as e:  # a corrupt or deleted checkpoint: the one before
-            log.warning("warning: %s; falling back to the previous common checkpoint", e)
-    for m, o, c in zip(models, opts, [run.cfg for run in runs]):
-        m.load_state_dict(GPT(m.cfg, seed=c.seed).state_dict())
-        o.state.clear()
-    return 0
+    def step(self, step: int) -> torch.Tensor:
+        return group_step(self.stack, self.group_opt, *self.data.batch(step))
 
+    def members(self) -> list[tuple[GPT, torch.optim.Adam]]:
+        for r, (model, opt) in enumerate(zip(self.models, self.opts)):
+            self.stack.export(r, self.group_opt, model, opt)
+        return list(zip(self.models, self.opts))
 
-def _train_group(cfgs: list[TrainConfig], runs: list[Run], progress: bool) -> None:
-    cfg = cfgs[0]
-    device = resolve_device(cfg.device)
-    task = runs[0].task
-    data = GroupData(cfgs, device)
-    models, opts = _members(cfgs, device)
-    for run, m in zip(runs, models):
-        if not (run.dir / "init.json").exists():
-            save_tensors(run.dir / "init.safetensors", {f"model.{k}": v for k, v in m.state_dict().items()},
-                         {"step": 0, "config_hash": run.cfg.hash()})
-    start = _resume(runs, models, opts, device, cfg.steps)
-    if start:
-        log.info("resuming the group of %s from step %d", runs[0].dir, start)
-    continue_threads([run.dir for run in runs], start, device)
-    stack, group_opt = stack_runs(models, opts, cfg)
-    for run in runs:
-        _truncate_metrics(run.dir / "metrics.jsonl", start)
-    logs = [MetricsLog(run.dir / "metrics.jsonl") for run in runs]
-
-    def each_member(fn: Callable[[int], None]) -> None:
-        for r in range(len(runs)):
-            stack.export(r, group_opt, models[r], opts[r])
-            fn(r)
-
-    try:
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
-                   desc=f"group of {len(runs)}: {runs[0].dir.name}", leave=False)
-        finite = torch.ones(len(runs), dtype=torch.bool, device=device)  # each run's losses so far (no sync)
-        for step in bar:
-            if step % cfg.eval_every == 0:
-                each_member(lambda r: logs[r].log({"step": step, "kind": "eval",
-                                                   **evaluate(models[r], data.evals[r], task)}))
-            losses = group_step(stack, group_opt, *data.batch(step))
-            finite &= torch.isfinite(losses)
-            if (step + 1) % cfg.log_every == 0 or (step + 1) % cfg.ckpt_every == 0 or step + 1 == cfg.steps:
-                _check_finite(finite, stack, runs, step + 1)
-            if (step + 1) % cfg.log_every == 0:
-                for lg, loss in zip(logs, losses.tolist()):
-                    lg.log({"step": step + 1, "kind": "train", "loss": loss})
-            if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
-                for lg in logs:
-                    lg.flush()
-                each_member(lambda r: save_state(runs[r].weights_path(step + 1), models[r], opts[r],
-                                                 {"step": step + 1, "config_hash": runs[r].cfg.hash()}))
-        finals: list[dict] = [{} for _ in runs]
-        each_member(lambda r: finals[r].update(evaluate(models[r], data.evals[r], task)))
-        for lg, final in zip(logs, finals):
-            lg.log({"step": cfg.steps, "kind": "eval", **final})
-    finally:
-        for lg in logs:
-            lg.close()
-    each_member(lambda r: save_state(runs[r].weights_path("final"), models[r], opts[r],
-                                     {"step": cfg.steps, "config_hash": runs[r].cfg.hash()}))
-    for run, final in zip(runs, finals):  # DONE last: a member is finished only once every member is saved
-        write_json(run.dir / "DONE", {"step": cfg.steps, **final})
-
-
-def _check_finite(finite: torch.Tensor, stack: RunStack, runs: Sequence[Run], step: int) -> None:
-    """:class:`TrainingDiverged` if a run's loss (``finite`` [R]: all its losses so far) or weights became non-finite;
-    called before anything of that step is saved."""
-    with torch.no_grad():
-        ok = finite & torch.stack([torch.isfinite(s).flatten(1).all(1) for s in stack.stacked]).all(0)
-    if not bool(ok.all()):
-        bad = [run.dir.name for run, good in zip(runs, ok.tolist()) if not good]
-        raise TrainingDiverged(f"training diverged: the loss or weights of {', '.join(bad)} became non-finite by "
-                               f"step {step} (lr={runs[0].cfg.lr:g}); the group stops, its last checkpoints stay, "
-                               "no DONE written")
+    def weights_finite(self) -> torch.Tensor:
+        return self.stack.finite()
 
 
 class GroupReplay:
@@ -258,11 +177,11 @@ class GroupReplay:
     ignored, the group's batches [R, batch, pos] are recomputed here."""
 
     def __init__(self, run: Run, device):
-        record = read_json(run.dir / "group.json")
+        record = run.group_record()
         self.index, self.device = record["index"], device
         self.cfgs = [TrainConfig.from_dict(d) for d in record["members"]]
         if self.cfgs[self.index].hash() != run.cfg.hash():
-            raise ValueError(f"{run.dir / 'group.json'} does not describe the run in {run.dir}")
+            raise ValueError(f"{run.group_path} does not describe the run in {run.dir}")
         self.runs = [Run((run.dir / d).resolve(), c) for d, c in zip(record["dirs"], self.cfgs)]
         self.data = GroupData(self.cfgs, device)
         self.members: dict[int, tuple[GPT, torch.optim.Adam]] = {}
@@ -282,10 +201,9 @@ class GroupReplay:
 
     def _seek(self, step: int) -> None:
         """Bring the group to ``step``: load the common checkpoint before it (if every member dir has one), step on."""
-        models, opts = _members(self.cfgs, self.device)
-        have = all((run.dir / "config.json").exists() and Run.open(run.dir).cfg.hash() == run.cfg.hash()
-                   for run in self.runs)
-        at = _resume(self.runs, models, opts, self.device, step) if have else 0
+        models, opts = init_members(self.runs, self.device)
+        have = all(run.config_path.exists() and Run.open(run.dir).cfg.hash() == run.cfg.hash() for run in self.runs)
+        at = load_latest([run.ckpts for run in self.runs], models, opts, self.device, step)[0] if have else 0
         self.stack, self.group_opt = stack_runs(models, opts, self.cfgs[0])
         for s in range(at, step):
             group_step(self.stack, self.group_opt, *self.data.batch(s))
@@ -312,9 +230,9 @@ class GroupReplay:
 
 def group_dirs(run: Run) -> list[Path]:
     """The run directories of every member of ``run``'s group, in group order (ValueError if it was trained alone)."""
-    if not (run.dir / "group.json").exists():
+    if not run.in_group:
         raise ValueError(f"{run.dir} was trained alone, not in a run group")
-    return [(run.dir / d).resolve() for d in read_json(run.dir / "group.json")["dirs"]]
+    return [(run.dir / d).resolve() for d in run.group_record()["dirs"]]
 
 
 def member_indices(runs: Sequence[Run]) -> list[int]:
@@ -322,10 +240,10 @@ def member_indices(runs: Sequence[Run]) -> list[int]:
     groups, index = set(), []
     for run in runs:
         dirs = tuple(group_dirs(run))
-        record = read_json(run.dir / "group.json")
+        record = run.group_record()
         r = record["index"]
         if dirs[r] != run.dir.resolve() or TrainConfig.from_dict(record["members"][r]).hash() != run.cfg.hash():
-            raise ValueError(f"{run.dir / 'group.json'} does not describe the run in {run.dir}")
+            raise ValueError(f"{run.group_path} does not describe the run in {run.dir}")
         groups.add(dirs)
         index.append(r)
     if len(groups) > 1:
@@ -339,7 +257,7 @@ def replay_stepper(run: Run, model: GPT, opt: torch.optim.Adam, device) -> Calla
                                                                                        None]:
     """How a replay advances ``model`` and ``opt`` by step ``step`` of ``run`` (``stepper(step, tokens, loss_mask)``):
     ``train_step`` for a run trained alone, the group's batched step (:class:`GroupReplay`) for a group member."""
-    if (run.dir / "group.json").exists():
+    if run.in_group:
         stepper = GroupReplay(run, device)
         stepper.join(stepper.index, model, opt)
         return stepper

@@ -11,13 +11,15 @@ Run directory::
 
 import json
 import logging
+import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 import torch
 
-from ntpflow.files import CorruptFileError, load_tensors, read_json, resolve_device, save_tensors
+from ntpflow.files import CorruptFileError, load_tensors, read_json, resolve_device, save_tensors, sidecar
 from ntpflow.model.config import GPTConfig, split_groups
 from ntpflow.model.gpt import GPT
 from ntpflow.runs.config import TrainConfig
@@ -31,7 +33,7 @@ log = logging.getLogger(__name__)
 class AttributionDir:
     """The folder an attribution writes (``RUN_DIR/attribution`` by default, or ``attribute --out``); its files::
 
-        spec.json   parts/part_*.parquet   state/step_NNNNNN/   influence.parquet   summary.json
+        spec.json   parts/part_*.parquet   state/step_NNNNNN.safetensors(+.json)   influence.parquet   summary.json
     """
 
     dir: Path
@@ -133,7 +135,6 @@ class RunPaths:
         """The sweep's record of a run that failed every attempt."""
         return self.dir / "FAILED"
 
-
 def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
     """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
     T = task.seq_len
@@ -147,8 +148,7 @@ def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
 def task_for(cfg: TrainConfig) -> Task:
     """The task of a config; a task class lists in ``config_fields`` the TrainConfig fields it is built with."""
 
-    cls = TASKS.get(cfg.task)
-    return make_task(cfg.task, **{f: getattr(cfg, f) for f in cls.config_fields})
+    return make_task(cfg.task, **{f: getattr(cfg, f) for f in TASKS[cfg.task].config_fields})
 
 
 def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,
@@ -164,10 +164,15 @@ def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,
     save_tensors(path, tensors, {**meta, "adam_step": adam_step})
 
 
-def load_state(path: Path, model: GPT, opt: torch.optim.Adam, device) -> tuple[dict, dict[str, torch.Tensor]]:
-    """Restore what ``save_state`` wrote into ``model`` and ``opt``; returns (meta, all tensors)."""
+def read_state(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
+    """What ``save_state`` wrote, checked against its checksum: (meta, all tensors on ``device``)."""
     tensors = load_tensors(path, device)
-    meta = read_json(path.with_suffix(".json"))
+    return read_json(sidecar(path)), tensors
+
+
+def apply_state(model: GPT, opt: torch.optim.Adam, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Restore a state read by :func:`read_state` into ``model`` and ``opt`` (``load_latest`` reads every member's
+    first, then restores them)."""
     model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
     if meta["adam_step"]:
         sd = opt.state_dict()
@@ -176,7 +181,73 @@ def load_state(path: Path, model: GPT, opt: torch.optim.Adam, device) -> tuple[d
                            "exp_avg": tensors[f"adam.exp_avg.{n}"],
                            "exp_avg_sq": tensors[f"adam.exp_avg_sq.{n}"]} for i, n in enumerate(names)}
         opt.load_state_dict(sd)
-    return meta, tensors
+
+
+class Checkpoints:
+    """A folder of checkpoints ``step_NNNNNN.safetensors`` + ``step_NNNNNN.json``: model, Adam state and any extra
+    tensors of one step (:func:`save_state`). The sidecar is written last, so a checkpoint counts once its sidecar
+    exists; a kill between the two leaves tensors without a sidecar, which are never read. A run's ``ckpt/`` and a
+    replay's resume points (``state/``) are such folders."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+
+    def path(self, step: int) -> Path:
+        """The tensors file of ``step``'s checkpoint."""
+        return self.folder / f"step_{step:06d}.safetensors"
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints (those whose sidecar exists), ascending."""
+        return sorted(_step_of(p) for p in self.folder.glob("step_*.json"))
+
+    def save(self, step: int, model: GPT, opt: torch.optim.Adam, meta: dict | None = None,
+             extra: dict[str, torch.Tensor] | None = None) -> None:
+        """Save ``step``'s checkpoint: model, Adam and ``extra`` tensors; ``{"step": step, **meta}`` in the sidecar."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        sidecar(self.path(step)).unlink(missing_ok=True)  # rewriting a checkpoint: it counts again once complete
+        save_state(self.path(step), model, opt, {"step": step, **(meta or {})}, extra)
+
+    def load_latest(self, model: GPT, opt: torch.optim.Adam, device,
+                    upto: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
+        """Load the newest checkpoint (at or before step ``upto``) that verifies into ``model`` and ``opt``: (its
+        step, all its tensors), or (0, {}) when there is none (see :func:`load_latest`)."""
+        step, tensors = load_latest([self], [model], [opt], device, upto)
+        return step, tensors[0] if step else {}
+
+    def prune(self, keep: int = 2) -> None:
+        """Remove every checkpoint but the newest ``keep`` complete ones (torn writes included)."""
+        kept = set(self.steps()[-keep:])
+        for p in self.folder.glob("step_*"):
+            if _step_of(p) not in kept:
+                if p.is_dir():  # a resume point of older versions (a folder per step)
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
+
+
+def _step_of(path: Path) -> int:
+    """The step of a checkpoint file ``step_NNNNNN.*``."""
+    return int(path.name.split("_")[1].split(".")[0])
+
+
+def load_latest(folders: Sequence[Checkpoints], models: Sequence[GPT], opts: Sequence[torch.optim.Adam], device,
+                upto: int | None = None) -> tuple[int, list[dict[str, torch.Tensor]]]:
+    """Resume runs (one, or the members of a group) from their newest common checkpoint at or before ``upto`` whose
+    files all verify: load member r's from ``folders[r]`` into ``models[r]`` and ``opts[r]``; returns (its step, each
+    member's tensors), or (0, []) when there is none. A corrupt checkpoint (checksum mismatch, truncated, missing
+    tensors) is skipped with a warning, falling back to the one before; the models are only changed once every
+    member's checkpoint of a step has been read."""
+    common = set.intersection(*(set(f.steps()) for f in folders))
+    for step in sorted((s for s in common if upto is None or s <= upto), reverse=True):
+        try:
+            states = [read_state(f.path(step), device) for f in folders]
+        except (CorruptFileError, FileNotFoundError) as e:  # rotten, or its tensors deleted
+            log.warning("warning: %s; falling back to the previous checkpoint", e)
+            continue
+        for (meta, tensors), model, opt in zip(states, models, opts):
+            apply_state(model, opt, meta, tensors)
+        return step, [tensors for _, tensors in states]
+    return 0, []
 
 
 @dataclass
@@ -272,25 +343,18 @@ class Run(RunPaths):
         if str(which) in ("final", "init"):
             return self.dir / ("model.safetensors" if str(which) == "final" else "init.safetensors")
         try:
-            return self.dir / "ckpt" / f"step_{int(which):06d}.safetensors"
+            return self.ckpts.path(int(which))
         except ValueError:
             raise ValueError(f"unknown weights {which!r}; use 'final', 'init' or a checkpoint step") from None
 
+    @cached_property
+    def ckpts(self) -> Checkpoints:
+        """The run's training checkpoints (``ckpt/``)."""
+        return Checkpoints(self.ckpt_dir)
+
     def checkpoints(self) -> list[int]:
         """Steps of the complete checkpoints (those whose JSON sidecar exists), ascending."""
-        return sorted(int(p.stem.split("_")[1]) for p in (self.dir / "ckpt").glob("step_*.json"))
-
-    def resume(self, model: GPT, opt: torch.optim.Optimizer, device) -> int:
-        """Load the latest checkpoint that verifies into ``model`` and ``opt``; returns its step (0: none). A corrupt
-        checkpoint (checksum mismatch, truncated, missing tensors) is skipped with a warning, falling back to the one
-        before."""
-        for step in reversed(self.checkpoints()):
-            try:
-                load_state(self.weights_path(step), model, opt, device)
-                return step
-            except (CorruptFileError, FileNotFoundError) as e:  # rotten, or its tensors deleted
-                log.warning("warning: %s; falling back to the previous checkpoint", e)
-        return 0
+        return self.ckpts.steps()
 
     def metrics(self) -> list[dict]:
         """The records of ``metrics.jsonl`` in order ([] if there is none)."""

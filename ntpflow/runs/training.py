@@ -1,4 +1,5 @@
-"""One deterministic, resumable training loop for every task and regime, and the run directory it writes.
+"""The training loop: one deterministic, resumable cadence for every task and regime, shared by a run trained alone
+(:func:`train`) and a run group (``ntpflow.runs.group.train_group``), and the run directory it writes.
 
 Run directory::
 
@@ -12,8 +13,9 @@ that long from the start.
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -28,6 +30,7 @@ from ntpflow.files import (
     read_json,
     resolve_device,
     save_tensors,
+    sidecar,
     write_json,
 )
 from ntpflow.model.gpt import GPT
@@ -35,7 +38,7 @@ from ntpflow.model.loss import lm_loss
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets, to_torch
 from ntpflow.runs.metrics import MetricsLog, check_sinks, make_sinks
-from ntpflow.runs.run import Run, model_config, save_state, task_for
+from ntpflow.runs.run import Run, load_latest, save_state
 from ntpflow.runs.threads import continue_threads, kept_threads
 from ntpflow.tasks import Task
 
@@ -44,16 +47,6 @@ log = logging.getLogger(__name__)
 
 class TrainingDiverged(RuntimeError):
     """The loss or the weights became non-finite (NaN or inf): training stopped before saving them."""
-
-
-
-
-
-
-
-
-
-
 
 
 @torch.no_grad()
@@ -86,37 +79,32 @@ def evaluate(model: GPT, data: dict[str, torch.Tensor], task: Task, chunk: int =
     return out
 
 
-
-
-
-
-
-
-def _prepare_run_dir(cfg: TrainConfig, run_dir: Path, *, extend: bool = False) -> None:
-    """Create the run dir, or check that an existing one holds the same config (never overwrite another run).
-    A run that differs only in having fewer ``steps`` is extended to ``cfg.steps`` (with ``extend``; without it,
-    only checked). Every setting is checked before anything is written."""
+def prepare_run_dir(run: Run, *, extend: bool = False) -> None:
+    """Create the run dir of ``run`` (its config ``run.cfg``), or check that an existing one holds the same config
+    (never overwrite another run). A run that differs only in having fewer ``steps`` is extended to ``run.cfg.steps``
+    (with ``extend``; without it, only checked). Every setting is checked before anything is written."""
+    cfg = run.cfg
     resolve_device(cfg.device)  # a bad or unavailable device fails here, not after the first files exist
-    if (run_dir / "config.json").exists():
-        old = Run.open(run_dir).cfg
+    if run.config_path.exists():
+        old = Run.open(run.dir).cfg
         if old.hash() != cfg.hash():
             diff = [k for k, v in cfg.to_dict().items()
                     if old.to_dict().get(k) != v and k not in ("device", "log_every")]
             if diff == ["steps"] and cfg.steps > old.steps:
-                _check_extension(Run(run_dir, old))
+                _check_extension(Run(run.dir, old))
                 if extend:
-                    _extend(Run(run_dir, old), cfg)
+                    _extend(Run(run.dir, old), cfg)
                 return
-            raise ValueError(f"{run_dir} holds a run with a different config (differs in: {', '.join(diff)}); "
+            raise ValueError(f"{run.dir} holds a run with a different config (differs in: {', '.join(diff)}); "
                              "choose another output directory")
         return
-    task = task_for(cfg)
-    model = model_config(cfg, task).to_dict()  # validates before anything is written
-    ensure_writable_dir(run_dir)
-    (run_dir / "ckpt").mkdir(exist_ok=True)
-    write_json(run_dir / "config.json", {"train": cfg.to_dict(), "model": model, "config_hash": cfg.hash()})
-    write_json(run_dir / "env.json", environment())
-    task.save_artifacts(run_dir)  # e.g. the stories task's tokenizer
+    task = run.task
+    model = run.model_config().to_dict()  # validates before anything is written
+    ensure_writable_dir(run.dir)
+    run.ckpt_dir.mkdir(exist_ok=True)
+    write_json(run.config_path, {"train": cfg.to_dict(), "model": model, "config_hash": cfg.hash()})
+    write_json(run.env_path, environment())
+    task.save_artifacts(run.dir)  # e.g. the stories task's tokenizer
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track: Sequence = (),
@@ -133,17 +121,21 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
     no weight decay, no schedule.
     """
-    run_dir = Path(run_dir)
+    run = Run(Path(run_dir), cfg)
     check_sinks(track)  # missing packages or credentials fail before anything is written
-    _prepare_run_dir(cfg, run_dir)
-    with DirLock(run_dir, force=force_unlock), kept_threads():  # one writer per run directory
-        _prepare_run_dir(cfg, run_dir, extend=True)  # again under the lock: another process may have created it
-        return _train(cfg, Run(run_dir, cfg), progress, track, threads)
+    prepare_run_dir(run)
+    with DirLock(run.dir, force=force_unlock), kept_threads():  # one writer per run directory
+        prepare_run_dir(run, extend=True)  # again under the lock: another process may have created it
+        if run.done:
+            log.info("%s is already finished", run.dir)
+        else:
+            fit([run], Alone, progress=progress, track=track, threads=threads)
+    return run
 
 
 def _check_extension(run: Run) -> None:
     """Refuse to extend a run whose final weights have been replayed: the attribution would describe other weights."""
-    taken = sorted(p.name for p in run.dir.glob("attribution*") if p.is_dir())
+    taken = [p.name for p in run.attributions()]
     if taken:
         raise ValueError(f"{run.dir} has an attribution of its {run.cfg.steps}-step weights ({', '.join(taken)}); "
                          "move it away before training the run further")
@@ -157,92 +149,159 @@ def _extend(run: Run, cfg: TrainConfig) -> None:
     a valid run directory (a kill leaves the old run, unfinished, or the new one), so rerunning completes it."""
     old_steps = run.cfg.steps
     log.info("extending %s from %d to %d steps", run.dir, old_steps, cfg.steps)
-    (run.dir / "DONE").unlink(missing_ok=True)
-    final = run.dir / "model.safetensors"
+    run.done_path.unlink(missing_ok=True)
+    final = run.weights_path("final")
     if final.exists():  # the tensors first: a checkpoint counts once its sidecar is there
         ckpt = run.weights_path(old_steps)
         final.replace(ckpt)
-        final.with_suffix(".json").replace(ckpt.with_suffix(".json"))
-    if (run.dir / "probes").exists():
-        (run.dir / "probes").replace(run.dir / f"probes_{old_steps}")
+        sidecar(final).replace(sidecar(ckpt))
+    if run.probes_dir("final").exists():
+        run.probes_dir("final").replace(run.probes_dir(old_steps))
     fault_point("extend:before_config")
-    env = read_json(run.dir / "env.json")
+    env = read_json(run.env_path)
     env.setdefault("extensions", []).append({"from_steps": old_steps, "to_steps": cfg.steps, **environment()})
-    write_json(run.dir / "env.json", env)
-    config = read_json(run.dir / "config.json")
-    write_json(run.dir / "config.json", {**config, "train": cfg.to_dict(), "config_hash": cfg.hash()})
+    write_json(run.env_path, env)
+    config = read_json(run.config_path)
+    write_json(run.config_path, {**config, "train": cfg.to_dict(), "config_hash": cfg.hash()})
 
 
-def _train(cfg: TrainConfig, run: Run, progress: bool, track: Sequence, threads: int | None) -> Run:
-    run_dir = run.dir
-    if run.done:
-        log.info("%s is already finished", run_dir)
-        return run
+class Stepper(Protocol):
+    """How the members of a training take their steps: one run alone (:class:`Alone`) or a run group stepping as one
+    batched model (``ntpflow.runs.group.Stacked``). Built as ``Stepper(runs, models, opts, device)`` from each
+    member's model and Adam, resumed."""
+
+    evals: list[dict[str, torch.Tensor]]  # each member's eval set on the device
+
+    def step(self, step: int) -> torch.Tensor:
+        """Take training step ``step`` of every member; returns their losses [R] (no sync)."""
+
+    def members(self) -> list[tuple[GPT, torch.optim.Adam]]:
+        """Each member's model and Adam, holding its current state."""
+
+    def weights_finite(self) -> torch.Tensor:
+        """Whether each member's weights are all finite [R] (no sync)."""
+
+
+class Alone:
+    """One run trained alone (:class:`Stepper`): :func:`train_step` on its own batch, so a run keeps its bits."""
+
+    def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Adam], device):
+        (run,), (self.model,), (self.opt,) = runs, models, opts
+        train_set, eval_set = make_datasets(run.cfg, run.task)  # not cached on the Run, which train() returns
+        self.data, self.evals = to_torch(train_set, device), [to_torch(eval_set, device)]
+        self.order, self.device = DataOrder(run.cfg.seed, run.cfg.n_train, run.cfg.batch_size), device
+
+    def step(self, step: int) -> torch.Tensor:
+        idx = self.order(step).to(self.device)
+        return train_step(self.model, self.opt, self.data["tokens"][idx], self.data["loss_mask"][idx]).detach()[None]
+
+    def members(self) -> list[tuple[GPT, torch.optim.Adam]]:
+        return [(self.model, self.opt)]
+
+    def weights_finite(self) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()[None]
+
+
+def init_members(runs: Sequence[Run], device) -> tuple[list[GPT], list[torch.optim.Adam]]:
+    """Each run's model at its seed's initial weights on ``device`` (training mode), and its fresh Adam."""
+    mcfg = runs[0].model_config()
+    models = [GPT(mcfg, seed=run.cfg.seed).to(device).train() for run in runs]
+    return models, [make_optimizer(m, run.cfg) for m, run in zip(models, runs)]
+
+
+def fit(runs: Sequence[Run], stepper: Callable[..., Stepper], *, progress: bool = True, track: Sequence = (),
+        threads: int | None = None) -> None:
+    """Train the prepared, unfinished ``runs`` (one run, or the members of a group: one regime, one schedule) to
+    their ``steps`` with ``stepper``, resuming from their newest common checkpoint that verifies; ``track`` and
+    ``threads`` as in :func:`train`. Writes each member's ``init`` weights (once), metrics, checkpoints, final
+    weights and, last, ``DONE`` (see :func:`_loop`)."""
+    cfg = runs[0].cfg
     device = resolve_device(cfg.device)
-    task = run.task
-    train_set, eval_set = make_datasets(cfg, task)
-    train_data, eval_data = to_torch(train_set, device), to_torch(eval_set, device)
-    model = GPT(model_config(cfg, task), seed=cfg.seed)
-    if not (run_dir / "init.json").exists():
-        save_tensors(run_dir / "init.safetensors", {f"model.{k}": v for k, v in model.state_dict().items()},
-                     {"step": 0, "config_hash": cfg.hash()})
-    model.to(device).train()
-    opt = make_optimizer(model, cfg)
-    start = run.resume(model, opt, device)
+    models, opts = init_members(runs, device)
+    for run, model in zip(runs, models):
+        if not sidecar(run.weights_path("init")).exists():
+            save_tensors(run.weights_path("init"), {f"model.{k}": v for k, v in model.state_dict().items()},
+                         {"step": 0, "config_hash": run.cfg.hash()})
+    start, _ = load_latest([run.ckpts for run in runs], models, opts, device, cfg.steps)
     if start:
-        log.info("resuming %s from step %d", run_dir, start)
-    continue_threads([run_dir], start, device, threads)
-    _truncate_metrics(run_dir / "metrics.jsonl", start)
-    order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
-    metrics_file = MetricsLog(run_dir / "metrics.jsonl", make_sinks(track, run_dir, cfg.to_dict()))
+        log.info("resuming %s from step %d", ", ".join(str(run.dir) for run in runs), start)
+    continue_threads([run.dir for run in runs], start, device, threads)
+    _loop(runs, stepper(runs, models, opts, device), start, device, progress, track)
+
+
+def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: bool, track: Sequence) -> None:
+    """The training cadence of one run or a group, from step ``start``: evaluate every ``eval_every`` steps (at the
+    step's start), log the train losses every ``log_every`` steps, checkpoint every ``ckpt_every`` steps; the losses
+    are checked finite without a sync, and with the weights before each log and checkpoint (:class:`TrainingDiverged`,
+    nothing of that step saved). At the end: the final evaluation, the final weights, and ``DONE`` last (a member is
+    finished only once every member is saved)."""
+    cfg = runs[0].cfg
+    for run in runs:
+        _truncate_metrics(run.metrics_path, start)
+    logs = [MetricsLog(run.metrics_path, make_sinks(track, run.dir, run.cfg.to_dict())) for run in runs]
     try:
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
-                   desc=run_dir.name, leave=False)
-        finite = torch.ones((), dtype=torch.bool, device=device)  # all losses so far finite (checked without a sync)
+        desc = runs[0].dir.name if len(runs) == 1 else f"group of {len(runs)}: {runs[0].dir.name}"
+        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc=desc,
+                   leave=False)
+        finite = torch.ones(len(runs), dtype=torch.bool, device=device)  # each member's losses so far (no sync)
         checked = start  # the last step known good
         for step in bar:
             if step % cfg.eval_every == 0:
-                metrics_file.log({"step": step, "kind": "eval", **_finite_eval(model, eval_data, task, cfg, step)})
-            idx = order(step).to(device)
-            loss = train_step(model, opt, train_data["tokens"][idx], train_data["loss_mask"][idx])
-            finite &= torch.isfinite(loss)
-            if (step + 1) % cfg.log_every == 0:
-                checked = _check_finite(finite, model, cfg, checked, step + 1, run)
-                metrics_file.log({"step": step + 1, "kind": "train", "loss": loss.item()})
-                bar.set_postfix(loss=f"{loss.item():.4f}")
-            if (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps:
-                checked = _check_finite(finite, model, cfg, checked, step + 1, run)
-                metrics_file.flush()
-                save_state(run_dir / "ckpt" / f"step_{step + 1:06d}.safetensors", model, opt,
-                           {"step": step + 1, "config_hash": cfg.hash()})
+                for lg, ev in zip(logs, _evaluate(stepper, runs, step)):
+                    lg.log({"step": step, "kind": "eval", **ev})
+            losses = stepper.step(step)
+            finite &= torch.isfinite(losses)
+            done, save = step + 1, (step + 1) % cfg.ckpt_every == 0 and step + 1 < cfg.steps
+            if done % cfg.log_every == 0 or save:
+                checked = _check_finite(finite, stepper, runs, checked, done)
+            if done % cfg.log_every == 0:
+                values = losses.tolist()
+                for lg, loss in zip(logs, values):
+                    lg.log({"step": done, "kind": "train", "loss": loss})
+                bar.set_postfix(loss=f"{sum(values) / len(values):.4f}")
+            if save:
+                for lg in logs:
+                    lg.flush()
+                for run, (model, opt) in zip(runs, stepper.members()):
+                    run.ckpts.save(done, model, opt, {"config_hash": run.cfg.hash()})
                 fault_point("train:after_checkpoint")
-        _check_finite(finite, model, cfg, checked, cfg.steps, run)
-        final = _finite_eval(model, eval_data, task, cfg, cfg.steps)
-        metrics_file.log({"step": cfg.steps, "kind": "eval", **final})
+        _check_finite(finite, stepper, runs, checked, cfg.steps)
+        finals = _evaluate(stepper, runs, cfg.steps)
+        for lg, final in zip(logs, finals):
+            lg.log({"step": cfg.steps, "kind": "eval", **final})
     finally:
-        metrics_file.close()
-    save_state(run_dir / "model.safetensors", model, opt, {"step": cfg.steps, "config_hash": cfg.hash()})
-    write_json(run_dir / "DONE", {"step": cfg.steps, **final})
-    return run
+        for lg in logs:
+            lg.close()
+    for run, (model, opt) in zip(runs, stepper.members()):
+        save_state(run.weights_path("final"), model, opt, {"step": cfg.steps, "config_hash": run.cfg.hash()})
+    for run, final in zip(runs, finals):  # DONE last
+        write_json(run.done_path, {"step": cfg.steps, **final})
 
 
-def _check_finite(finite: torch.Tensor, model: GPT, cfg: TrainConfig, good: int, step: int, run: Run) -> int:
-    """Raise :class:`TrainingDiverged` if a loss since step ``good`` or a weight is non-finite; else return ``step``."""
-    if bool(finite) and all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+def _check_finite(finite: torch.Tensor, stepper: Stepper, runs: Sequence[Run], good: int, step: int) -> int:
+    """Raise :class:`TrainingDiverged` if a member's loss since step ``good`` (``finite`` [R]: all its losses so far)
+    or its weights are non-finite; else return ``step``."""
+    ok = finite & stepper.weights_finite()
+    if bool(ok.all()):
         return step
-    last = run.checkpoints()
-    raise TrainingDiverged(f"training of {run.dir} diverged: the loss or the weights became non-finite between steps "
-                           f"{good} and {step} (lr={cfg.lr:g}, beta1={cfg.beta1:g}, beta2={cfg.beta2:g}); "
+    cfg, bad = runs[0].cfg, [str(run.dir) for run, fine in zip(runs, ok.tolist()) if not fine]
+    last = sorted(set.intersection(*(set(run.checkpoints()) for run in runs)))
+    raise TrainingDiverged(f"training of {', '.join(bad)} diverged: the loss or the weights became non-finite between "
+                           f"steps {good} and {step} (lr={cfg.lr:g}, beta1={cfg.beta1:g}, beta2={cfg.beta2:g}); "
                            + (f"its last good checkpoint is step {last[-1]}" if last else "no checkpoint was saved")
-                           + "; no DONE written")
+                           + ("; the group stops" if len(runs) > 1 else "") + "; no DONE written")
 
 
-def _finite_eval(model: GPT, data: dict[str, torch.Tensor], task: Task, cfg: TrainConfig, step: int) -> dict:
-    """``evaluate``, refusing a non-finite eval loss (:class:`TrainingDiverged`)."""
-    out = evaluate(model, data, task)
-    if not np.isfinite(out["eval_loss"]):
-        raise TrainingDiverged(f"training diverged: the eval loss at step {step} is {out['eval_loss']} "
-                               f"(lr={cfg.lr:g}); no DONE written")
+def _evaluate(stepper: Stepper, runs: Sequence[Run], step: int) -> list[dict]:
+    """Each member's :func:`evaluate` at ``step``, refusing a non-finite eval loss (:class:`TrainingDiverged`)."""
+    task, out = runs[0].task, []
+    for run, (model, _), data in zip(runs, stepper.members(), stepper.evals):
+        ev = evaluate(model, data, task)
+        if not np.isfinite(ev["eval_loss"]):
+            raise TrainingDiverged(f"training of {run.dir} diverged: the eval loss at step {step} is non-finite "
+                                   f"({ev['eval_loss']}, lr={run.cfg.lr:g}); no DONE written")
+        out.append(ev)
     return out
 
 
