@@ -40,7 +40,7 @@ examples:
 Python equivalents:
   ntpflow.train(ntpflow.TrainConfig(task="majority", regime="myopic", seed=0), "runs/maj-myopic-s0")
   ntpflow.runs.probe.probe_run(ntpflow.Run.open("runs/maj-myopic-s0"))
-  ntpflow.replay.attribution.attribute("runs/maj-myopic-s0", ntpflow.model.sites.parse_sites("1-2:2-19"), ["is_majority_<0>"])
+  ntpflow.attribute("runs/maj-myopic-s0", ntpflow.parse_sites("1-2:2-19"), ["is_majority_<0>"])
   ntpflow.experiments.report_all.run_experiment("toy", "small", "results/toy-small")
 """
 
@@ -244,12 +244,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings only")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_probe, _add_attribute, _add_balance, _add_reproduce, _add_sweep, _add_qscan, _add_demo):
+        add(sub)
+    return p
 
-    def common(sp):
-        sp.add_argument("--seed", type=int, help="seed of initialisation and data order (default 0)")
-        sp.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
-        sp.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="override any TrainConfig field")
 
+def _common(sp: argparse.ArgumentParser) -> None:
+    """The options that every training command shares."""
+    sp.add_argument("--seed", type=int, help="seed of initialisation and data order (default 0)")
+    sp.add_argument("--device", help="auto (default), cpu, cuda, cuda:1, ...")
+    sp.add_argument("--set", nargs="+", metavar="KEY=VALUE", help="override any TrainConfig field")
+
+
+def _add_train(sub) -> None:
+    """The ``ntpflow train`` subcommand."""
     t = sub.add_parser("train", help="train one model into a run directory (resumes if interrupted)",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--task", help="majority | cond_majority | othello | stories (stories needs --set corpus=...)")
@@ -258,9 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--track", help="extra metric sinks besides metrics.jsonl: tensorboard, wandb (comma-separated)")
     t.add_argument("--force-unlock", action="store_true",
                    help="take over the run directory's lock left by a process on another host that is gone")
-    common(t)
+    _common(t)
     t.set_defaults(fn=cmd_train)
 
+
+def _add_probe(sub) -> None:
+    """The ``ntpflow probe`` subcommand."""
     pr = sub.add_parser("probe", help="fit ridge probes of a finished run and print r tables",
                         epilog="example: ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'\n"
                                "Python: ntpflow.runs.probe.probe_run(ntpflow.Run.open('runs/maj-myopic-s0'))",
@@ -271,11 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--device", help="auto (default), cpu, cuda, ...")
     pr.set_defaults(fn=cmd_probe)
 
+
+def _add_attribute(sub) -> None:
+    """The ``ntpflow attribute`` subcommand."""
     a = sub.add_parser("attribute", help="replay a finished run and track each gradient component's influence",
                        epilog="example: ntpflow attribute runs/maj-vanilla-s0 --sites 1-2:2-19 "
                               "--features 'is_majority_<0>'\n"
-                              "Python: ntpflow.replay.attribution.attribute('runs/maj-vanilla-s0', "
-                              "ntpflow.model.sites.parse_sites('1-2:2-19'), ['is_majority_<0>'])\n"
+                              "Python: ntpflow.attribute('runs/maj-vanilla-s0', "
+                              "ntpflow.parse_sites('1-2:2-19'), ['is_majority_<0>'])\n"
                               "several members of one run group (or --group): one replay of the group tracks them "
                               "all; Python: ntpflow.replay.attribution.attribute_group([RUN_DIR, ...], sites, features)\n"
                               "writes OUT/influence.parquet and OUT/summary.json (schemas: docs/outputs.md); "
@@ -299,12 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--device", help="auto (default), cpu, cuda, ...")
     a.set_defaults(fn=cmd_attribute)
 
+
+def _add_balance(sub) -> None:
+    """The ``ntpflow balance`` subcommand."""
     b = sub.add_parser("balance", help="replay a finished run and split the gap between its integrated full "
                        "influence and the mismatch removed on held-out data",
                        epilog="example: ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features "
                               "'is_majority_<0>'\n"
                               "Python: ntpflow.replay.balance.audit_balance('runs/maj-vanilla-s0', "
-                              "ntpflow.model.sites.parse_sites('1:4,1:6'), ['is_majority_<0>'])\n"
+                              "ntpflow.parse_sites('1:4,1:6'), ['is_majority_<0>'])\n"
                               "writes OUT/summary.json: per probe and mismatch, Σ full influence = R removed on "
                               "held-out data + a same-batch part + a beyond-first-order part (docs/engine.md)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -317,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", help="auto (default), cpu, cuda, ...")
     b.set_defaults(fn=cmd_balance)
 
+
+def _add_reproduce(sub) -> None:
+    """The ``ntpflow reproduce`` subcommand."""
     rp = sub.add_parser("reproduce", help="reproduce an experiment of the paper and write its report",
                         epilog=REPRODUCE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     rp.add_argument("experiment", help="toy | othello | stories | llm | all (every experiment and one report.html)")
@@ -343,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--device", help="auto (default), cpu, cuda, ...")
     rp.set_defaults(fn=cmd_reproduce)
 
+
+def _add_sweep(sub) -> None:
+    """The ``ntpflow sweep`` subcommand."""
     sw = sub.add_parser("sweep", help="a grid of runs (seeds x regimes x tasks x settings) from a JSON/TOML spec",
                         epilog="example: ntpflow sweep sweep.toml --workers 2\n"
                                "Python: ntpflow.runs.sweep.run_sweep('sweep.toml', 'sweeps/NAME', workers=2)\n"
@@ -354,21 +377,26 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("--workers", type=int, default=2, help="runs at a time (default 2)")
     sw.set_defaults(fn=cmd_sweep)
 
+
+def _add_qscan(sub) -> None:
+    """The ``ntpflow qscan`` subcommand."""
     q = sub.add_parser("qscan", help="Q(w) of SAE latents of a pretrained LM by ablation; `qscan train|scan` for "
                        "either half (see ntpflow qscan -h)",
                        add_help=False)
     q.add_argument("options", nargs=argparse.REMAINDER, help="options of the scan (ntpflow qscan -h lists them)")
     q.set_defaults(fn=cmd_qscan)
 
+
+def _add_demo(sub) -> None:
+    """The ``ntpflow demo`` subcommand."""
     d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table",
                        epilog="example: ntpflow demo --out runs/demo   # ~5 min on 2 cores\n"
                               "The quick look at the paper's first claim. scripts/demo.sh instead sets up the "
                               "environment and runs every experiment at smoke size (ntpflow reproduce all "
                               "--scale smoke).", formatter_class=argparse.RawDescriptionHelpFormatter)
     d.add_argument("--out", default="runs/demo", help="folder of the four runs (default runs/demo)")
-    common(d)
+    _common(d)
     d.set_defaults(fn=cmd_demo)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

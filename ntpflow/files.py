@@ -13,6 +13,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
@@ -163,8 +164,6 @@ def load_tensors(path: str | Path, device: str | torch.device = "cpu") -> dict[s
 
 def environment() -> dict:
     """Package versions, platform, device and git commit of the ntpflow source tree."""
-    import numpy
-
     env = {
         "python": platform.python_version(),
         "platform": platform.platform(),

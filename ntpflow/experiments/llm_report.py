@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 from ntpflow.experiments.claim_registry import llm_claims
 from ntpflow.experiments.figure_style import BASELINE, SIGN, error_bars, figure, finish
 from ntpflow.experiments.formats import fmt, fmt_interval
@@ -39,7 +41,6 @@ def _read(out: Path, name: str):
 
 def _q_summary(r: dict) -> dict:
     """ln Q distribution, σ per group, the F ratio, tail make-up and the Fisher tests for one mode."""
-    import numpy as np
     from scipy import stats as st
 
 

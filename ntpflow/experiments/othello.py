@@ -29,6 +29,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from ntpflow.experiments.othello_probes import ClassifierProbes, classifier_path, load_or_classify
 from ntpflow.experiments.othello_report import write_report
 from ntpflow.experiments.parallel import on_threads
@@ -220,9 +223,6 @@ def _influence_records(att: AttributionDir, last: int, curve_every: int) -> tupl
     square, type, component) for the paper's R and the centred R_c (risk rows have mismatch "none"), and the mean
     over units (layer × pos × square with that type) of the cumulative influence on R every ``curve_every`` steps
     and at step ``last``."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     full_table = pq.read_table(att.influence,
                                columns=["step", "layer", "pos", "feature", "feature_type", "mismatch", "component",
                                         "value"], filters=[("optimizer", "==", "adam")])

@@ -8,6 +8,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
 
 import torch
+from tqdm.auto import tqdm
 
 from ntpflow.files import resolve_device
 from ntpflow.model.sites import Site
@@ -22,8 +23,6 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progr
     """Call ``fn(*job)`` for every job: in order in this process when ``workers == 1``, else in a pool of
     ``workers`` processes (``fn`` must be a module-level function). A progress bar counts finished jobs; the first
     job that raises re-raises here."""
-    from tqdm.auto import tqdm
-
     if workers == 1:
         for job in tqdm(jobs, disable=not progress, desc=desc):
             fn(*job)

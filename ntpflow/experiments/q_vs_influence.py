@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import torch
 
 from ntpflow.llm.qscan import q_from_kl
@@ -76,9 +78,6 @@ def influence_ratios(parquet: str | Path, optimizer: str = "adam", mismatch: str
                      ) -> dict[tuple[int, int, str], dict]:
     """``{(layer, pos, feature): {"pre_cached", "direct", "shared", "full"}}``: cumulative integrated influence at
     the last step, ``feature_type == -1``, for ``optimizer`` and ``mismatch`` ("paper" R or "centred" R_c)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     t = pq.read_table(parquet)
     t = t.filter(pc.and_(pc.and_(pc.equal(t["optimizer"], optimizer), pc.equal(t["feature_type"], -1)),
                          pc.equal(t["mismatch"], mismatch)))

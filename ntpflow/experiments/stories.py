@@ -27,6 +27,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
 from ntpflow.experiments.parallel import one_run, run_jobs, run_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.experiments.stories_report import write_report
@@ -182,8 +186,6 @@ def sample_continuations(scale: StoriesScale, out: Path, configs: list[TrainConf
     "prompt": text, "reference": the story's true next n_new tokens as text, "continuations": {regime: text}}]}``.
     Recomputed only when the spec or the models' seed changes.
     """
-    import torch
-
     spec = scale.sampling
     seed = scale.seeds[0]
     path = out / "samples.json"
@@ -228,9 +230,6 @@ def sample_continuations(scale: StoriesScale, out: Path, configs: list[TrainConf
 
 def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
     """Collect tidy records from the finished runs (schema in ``ntpflow.experiments.stories_report``)."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     group_of = {FEATURE_NAMES[i]: g for g, idx in FEATURE_GROUPS.items() for i in idx}
     tracked_pos = sorted({s.pos for s in scale.sites})
     runs, probes, profiles, influence, curves, influence_centred, mismatch = [], [], [], [], [], [], []

@@ -13,6 +13,9 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from ntpflow.experiments.parallel import on_threads, one_run, run_jobs, run_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.files import ensure_writable_dir, read_json, write_json
@@ -180,9 +183,6 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
 def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool = True) -> dict:
     """Collect tidy records from the finished runs (see ``ntpflow.experiments.toy_report`` for the schema); without
     ``replays`` no run counts as tracked."""
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     runs, probes, influence, curves, mismatch, eval_curves, attributed = [], [], [], [], [], [], []
     for cfg in configs:
         run = Run(out / "runs" / run_dir_name(cfg), cfg)

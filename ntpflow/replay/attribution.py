@@ -22,6 +22,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
@@ -317,14 +319,14 @@ def save_resume_point(out: Path, model, opt, step: int, extra: dict[str, torch.T
 def _resume(out: Path, model, opt, tracker, dev, upto: int | None = None):
     cums: dict[tuple, float] = defaultdict(float)
     start, state = resume_points(out).load_latest(model, opt, dev, upto)
+    parts = AttributionDir(out).part_files()
     if not start:
-        for p in (out / "parts").glob("part_*.parquet"):
+        for p in parts:
             p.unlink()
         return 0, cums
-    import pyarrow.parquet as pq
 
     tracker.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("tracker.")})
-    for p in sorted((out / "parts").glob("part_*.parquet")):
+    for p in parts:
         if int(p.stem.split("_")[1]) >= start:
             p.unlink()  # written after the saved state: recomputed
             continue
@@ -336,9 +338,6 @@ def _resume(out: Path, model, opt, tracker, dev, upto: int | None = None):
 
 
 def _write_part(path: Path, rows: list[dict]):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     table = pa.Table.from_pylist(rows)
     tmp = path.with_suffix(".tmp")
     pq.write_table(table, tmp)
@@ -358,9 +357,6 @@ def check_replay(run: Run, model):
 
 
 def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, dev):
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     folder = AttributionDir(out)
     parts = folder.part_files()
     table = pa.concat_tables([pq.read_table(p) for p in parts])

@@ -35,6 +35,8 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from ntpflow.files import atomic_write, ensure_writable_dir, read_json, resolve_device, write_json
@@ -254,9 +256,6 @@ def _submitit(spec: SweepSpec, pending: list[Path], executor: str, workers: int,
 
 def gather(spec: SweepSpec, out: str | Path) -> Path:
     """Write ``out/results.parquet``: per run its grid values, ``run``, ``status``, ``error`` and final metrics."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     out = Path(out)
     rows = []
     for point in spec.points():

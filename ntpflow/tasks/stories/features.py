@@ -34,6 +34,7 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from ntpflow.files import atomic_write
 from ntpflow.tasks.stories.corpus import stories_digest
@@ -217,8 +218,6 @@ class Featurizer:
         out = []
         docs = self.nlp.pipe(stories, batch_size=self.batch_size, n_process=self.n_process, disable=self.disabled)
         if progress:
-            from tqdm import tqdm
-
             docs = tqdm(docs, total=len(stories), desc="spaCy", unit="story")
         for doc, sp in zip(docs, spans):
             start, end, bits = self._doc_bits(doc)
