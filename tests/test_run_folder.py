@@ -16,7 +16,7 @@ OWNER = PACKAGE / "runs" / "run.py"
 NAMES = {"DONE", "config.json", "env.json", "metrics.jsonl", "threads.json", "group.json", "init.safetensors",
          "init.json", "model.safetensors", "model.json", "ckpt", "probes", "probes_init", "attribution", "balance",
          "influence.parquet", "spec.json", "parts", "state", "sweep.json", "FAILED"}
-PREFIXES = ("probes_", "step_", "part_", "attribution")
+PREFIXES = ("probes_", "step_", "part_", "attribution", "classifier_")
 
 
 def _spells_a_run_path(node: ast.AST) -> bool:

@@ -32,7 +32,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ntpflow.experiments.othello_probes import ClassifierProbes, classifier_path, load_or_classify
+from ntpflow.experiments.othello_probes import ClassifierProbes, load_or_classify
 from ntpflow.experiments.othello_report import write_report
 from ntpflow.experiments.parallel import on_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
@@ -150,7 +150,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
         for which in ("final", "init"):
             with timer.stage(f"probes_{which}", ProbeSet.saved(run.probes_dir(which))):
                 load_or_probe(run, which, device)
-            with timer.stage(f"classifier_{which}", classifier_path(run.dir, which).with_suffix(".json").exists()):
+            with timer.stage(f"classifier_{which}", run.classifier_path(which).with_suffix(".json").exists()):
                 load_or_classify(run, which, device)
         with timer.stage("attribution", run.attribution().done):
             attribute(run.dir, list(scale.sites), list(scale.squares), device=device,
@@ -202,7 +202,7 @@ def _probe_records(run: Run) -> tuple[list[dict], list[str]]:
     probes = []
     for weights in ("final", "init"):
         ps = ProbeSet.load(run.probes_dir(weights))
-        cl = ClassifierProbes.load(classifier_path(run.dir, weights))
+        cl = ClassifierProbes.load(run.classifier_path(weights))
         sources = {("r", "all"): ps.r, ("acc", "all"): cl.acc}
         for t, name in TYPE_NAMES.items():
             if t in ps.r_by_type:

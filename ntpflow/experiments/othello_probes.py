@@ -161,11 +161,6 @@ def fit_classifier(resid: torch.Tensor, features: torch.Tensor, *, alpha: float 
                             metadata={"n_train": n_tr, "n_test": n - n_tr})
 
 
-def classifier_path(run_dir: str | Path, which: str | int) -> Path:
-    """``RUN_DIR/classifier_<which>.safetensors`` (``which``: ``"final"``, ``"init"`` or a checkpoint step)."""
-    return Path(run_dir) / f"classifier_{which}.safetensors"
-
-
 def classify_run(run, which: str | int = "final", *, alpha: float = 1.0, train_frac: float = 0.7,
                  device: str = "auto") -> ClassifierProbes:
     """Fit the classifier on ``run``'s eval set (residuals of the weights ``which``) and save it in the run dir."""
@@ -179,13 +174,13 @@ def classify_run(run, which: str | int = "final", *, alpha: float = 1.0, train_f
                          feature_names=run.task.feature_names)
     out.metadata["config_hash"] = run.cfg.hash()
     out.metadata["weights"] = str(which)
-    out.save(classifier_path(run.dir, which))
+    out.save(run.classifier_path(which))
     return out
 
 
 def load_or_classify(run, which: str | int = "final", device: str = "auto") -> ClassifierProbes:
     """The saved classifier accuracies of ``run`` for weights ``which``, fitting them first if absent."""
-    path = classifier_path(run.dir, which)
+    path = run.classifier_path(which)
     if path.with_suffix(".json").exists():
         got = ClassifierProbes.load(path)
         if got.metadata.get("config_hash") == run.cfg.hash():

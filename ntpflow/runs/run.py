@@ -113,6 +113,10 @@ class RunPaths:
         """Folder of the probes of weights ``which``: ``probes`` (final) or ``probes_<which>`` (``init``, a step)."""
         return self.dir / ("probes" if str(which) == "final" else f"probes_{which}")
 
+    def classifier_path(self, which: str | int = "final") -> Path:
+        """Othello's per-square classifier probes of weights ``which`` (``experiments.othello_probes``)."""
+        return self.dir / f"classifier_{which}.safetensors"
+
     def attribution(self, out: str | Path | None = None) -> AttributionDir:
         """The attribution folder ``out`` (default ``RUN_DIR/attribution``)."""
         return AttributionDir(Path(out) if out is not None else self.dir / "attribution")
