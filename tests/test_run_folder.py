@@ -9,6 +9,7 @@ import ntpflow.runs.data
 from ntpflow import TrainConfig, train
 from ntpflow.cli import main
 from ntpflow.files import load_tensors
+from ntpflow.runs.group import train_group
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ntpflow"
 OWNER = PACKAGE / "runs" / "run.py"
@@ -57,11 +58,12 @@ def test_the_path_check_finds_a_spelled_path(tmp_path):
         f.unlink()
 
 
-def test_one_attribute_call_builds_the_data_once_and_reads_each_weights_file_once(tmp_path, monkeypatch, capsys):
-    run_dir = tmp_path / "run"
-    cfg = TrainConfig(task="majority", n_layer=1, d_model=32, n_head=2, steps=8, batch_size=32, n_train=256,
-                      n_eval=128, eval_every=4, ckpt_every=4, log_every=2, device="cpu")
-    train(cfg, run_dir, progress=False)
+TINY = dict(task="majority", n_layer=1, d_model=32, n_head=2, steps=8, batch_size=32, n_train=256, n_eval=128,
+            eval_every=4, ckpt_every=4, log_every=2, device="cpu")
+
+
+def count_reads(monkeypatch) -> tuple[Counter, Counter]:
+    """Count dataset builds and tensor-file reads (by file) wherever the project imported the two functions."""
     builds, reads = Counter(), Counter()
     real_build = ntpflow.runs.data.make_datasets
 
@@ -70,15 +72,32 @@ def test_one_attribute_call_builds_the_data_once_and_reads_each_weights_file_onc
         return real_build(*args, **kwargs)
 
     def counted_read(path, *args, **kwargs):
-        reads[Path(path).name] += 1
+        reads[str(path)] += 1
         return load_tensors(path, *args, **kwargs)
 
-    for name, module in list(sys.modules.items()):  # wherever the project imported them
+    for name, module in list(sys.modules.items()):
         if name.startswith("ntpflow"):
             if getattr(module, "make_datasets", None) is real_build:
                 monkeypatch.setattr(module, "make_datasets", counted_build)
             if getattr(module, "load_tensors", None) is load_tensors:
                 monkeypatch.setattr(module, "load_tensors", counted_read)
+    return builds, reads
+
+
+def test_one_attribute_call_builds_the_data_once_and_reads_each_weights_file_once(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    train(TrainConfig(**TINY), run_dir, progress=False)
+    builds, reads = count_reads(monkeypatch)
     assert main(["-q", "attribute", str(run_dir), "--sites", "1:3", "--device", "cpu"]) == 0
     assert builds == {"datasets": 1}
-    assert reads["init.safetensors"] == 1 and reads["model.safetensors"] == 1
+    assert reads[str(run_dir / "init.safetensors")] == 1 and reads[str(run_dir / "model.safetensors")] == 1
+
+
+def test_a_group_replay_builds_each_members_data_once(tmp_path, monkeypatch):
+    dirs = [tmp_path / "s0", tmp_path / "s1"]
+    train_group([TrainConfig(**TINY, seed=s) for s in (0, 1)], dirs, progress=False)
+    builds, reads = count_reads(monkeypatch)
+    assert main(["-q", "attribute", str(dirs[0]), "--group", "--sites", "1:3", "--device", "cpu"]) == 0
+    assert builds == {"datasets": 2}
+    for d in dirs:
+        assert reads[str(d / "init.safetensors")] == 1 and reads[str(d / "model.safetensors")] == 1

@@ -128,7 +128,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
                                                         midpoint, run_axis) for run, o in zip(runs, outs)))
                 if not m.done]
         if todo:
-            group = GroupReplay(runs[0], dev)
+            group = GroupReplay(runs[0], dev, runs)
             axis = None
             if run_axis:
                 while len({m.start for _, m in todo}) > 1:  # one step for all: the later ones go back

@@ -39,6 +39,7 @@ from ntpflow.runs.training import (
     prepare_run_dir,
     train_step,
 )
+from ntpflow.tasks import Batch
 
 log = logging.getLogger(__name__)
 PER_RUN = ("seed", "data_seed")  # the config fields in which the members of a group may differ
@@ -78,9 +79,12 @@ class GroupData:
     """The members' training sets stacked on ``device`` and their data orders: ``batch(step)`` -> tokens,
     loss_mask [R, batch, pos], run r's rows being ``DataOrder(seed_r)(step)`` of its own training set."""
 
-    def __init__(self, cfgs: Sequence[TrainConfig], device):
-        task = task_for(cfgs[0])
-        sets = [make_datasets(c, task) for c in cfgs]
+    def __init__(self, cfgs: Sequence[TrainConfig], device, sets: Sequence[tuple[Batch, Batch]] | None = None):
+        """``sets``: the members' (train, eval) sets when the caller has them (a replay's cached ``run.datasets()``);
+        built from ``cfgs`` otherwise."""
+        if sets is None:
+            task = task_for(cfgs[0])
+            sets = [make_datasets(c, task) for c in cfgs]
         train = [to_torch(tr, device) for tr, _ in sets]
         self.evals = [to_torch(ev, device) for _, ev in sets]
         self.tokens = torch.stack([t["tokens"] for t in train])  # [R, n_train, pos]
@@ -176,14 +180,17 @@ class GroupReplay:
     ``model`` must hold the group's state at the next step. Call as ``stepper(step, *batch)``: any batch given is
     ignored, the group's batches [R, batch, pos] are recomputed here."""
 
-    def __init__(self, run: Run, device):
+    def __init__(self, run: Run, device, known: Sequence[Run] = ()):
+        """``run``: a member; ``known``: members already open (their cached datasets are used, not built again)."""
         record = run.group_record()
         self.index, self.device = record["index"], device
         self.cfgs = [TrainConfig.from_dict(d) for d in record["members"]]
         if self.cfgs[self.index].hash() != run.cfg.hash():
             raise ValueError(f"{run.group_path} does not describe the run in {run.dir}")
-        self.runs = [Run((run.dir / d).resolve(), c) for d, c in zip(record["dirs"], self.cfgs)]
-        self.data = GroupData(self.cfgs, device)
+        opened = {r.dir.resolve(): r for r in (run, *known)}
+        self.runs = [opened.get((run.dir / d).resolve()) or Run((run.dir / d).resolve(), c)
+                     for d, c in zip(record["dirs"], self.cfgs)]
+        self.data = GroupData(self.cfgs, device, [r.datasets() for r in self.runs])
         self.members: dict[int, tuple[GPT, torch.optim.Adam]] = {}
         self.next_step = None
         self.stack = self.group_opt = None
