@@ -23,5 +23,6 @@ from ntpflow.runs.training import train as train
 from ntpflow.tasks import Batch as Batch
 from ntpflow.tasks import Task as Task
 from ntpflow.tasks import make_task as make_task
+from ntpflow.tasks import task_class as task_class
 
 __version__ = "0.1.0"

@@ -81,7 +81,8 @@ def _config(args, task=None, regime=None, extra_set=()):
 def cmd_train(args) -> int:
     """``ntpflow train``: train (or resume) one run, log its final scores and print its directory."""
     cfg = _config(args)
-    out = Path(args.out or f"runs/{cfg.task}-{cfg.regime}-s{cfg.seed}")
+    task = cfg.task.rpartition(":")[2].rpartition(".")[2]  # a task's own class name when named by its import path
+    out = Path(args.out or f"runs/{task}-{cfg.regime}-s{cfg.seed}")
     track = [t for t in (args.track or "").split(",") if t]
     run = train(cfg, out, progress=not args.quiet, track=track, force_unlock=args.force_unlock)
     final = run.metrics()[-1]
@@ -260,7 +261,8 @@ def _add_train(sub) -> None:
     """The ``ntpflow train`` subcommand."""
     t = sub.add_parser("train", help="train one model into a run directory (resumes if interrupted)",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    t.add_argument("--task", help="majority | cond_majority | othello | stories (stories needs --set corpus=...)")
+    t.add_argument("--task", help="majority | cond_majority | othello | stories (stories needs --set corpus=...) | "
+                   "package.module:Class, a task of your own (docs/tasks.md)")
     t.add_argument("--regime", help="vanilla | myopic | untied | myopic-untied")
     t.add_argument("--out", help="run directory (default runs/<task>-<regime>-s<seed>)")
     t.add_argument("--track", help="extra metric sinks besides metrics.jsonl: tensorboard, wandb (comma-separated)")

@@ -24,7 +24,7 @@ from ntpflow.model.config import GPTConfig, split_groups
 from ntpflow.model.gpt import GPT
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import make_datasets
-from ntpflow.tasks import TASKS, Batch, Task, make_task
+from ntpflow.tasks import Batch, Task, make_task, task_class
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
 def task_for(cfg: TrainConfig) -> Task:
     """The task of a config; a task class lists in ``config_fields`` the TrainConfig fields it is built with."""
 
-    return make_task(cfg.task, **{f: getattr(cfg, f) for f in TASKS[cfg.task].config_fields})
+    return make_task(cfg.task, **{f: getattr(cfg, f) for f in task_class(cfg.task).config_fields})
 
 
 def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,

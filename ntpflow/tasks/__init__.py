@@ -6,27 +6,46 @@ at position 0; logits at position ``p`` predict token ``p + 1``.
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
+from types import MappingProxyType
+
 from ntpflow.tasks.base import Batch, Task, concat_batches
 from ntpflow.tasks.majority import CondMajority, Majority
 from ntpflow.tasks.othello import Othello
 from ntpflow.tasks.stories.task import Stories
 
-__all__ = ["TASKS", "Batch", "CondMajority", "Majority", "Othello", "Stories", "Task", "concat_batches", "make_task"]
+__all__ = ["TASKS", "Batch", "CondMajority", "Majority", "Othello", "Stories", "Task", "concat_batches", "make_task", "task_class"]
 
-TASKS: dict[str, type] = {
+TASKS: Mapping[str, type[Task]] = MappingProxyType({
     "majority": Majority,
     "cond_majority": CondMajority,
     "othello": Othello,
     "stories": Stories,
-}
+})  # the built-in tasks; a task of one's own is named by its import path
+
+
+def task_class(name: str) -> type[Task]:
+    """The task class named ``name``: a built-in task (``TASKS``) or an import path ``package.module:Class`` of a
+    ``Task`` subclass (docs/tasks.md). ValueError (one line) if it cannot be found or is not a task."""
+    if ":" not in name:
+        try:
+            return TASKS[name]
+        except KeyError:
+            raise ValueError(f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}, "
+                             "or give a task's import path package.module:Class") from None
+    module_name, _, qualname = name.partition(":")
+    try:
+        obj = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"cannot import task {name!r}: {e}") from None
+    if not (isinstance(obj, type) and Task in obj.__mro__):
+        raise ValueError(f"{name!r} is not an ntpflow task: {name} must subclass ntpflow.Task (docs/tasks.md)")
+    return obj
 
 
 def make_task(name: str, **kwargs) -> Task:
-    """Build the task registered under ``name`` with constructor ``kwargs``."""
-    try:
-        cls = TASKS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}"
-        ) from None
-    return cls(**kwargs)
+    """Build the task ``name`` (see :func:`task_class`) with constructor ``kwargs``."""
+    return task_class(name)(**kwargs)
