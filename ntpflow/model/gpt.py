@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ntpflow.model.config import MYOPIC_MODES, GPTConfig, Groups, Myopic
-from ntpflow.model.hf import gpt_from_hf, gpt_to_hf
+from ntpflow.model.hf import gpt_from_hf, gpt_to_hf, gpt_to_hooked_transformer, load_hf_gpt2
 from ntpflow.model.hooks import HookPoint, name_hook_points
 from ntpflow.model.sites import Site
 
@@ -301,6 +301,22 @@ class GPT(nn.Module):
     def from_hf(cls, hf_model, **overrides) -> "GPT":
         """Build a GPT from a ``transformers.GPT2LMHeadModel``; ``overrides`` may set e.g. ``myopic``."""
         return gpt_from_hf(cls, hf_model, **overrides)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **overrides) -> "GPT":
+        """A GPT with the weights of a GPT-2 family model: a local folder written by :meth:`save_pretrained` or by
+        ``transformers``, or a hub name such as ``gpt2`` where the hub is reachable. ``overrides`` go to GPTConfig."""
+        return gpt_from_hf(cls, load_hf_gpt2(name_or_path), **overrides)
+
+    def save_pretrained(self, path) -> None:
+        """Write the weights (``model.safetensors``) and ``config.json`` in the layout of ``transformers``'s
+        ``GPT2LMHeadModel``, which loads it as it is (one position group only; no optimizer state)."""
+        self.to_hf().save_pretrained(path, safe_serialization=True)
+
+    def to_hooked_transformer(self):
+        """An equivalent TransformerLens ``HookedTransformer`` (one position group only), same logits to float
+        rounding; its hooks carry TransformerLens's names and shapes."""
+        return gpt_to_hooked_transformer(self)
 
 
 def _last(groups: Groups) -> Groups:

@@ -1,4 +1,5 @@
-"""Lossless conversion between ntpflow's ``GPT`` (one position group) and ``transformers.GPT2LMHeadModel``.
+"""Lossless conversion between ntpflow's ``GPT`` (one position group) and ``transformers.GPT2LMHeadModel``, and
+from it to a TransformerLens ``HookedTransformer``.
 
 HF's Conv1D stores weights as [d_in, d_out]; ntpflow stores [group, d_out, d_in].
 """
@@ -65,3 +66,29 @@ def gpt_from_hf(cls, hf_model, **overrides):
             w = theirs[hf_name]
             params[name].copy_((w.T if conv else w).expand_as(params[name]))
     return model.to(dtype=next(hf_model.parameters()).dtype)
+
+
+def load_hf_gpt2(name_or_path: str):
+    """``GPT2LMHeadModel.from_pretrained(name_or_path)`` in eval mode; ValueError (one line) if it cannot be read."""
+    from transformers import GPT2LMHeadModel
+
+    try:
+        return GPT2LMHeadModel.from_pretrained(name_or_path).eval()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load a GPT-2 model from {name_or_path!r}: {str(e).splitlines()[0]}") from None
+
+
+def gpt_to_hooked_transformer(model):
+    """A TransformerLens ``HookedTransformer`` with the weights of ``model`` (one position group), through its HF
+    twin and TransformerLens's own GPT-2 weight conversion, unprocessed (no LayerNorm folding), so the logits match."""
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+
+    cfg = model.cfg
+    tl_cfg = HookedTransformerConfig(
+        n_layers=cfg.n_layer, d_model=cfg.d_model, d_head=cfg.d_head, n_heads=cfg.n_head, d_mlp=4 * cfg.d_model,
+        d_vocab=cfg.vocab_size, n_ctx=cfg.n_ctx, act_fn="gelu_new", normalization_type="LN", eps=cfg.layer_norm_eps,
+        default_prepend_bos=False, dtype=model.wte.dtype, device=str(model.wte.device))
+    tl = HookedTransformer(tl_cfg)
+    tl.load_state_dict(convert_gpt2_weights(gpt_to_hf(model), tl_cfg), strict=False)
+    return tl.eval()

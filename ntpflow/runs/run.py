@@ -342,6 +342,12 @@ class Run(RunPaths):
             raise ValueError(f"checkpoint {path} does not match the run's model: {str(e).splitlines()[0]}") from None
         return model.to(resolve_device(device) if isinstance(device, str) else device)
 
+    def export(self, path: str | Path, which: str | int = "final") -> Path:
+        """Write weights ``which`` as a ``transformers`` GPT-2 folder (``GPT.save_pretrained``: weights and
+        ``config.json``, no optimizer state) at ``path``; returns it. One position group only (not an untied run)."""
+        self.load_model(which).save_pretrained(path)
+        return Path(path)
+
     def weights_path(self, which: str | int) -> Path:
         """File holding the weights ``"final"``, ``"init"`` or a checkpoint step."""
         if str(which) in ("final", "init"):
