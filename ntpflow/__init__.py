@@ -25,4 +25,4 @@ from ntpflow.tasks import Task as Task
 from ntpflow.tasks import make_task as make_task
 from ntpflow.tasks import task_class as task_class
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

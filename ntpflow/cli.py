@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from ntpflow import __version__
 from ntpflow.experiments.report_all import run_all, run_experiment
 from ntpflow.files import read_json, resolve_device
 from ntpflow.llm.qscan_cli import main as qscan_main
@@ -244,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings only")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    p.add_argument("--version", action="version", version=f"ntpflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_probe, _add_attribute, _add_balance, _add_reproduce, _add_sweep, _add_qscan, _add_demo):
         add(sub)
