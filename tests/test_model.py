@@ -173,7 +173,7 @@ def test_hook_names_pinned(tokens):
         "hook_embed", "hook_pos_embed", "blocks.0.hook_resid_pre", "blocks.0.ln1.hook_normalized",
         "blocks.0.attn.hook_q", "blocks.0.attn.hook_k", "blocks.0.attn.hook_v", "blocks.0.attn.hook_pattern",
         "blocks.0.attn.hook_z", "blocks.0.hook_attn_out", "blocks.0.hook_resid_mid",
-        "blocks.0.ln2.hook_normalized", "blocks.0.mlp.hook_post", "blocks.0.hook_mlp_out",
+        "blocks.0.ln2.hook_normalized", "blocks.0.mlp.hook_pre", "blocks.0.mlp.hook_post", "blocks.0.hook_mlp_out",
         "blocks.0.hook_resid_post", "ln_final.hook_normalized",
     ]
     pattern = cache["blocks.0.attn.hook_pattern"]

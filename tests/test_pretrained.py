@@ -60,3 +60,18 @@ def test_run_export_writes_the_final_weights(tmp_path):
     tokens = torch.as_tensor(run.datasets()[1].tokens[:8])
     with torch.no_grad():
         assert torch.equal(GPT.from_pretrained(str(out))(tokens), run.load_model("final")(tokens))
+
+
+def test_run_with_cache_speaks_transformerlens():
+    model, tokens = tiny(), torch.randint(0, 13, (4, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        logits, ours = model.run_with_cache(tokens)
+        _, theirs = model.to_hooked_transformer().run_with_cache(tokens)
+    shared = sorted(set(ours) & set(theirs.keys()))
+    assert {"hook_embed", "hook_pos_embed", "blocks.0.mlp.hook_pre", "blocks.1.attn.hook_pattern"} <= set(shared)
+    for name in shared:  # the same activation under the same name, in the same shape
+        assert ours[name].shape == theirs[name].shape, name
+        assert close(ours[name], theirs[name]), name
+    assert torch.equal(ours["resid_pre", 1], ours["blocks.1.hook_resid_pre"])
+    assert torch.equal(ours["pattern", 0], ours["blocks.0.attn.hook_pattern"])
+    assert torch.equal(ours["post", 1], ours["blocks.1.mlp.hook_post"]) and ours["embed"] is ours["hook_embed"]

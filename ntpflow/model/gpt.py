@@ -17,7 +17,7 @@ from torch import nn
 
 from ntpflow.model.config import MYOPIC_MODES, GPTConfig, Groups, Myopic
 from ntpflow.model.hf import gpt_from_hf, gpt_to_hf, gpt_to_hooked_transformer, load_hf_gpt2
-from ntpflow.model.hooks import HookPoint, name_hook_points
+from ntpflow.model.hooks import HookPoint, name_hook_points, run_with_cache
 from ntpflow.model.sites import Site
 
 
@@ -136,11 +136,11 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = GroupedLinear(cfg.n_groups, cfg.d_model, 4 * cfg.d_model)
         self.c_proj = GroupedLinear(cfg.n_groups, 4 * cfg.d_model, cfg.d_model)
-        self.hook_post = HookPoint()
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
 
     def forward(self, x, groups):
         """x [batch, pos, d_model] -> [batch, pos, d_model]."""
-        return self.c_proj(self.hook_post(F.gelu(self.c_fc(x, groups), approximate="tanh")), groups)
+        return self.c_proj(self.hook_post(F.gelu(self.hook_pre(self.c_fc(x, groups)), approximate="tanh")), groups)
 
 
 class Block(nn.Module):
@@ -272,7 +272,7 @@ class GPT(nn.Module):
             g = pos if isinstance(groups, slice) else groups
             tok = F.embedding(g * vocab + tokens, self.wte.reshape(n_groups * vocab, d))
             pe = F.embedding(g * self.cfg.n_ctx + pos, self.wpe.reshape(n_groups * self.cfg.n_ctx, d))
-        return self.hook_embed(tok) + self.hook_pos_embed(pe)
+        return self.hook_embed(tok) + self.hook_pos_embed(pe.expand_as(tok))  # TL's shapes: [batch, pos, d_model]
 
     def resid_last(self, tokens: torch.Tensor, layer: int, *, myopic: Myopic | None = None) -> torch.Tensor:
         """``resid[layer]`` at the last position of ``tokens`` [batch, pos] -> [batch, d_model], in the graph.
@@ -293,6 +293,12 @@ class GPT(nn.Module):
         return self(tokens, return_resid=True, **kwargs)
 
     # ---- conversion to and from transformers.GPT2LMHeadModel ----
+    def run_with_cache(self, tokens: torch.Tensor, names=None, **kwargs):
+        """``(logits, cache)``: the forward on ``tokens`` [batch, pos] with every hook point's activation (or those in
+        ``names``) in an :class:`~ntpflow.model.hooks.ActivationCache`, indexed like TransformerLens's
+        (``cache["resid_pre", 1]``)."""
+        return run_with_cache(self, tokens, names, **kwargs)
+
     def to_hf(self):
         """Return an equivalent ``transformers.GPT2LMHeadModel`` (single position group only)."""
         return gpt_to_hf(self)

@@ -53,14 +53,39 @@ def hooks(root: nn.Module, fwd: Iterable[tuple[str, HookFn]]) -> Iterator[None]:
             h.remove()
 
 
+_ATTN = ("q", "k", "v", "z", "pattern")  # TransformerLens short names that live under blocks.L.attn
+_MLP = ("pre", "post")  # ... and under blocks.L.mlp
+
+
+def tl_hook_name(name: str, layer: int | None = None) -> str:
+    """TransformerLens's full hook name of a short one: ``("resid_pre", 1)`` -> ``blocks.1.hook_resid_pre``,
+    ``("pattern", 0)`` -> ``blocks.0.attn.hook_pattern``, ``("post", 0)`` -> ``blocks.0.mlp.hook_post``,
+    ``"embed"`` -> ``hook_embed``; a full name is returned as it is."""
+    if "." in name or name.startswith("hook_"):
+        return name
+    if layer is None:
+        return f"hook_{name}"
+    inner = "attn." if name in _ATTN else "mlp." if name in _MLP else ""
+    return f"blocks.{layer}.{inner}hook_{name}"
+
+
+class ActivationCache(dict):
+    """``{hook_name: activation}`` that also takes TransformerLens's short keys: ``cache["resid_pre", 1]``,
+    ``cache["pattern", 0]``, ``cache["embed"]``."""
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            return super().__getitem__(tl_hook_name(*key))
+        return super().__getitem__(key if super().__contains__(key) else tl_hook_name(key))
+
+
 def run_with_cache(
     root: nn.Module, tokens: torch.Tensor, names: Iterable[str] | None = None, **kwargs
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Run ``root(tokens, **kwargs)`` and return ``(output, {hook_name: detached activation})``.
-
-    ``names=None`` caches every hook point. Activations keep the position dimension.
-    """
-    cache: dict[str, torch.Tensor] = {}
+) -> tuple[torch.Tensor, ActivationCache]:
+    """Run ``root(tokens, **kwargs)`` and return ``(output, cache)``: every hook point's detached activation, by
+    hook name (:class:`ActivationCache`). ``names=None`` caches every hook point. Shapes are TransformerLens's
+    (``[batch, pos, ...]``; attention patterns ``[batch, head, query, key]``)."""
+    cache = ActivationCache()
     wanted = None if names is None else set(names)
     all_names = [n for n, m in root.named_modules() if isinstance(m, HookPoint)]
     selected = [n for n in all_names if wanted is None or n in wanted]
