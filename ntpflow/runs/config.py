@@ -7,6 +7,7 @@ import math
 import types
 import typing
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 from typing import Literal
 
 from ntpflow.tasks import task_class
@@ -51,6 +52,8 @@ class TrainConfig:
     def __post_init__(self):
         for name in ("lr", "beta1", "beta2", "adam_eps"):  # 1 and 1.0 must hash alike
             object.__setattr__(self, name, float(getattr(self, name)))
+        if self.task.startswith("file:"):  # a task file: its absolute path, so that any working directory reopens it
+            object.__setattr__(self, "task", "file:" + str(Path(self.task.removeprefix("file:")).resolve()))
         task_class(self.task)  # a built-in task or an importable Task subclass (one-line ValueError otherwise)
         if self.regime not in REGIMES:
             raise ValueError(f"unknown regime {self.regime!r}; choose one of {REGIMES}")

@@ -11,11 +11,13 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ntpflow.tasks.base import Batch, Task, concat_batches
+from ntpflow.tasks.file import PREFIX as FILE_PREFIX
+from ntpflow.tasks.file import FileTask
 from ntpflow.tasks.majority import CondMajority, Majority
 from ntpflow.tasks.othello import Othello
 from ntpflow.tasks.stories.task import Stories
 
-__all__ = ["TASKS", "Batch", "CondMajority", "Majority", "Othello", "Stories", "Task", "concat_batches", "make_task", "task_class"]
+__all__ = ["TASKS", "Batch", "CondMajority", "FileTask", "Majority", "Othello", "Stories", "Task", "concat_batches", "make_task", "task_class"]
 
 TASKS: Mapping[str, type[Task]] = MappingProxyType({
     "majority": Majority,
@@ -26,8 +28,10 @@ TASKS: Mapping[str, type[Task]] = MappingProxyType({
 
 
 def task_class(name: str) -> type[Task]:
-    """The task class named ``name``: a built-in task (``TASKS``) or an import path ``package.module:Class`` of a
-    ``Task`` subclass (docs/tasks.md). ValueError (one line) if it cannot be found or is not a task."""
+    """The task class named ``name``: a built-in task (``TASKS``), an import path ``package.module:Class`` of a
+    ``Task`` subclass, or ``file:PATH``, a task read from a file (:class:`FileTask`; docs/tasks.md). ValueError (one line) if it cannot be found or is not a task."""
+    if name.startswith(FILE_PREFIX):
+        return FileTask
     if ":" not in name:
         try:
             return TASKS[name]
@@ -47,5 +51,7 @@ def task_class(name: str) -> type[Task]:
 
 
 def make_task(name: str, **kwargs) -> Task:
-    """Build the task ``name`` (see :func:`task_class`) with constructor ``kwargs``."""
+    """Build the task ``name`` (see :func:`task_class`) with constructor ``kwargs``; ``file:PATH`` reads the file."""
+    if name.startswith(FILE_PREFIX):
+        return FileTask(name.removeprefix(FILE_PREFIX), **kwargs)
     return task_class(name)(**kwargs)
