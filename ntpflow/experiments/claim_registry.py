@@ -216,8 +216,28 @@ def _othello_gap_rule() -> Rule:
                 "is ≤ 0; otherwise inconclusive.", decide)
 
 
+GATE_LEGAL, GATE_PROBE_R = 0.97, 0.8  # a world model: legal moves nearly always, useful squares linearly readable
+
+
+def othello_gates(summary) -> tuple[Check, Check]:
+    """The world-model gates of every Othello claim: legal-move accuracy ≥ GATE_LEGAL, and the useful squares' final
+    ridge r (mean over squares) ≥ GATE_PROBE_R at its best middle layer (1 .. n_layer − 1, or 1 with one layer)."""
+    legal = (summary.get("run") or {}).get("legal_acc")
+    rows = [r for r in summary.get("probe_by_layer") or [] if r["metric"] == "r" and r["weights"] == "final"
+            and r["type"] == "useful" and r["layer"] >= 1]
+    last = max((r["layer"] for r in rows), default=1)
+    middle = [r["mean"] for r in rows if r["layer"] < last or last == 1]
+    best = max((m for m in middle if m is not None), default=None)
+    return (Check(f"a world model: legal-move accuracy >= {GATE_LEGAL}", None if legal is None else round(legal, 4),
+                  legal is not None and legal >= GATE_LEGAL),
+            Check(f"a world model: useful squares' ridge r >= {GATE_PROBE_R} at a middle layer (best)",
+                  None if best is None else round(best, 3), best is not None and best >= GATE_PROBE_R))
+
+
 def othello_claims(summary) -> list[Claim]:
-    """The four OthelloGPT claims of the paper (docs/paper.md#othello), judged on ``summary``."""
+    """The four OthelloGPT claims of the paper (docs/paper.md#othello), judged on ``summary``; none is testable on a
+    model without a world model (:func:`othello_gates`)."""
+    gates = othello_gates(summary)
     gl = [g for g in summary["gap_by_layer"] if g["metric"] == "r" and g["weights"] == "final" and g["layer"] >= 1]
     sl = summary["gap_slopes"].get("r/final") or {"per_layer": stats([]), "per_move": stats([]),
                                                     "mean_layers_ge1": stats([])}
@@ -241,7 +261,7 @@ def othello_claims(summary) -> list[Claim]:
                             "R of the whole batch, mean over the tracked sites and squares")
 
     def units(*keys):
-        return (*(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys), balance)
+        return (*gates, *(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys), balance)
 
     def component(cid, statement, comp, tests, shown=("useful", "useless")):
         """Claim ``cid`` on the influence of ``comp``: ``tests`` maps a square type to its interval rule; ``shown``
@@ -257,7 +277,7 @@ def othello_claims(summary) -> list[Claim]:
         Claim("i", "NTP-useful squares are represented better than NTP-useless ones: the gap r(useful) − r(useless) "
               "is positive at every layer ≥ 1 and grows with layer and with move index (Fig. 3)",
               "positive at every layer, growing with layer and move index (no number given)", _othello_gap_rule(),
-              gap_numbers, gap_text, (at_least("squares", n_sq, 2), at_least("layers k ≥ 1 with a gap", len(gl), 2))),
+              gap_numbers, gap_text, (*gates, at_least("squares", n_sq, 2), at_least("layers k ≥ 1 with a gap", len(gl), 2))),
         component("ii", "direct influence is positive for useful squares and not different from 0 for useless squares",
                   "direct", {"useful": interval_above, "useless": interval_contains}),
         component("iii", "pre-caching influence is positive for useless squares", "pre_cached",
