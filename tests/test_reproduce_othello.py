@@ -16,8 +16,6 @@ from ntpflow.experiments.othello_probes import ClassifierProbes, board_classes, 
 from ntpflow.experiments.othello_report import summarize, write_report
 from ntpflow.stats import slope
 
-
-
 # ---------------------------------------------------------------------------------------------------- smoke, end to end
 
 
