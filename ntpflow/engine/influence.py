@@ -304,29 +304,53 @@ class InfluenceTracker:
         parts from ``SitePasses.run_many``, the hand-written reverse mode). Both run per bucket of sites of one layer
         (``buckets``). Shared parts follow as full − direct − pre. No per-risk gradient vector is formed.
         """
-        primals = passes.primals  # the ordinary forward over positions < n_pos, also for a myopic model
-        tokens = primals.tokens
-        risks = self.risk_coefficients(primals.resid, final_proj, feature_types, w)
-        g_full = passes.full
+        risks = self.risk_coefficients(passes.primals.resid, final_proj, feature_types, w)
+        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam)
+        if midpoint is not None:  # ∇R read at θ_t − Δ/2: its own forward, risk coefficients and tangents
+            primals = midpoint(shared_dirs[-1] if adam is not None else lr * passes.full)
+            node = (None, primals, self.risk_coefficients(primals.resid, final_proj, feature_types, w))
+        else:
+            node = (None, passes.primals, risks)  # the ordinary forward over positions < n_pos, also when myopic
+        pending = self._integrate(passes, [node], w, shared_dirs, scale, sgd, adam, update=True)
+        return self._values(risks, pending, sgd, adam, passes.full)
+
+    def _shared_directions(self, g_full: torch.Tensor, lr: float, adam: AdamStep | None):
+        """The directions every site shares, [m0, n_params]: the full gradient (SGD rows) and the real Adam step
+        (updating the full first moment in place), with Adam's per-parameter scale [n_params] (None for SGD) and
+        whether SGD rows are computed. The last direction is the step actually taken (for SGD, divided by lr)."""
         sgd = adam is None or self.sgd_rows
         shared_dirs, scale = [g_full] if sgd else [], None
         if adam is not None:
             scale = adam.scale(lr, g_full)
             adam.m_full.mul_(adam.beta1).add_((1 - adam.beta1) * g_full)
             shared_dirs.append(scale * adam.m_full)  # the real Adam step
-        if midpoint is not None:  # ∇R read at θ_t − Δ/2: its own forward, risk coefficients and tangents
-            primals = midpoint(shared_dirs[-1] if adam is not None else lr * g_full)
-            coef_risks = self.risk_coefficients(primals.resid, final_proj, feature_types, w)
-        else:
-            coef_risks = risks
-        n_layers, n_pos = max(s.layer for s in self.sites), max(s.pos for s in self.sites) + 1
+        return torch.stack(shared_dirs), scale, sgd
+
+    def _values(self, risks: list, pending: list, sgd: bool, adam: AdamStep | None, like: torch.Tensor):
+        """(values [n_values] float64, layout) of a step's risks and its sites' influences (see ``influences``)."""
+        values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
+                           + [v.flatten().to(torch.float64) for *_, v in pending]) if risks else like.new_zeros(0)
+        sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
+        layout = ([r[:3] for r in risks], sites, sgd, adam is not None)  # (probe, type, mismatch) of each value
+        return values, layout
+
+    def _integrate(self, passes: SitePasses, nodes: list, w: torch.Tensor, shared_dirs: torch.Tensor, scale,
+                   sgd: bool, adam: AdamStep | None, update: bool) -> list:
+        """Per site: (its risks, with_pre, Σ_j ω_j ∇R(θ_j)·δ [risks, m]) over the directions δ of every component.
+
+        nodes: [(weight ω_j or None for 1, Primals at θ_j, risk_coefficients there)], each point's forward (on the
+        same tokens for every node); shared_dirs [m0, n_params] and scale from ``_shared_directions``; ``update``:
+        advance the sites' Adam first moments (once per step; a re-integration of the same step reads them).
+        """
+        primals, n_pos = nodes[0][1], max(s.pos for s in self.sites) + 1
+        tokens, n_layers = primals.tokens, max(s.layer for s in self.sites)
         # the shared directions once for all sites (full blocks over n_pos positions), unless the sites' own prefixes
         # are less work (e.g. a single site): then they ride along in each site's tangents
         once = sum(s.layer * (s.pos + 1) for s in self.sites) > n_layers * n_pos
-        shared_dirs = torch.stack(shared_dirs)
-        tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
+        tau_shared = [all_tangents(pr, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
+                      for _, pr, _ in nodes]
+        by_site = [self._risks_by_site(coef, w, tokens.device) for *_, coef in nodes]
         pending = []  # per site: (its risks, with_pre, influences [risks, directions])
-        by_site = self._risks_by_site(coef_risks, w, tokens.device)
         for bucket in self.buckets(len(tokens), tokens.device):  # sites of one layer together; bounds memory
             sites = self.sites[bucket]
             k, n = sites[0].layer, len(sites)
@@ -342,27 +366,29 @@ class InfluenceTracker:
                 at = n_own
             if adam is not None:
                 moments = adam.m_sites[bucket, :n_own]  # a view [n, n_own, n_params]
-                moments.mul_(adam.beta1).add_((1 - adam.beta1) * parts[:, :n_own])  # as β1·m + (1−β1)·g rounds
+                if update:
+                    moments.mul_(adam.beta1).add_((1 - adam.beta1) * parts[:, :n_own])  # as β1·m + (1−β1)·g rounds
                 dirs[:, at:at + n_own] = scale * moments
                 at += n_own
             if not once:
                 dirs[:, at:] = shared_dirs
-            tau = site_tangents(primals, k, pos.repeat_interleave(m_dirs), dirs.flatten(0, 1))
-            tau = tau.view(n, m_dirs, *tau.shape[1:])  # [n, m, batch, d]
-            if once:
-                tau = torch.cat([tau, tau_shared[k][:, :, pos.to(tau.device)].movedim(2, 0)], 1)
-            for site, tau_site in zip(sites, tau):
-                if site not in by_site:
-                    continue
-                mine, w_site, sel = by_site[site]
-                proj = tau_site @ w_site.to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
-                coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
-                pending.append((mine, with_pre, (proj.index_select(2, sel) * coef).sum(1).T))  # [risks, m]: ∇R·δ
-        values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
-                           + [v.flatten().to(torch.float64) for *_, v in pending]) if risks else g_full.new_zeros(0)
-        sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
-        layout = ([r[:3] for r in risks], sites, sgd, adam is not None)  # (probe, type, mismatch) of each value
-        return values, layout
+            acc: dict[Site, torch.Tensor] = {}
+            for (weight, pr, _), node_sites, node_shared in zip(nodes, by_site, tau_shared):
+                tau = site_tangents(pr, k, pos.repeat_interleave(m_dirs), dirs.flatten(0, 1))
+                tau = tau.view(n, m_dirs, *tau.shape[1:])  # [n, m, batch, d]
+                if once:
+                    tau = torch.cat([tau, node_shared[k][:, :, pos.to(tau.device)].movedim(2, 0)], 1)
+                for site, tau_site in zip(sites, tau):
+                    if site not in node_sites:
+                        continue
+                    mine, w_site, sel = node_sites[site]
+                    proj = tau_site @ w_site.to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
+                    coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
+                    v = (proj.index_select(2, sel) * coef).sum(1).T  # [risks, m]: ∇R·δ
+                    v = v if weight is None else weight * v
+                    acc[site] = v if site not in acc else acc[site] + v
+            pending += [(by_site[0][site][0], with_pre, acc[site]) for site in sites if site in acc]
+        return pending
 
     def rows(self, values: list[float], layout: tuple, lr: float) -> list[dict]:
         """This step's rows from :meth:`influences`' values (as Python floats) and layout."""
