@@ -23,6 +23,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ntpflow.engine.decomposition import SitePasses, flat_grads
@@ -62,6 +63,28 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
     if type(opt) is torch.optim.SGD and g.get("momentum", 0) == 0 and not g.get("nesterov", False):
         return "sgd", g
     raise ValueError(f"influence tracking supports Adam and plain SGD, not {type(opt).__name__} with these options")
+
+
+def gauss_legendre(n: int) -> list[tuple[float, float]]:
+    """The n-point Gauss–Legendre rule on [0, 1]: [(node s_j, weight ω_j)], Σ ω_j = 1; exact for polynomials of
+    degree < 2n."""
+    x, w = np.polynomial.legendre.leggauss(n)
+    return [(float((xj + 1) / 2), float(wj / 2)) for xj, wj in zip(x, w)]
+
+
+@dataclass(frozen=True)
+class Readout:
+    """A fixed readout set H: ``tokens`` [N, n_pos] (the sites' prefix), θ*'s projections on them ``final_proj``
+    [N, n_probes], their type labels ``types`` ({probe name: int [N, pos]} or None), the Gauss–Legendre point
+    counts tried in turn ``levels``, and the refinement tolerance: a step is re-integrated while some risk's
+    |residual| > ``rtol`` · |change| + ``floor`` · R_H(θ_0)."""
+
+    tokens: torch.Tensor
+    final_proj: torch.Tensor
+    types: dict[str, torch.Tensor] | None
+    levels: tuple[int, ...]
+    rtol: float
+    floor: float
 
 
 def _projection_dtype(device: torch.device) -> torch.dtype:
@@ -144,6 +167,11 @@ class InfluenceTracker:
                            else torch.empty(0, d))  # [n_probes, d_model], probe order
         self.sgd_rows, self.midpoint = sgd_rows, midpoint
         self._middle: GPT | None = None  # scratch weights θ_t − Δ/2 (midpoint mode)
+        self.readout: Readout | None = None  # see use_readout
+        self._points: list[GPT] = []  # scratch weights θ_t − s_j Δ (readout mode), one per node
+        self._start: torch.Tensor | None = None  # R_H at the step's start [n_risks] (readout mode)
+        self._floor: torch.Tensor | None = None  # floor · R_H(θ_0) [n_risks]
+        self.refined = self.evaluations = 0  # steps re-integrated, and points evaluated (readout mode)
         # Adam first moments, stacked: per site [n_sites, 2 (direct, pre-cached), n_params], and the full one
         self._m_sites: torch.Tensor | None = None
         self._m_full: torch.Tensor | None = None
@@ -173,6 +201,10 @@ class InfluenceTracker:
         """The state for resuming: the step and the first moments, ``m.full`` and ``m.{layer}:{pos}:{component}``
         (component direct or pre_cached), each [n_params]; none before the first Adam step."""
         state = {"step": torch.tensor(self.step)}
+        if self._start is not None:
+            state.update({"readout.start": self._start, "readout.floor": self._floor,
+                          "readout.refined": torch.tensor(self.refined),
+                          "readout.evaluations": torch.tensor(self.evaluations)})
         if self._m_full is not None:
             state["m.full"] = self._m_full
             for s, m in zip(self.sites, self._m_sites):
@@ -183,6 +215,8 @@ class InfluenceTracker:
         """Restore what :meth:`state_dict` returned."""
         self.step = int(state["step"])
         self._m_sites = self._m_full = None
+        self._start, self._floor = state.get("readout.start"), state.get("readout.floor")
+        self.refined, self.evaluations = (int(state.get(f"readout.{k}", 0)) for k in ("refined", "evaluations"))
         if "m.full" in state:
             self._ensure_moments(state["m.full"])
             self._m_full.copy_(state["m.full"])
@@ -211,6 +245,23 @@ class InfluenceTracker:
         self._dataset, self._chunk = tokens, chunk
         self._proj = tokens.new_zeros((len(tokens), len(self.probes)), dtype=_projection_dtype(tokens.device))
         self._proj_done = torch.zeros(-(-len(tokens) // chunk), dtype=torch.bool)
+
+    def use_readout(self, tokens: torch.Tensor, types: dict[str, torch.Tensor] | None = None,
+                    levels: Sequence[int] = (2, 4, 8), rtol: float = 1e-3, floor: float = 1e-6) -> None:
+        """Read R and R_c on the fixed readout set ``tokens`` [N, pos] (N ≥ 2; ``types``: their type labels)
+        instead of each step's batch, and integrate each step exactly (the exact account, docs/balance.md).
+
+        A step's change of R_H, R_H(θ_t) − R_H(θ_t − Δ) with Δ the real step as subtracted, is measured by plain
+        forwards (the end is the next step's start: one forward per step); each component's share is the path
+        integral ∫₀¹ ∇R_H(θ_t − sΔ)·Δ_c ds by the ``levels[0]``-point Gauss–Legendre rule, and the components add up
+        to the full. Its ``residual`` (full − change) is recorded; a step whose residual exceeds ``rtol`` · |change|
+        + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points (up to the last)."""
+        if len(tokens) < 2:
+            raise ValueError("the readout set needs at least 2 sequences (R_c is a variance)")
+        n_pos = max(s.pos for s in self.sites) + 1
+        self.readout = Readout(tokens[:, :n_pos], self.final_projections(tokens), types, tuple(levels), rtol, floor)
+        self._start = self._floor = None
+        self.refined = self.evaluations = 0
 
     def _cached_projections(self, example_ids: torch.Tensor) -> torch.Tensor:
         """⟨w, r*⟩ [batch, n_probes] of the dataset's examples ``example_ids`` [batch], chunks filled on demand."""
@@ -271,14 +322,18 @@ class InfluenceTracker:
         kind, group = _check_optimizer(opt)
         params = list(model.parameters())
         passes = SitePasses(model, tokens, self.sites, loss_mask)  # backward, own cotangents, cached forward
-        final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
-                      else self._cached_projections(example_ids))
         self._last_grads = (model, passes.param_grads)
         adam = None
         if kind == "adam":
             self._ensure_moments(passes.full)
             adam = AdamStep(*adam_second_moment(opt, params), group["betas"], group["eps"], self._m_full,
                             self._m_sites)
+        if self.readout is not None:
+            rows = self._exact_step(model, passes, group["lr"], adam)
+            self.step += 1
+            return rows
+        final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
+                      else self._cached_projections(example_ids))
         midpoint = ((lambda step: self._midpoint_primals(model, step, passes.primals.tokens)) if self.midpoint
                     else None)
         values, layout = self.influences(passes, final_proj, self.directions, feature_types, group["lr"], adam,
@@ -389,6 +444,60 @@ class InfluenceTracker:
                     acc[site] = v if site not in acc else acc[site] + v
             pending += [(by_site[0][site][0], with_pre, acc[site]) for site in sites if site in acc]
         return pending
+
+    def _exact_step(self, model: GPT, passes: SitePasses, lr: float, adam: AdamStep | None) -> list[dict]:
+        """This step's rows in readout mode (``use_readout``): the risks R_H(θ_t), each component's path integral,
+        and per risk the exact change (``change``, optimizer none) and the rule's ``residual`` (full − change)."""
+        ro, w = self.readout, self.directions
+        if self._start is None:  # θ_0: its plain forward (later starts are the previous step's end)
+            self._start = self._readout_risks(Primals(model, ro.tokens))[1]
+            self._floor = ro.floor * self._start.abs()
+        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam)
+        step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
+        layout_risks, end = self._readout_risks(Primals(self._point(model, step, 1.0, 0), ro.tokens))
+        change = self._start - end  # [n_risks], float64
+        index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(layout_risks)}
+        for level, n in enumerate(ro.levels):
+            nodes = []
+            for j, (s, weight) in enumerate(gauss_legendre(n)):
+                pr = Primals(self._point(model, step, s, j), ro.tokens)
+                nodes.append((weight, pr, self.risk_coefficients(pr.resid, ro.final_proj, ro.types, w)))
+            pending = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update=level == 0)
+            self.evaluations += n
+            full = change.new_zeros(len(change))  # the integral along the real step, per risk
+            for mine, _, v in pending:
+                at = torch.tensor([index[(id(r[0]), r[1], r[2])] for r in mine], device=full.device)
+                full[at] = v[:, -1].to(full) * (1.0 if adam is not None else lr)
+            residual = full - change
+            if level + 1 == len(ro.levels) or bool((residual.abs() <= ro.rtol * change.abs() + self._floor).all()):
+                break
+        self.refined += level > 0
+        risks = [(p, t, m, r) for (p, t, m, *_), r in zip(layout_risks, self._start)]
+        values, layout = self._values(risks, pending, sgd, adam, passes.full)
+        extra = torch.stack([change, residual]).tolist()  # with values: one host sync
+        rows = self.rows(values.tolist(), layout, lr)
+        kind = "adam" if adam is not None else "sgd"
+        for (p, t, m, *_), c, r in zip(layout_risks, *extra):
+            rows += [self._row(p, t, m, "change", "none", c), self._row(p, t, m, "residual", kind, r)]
+        self._start = end
+        return rows
+
+    def _readout_risks(self, primals: Primals) -> tuple[list, torch.Tensor]:
+        """The risks on the readout set at ``primals``' weights: their layout (``risk_coefficients``) and R_H
+        [n_risks] float64."""
+        ro = self.readout
+        risks = self.risk_coefficients(primals.resid, ro.final_proj, ro.types, self.directions)
+        return risks, torch.stack([r[3].to(torch.float64) for r in risks])
+
+    def _point(self, model: GPT, step: torch.Tensor, s: float, j: int) -> GPT:
+        """Scratch weights number ``j`` set to θ − s·step (``step`` flat [n_params], the update as subtracted)."""
+        while len(self._points) <= j:
+            self._points.append(copy.deepcopy(model))
+        with torch.no_grad():
+            for m, p, d in zip(self._points[j].parameters(), model.parameters(),
+                               step.split([p.numel() for p in model.parameters()])):
+                torch.sub(p, d.view_as(p), alpha=s, out=m)
+        return self._points[j]
 
     def rows(self, values: list[float], layout: tuple, lr: float) -> list[dict]:
         """This step's rows from :meth:`influences`' values (as Python floats) and layout."""
