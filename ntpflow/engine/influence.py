@@ -140,7 +140,9 @@ class InfluenceTracker:
     ``{step, layer, pos, feature, feature_type, mismatch, component, optimizer, value}``; ``feature_type`` is -1
     for the whole batch, else the type whose rows the risk was restricted to (empty subsets are skipped);
     ``mismatch`` is ``"paper"`` (R) or ``"centred"`` (R_c, the batch variance of the projection difference);
-    ``component="risk"`` rows hold R or R_c itself (``optimizer="none"``).
+    ``component="risk"`` rows hold R or R_c itself (``optimizer="none"``). After ``use_readout`` (the exact account)
+    every risk is read on a fixed readout set, each influence is a path integral along the step, and each risk has
+    ``change`` (optimizer none) and ``residual`` rows.
     """
 
     def __init__(self, final_model: GPT, probes: Sequence[Probe], sgd_rows: bool = True,
