@@ -191,6 +191,22 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
         assert abs(e["residual"]) <= 0.01 * e["R0_eval"]
     last = caplog.records[-1].getMessage()
     assert last.startswith("exact account: paper: largest |residual| / R_H(θ_0)") and last.count("PASS") == 2
+    # resumed from the state after step 10 (the last one lost): the same summary, counters included
+    (out / "influence.parquet").unlink()
+    (out / "summary.json").unlink()
+    for f in (out / "state").glob("step_000012.*"):
+        f.unlink()
+    with caplog.at_level("INFO"):
+        attribute(run, [Site(1, 3), Site(1, 7)], ["is_majority_<0>"], device="cpu", progress=False, readout=64,
+                  block=5)
+    assert any("from step 10" in m for m in caplog.messages)
+    again = json.loads((out / "summary.json").read_text())
+    assert again["refined_steps"] == summary["refined_steps"]
+    assert again["point_evaluations"] == summary["point_evaluations"]
+    for e, f in zip(summary["probes"], again["probes"]):
+        assert e.keys() == f.keys()
+        for k in ("adam_full", "adam_direct", "change", "residual"):
+            assert f[k] == pytest.approx(e[k], rel=1e-12, abs=1e-15), k
     # the same folder without --readout: a one-line refusal naming it
     with pytest.raises(ValueError, match="exact account on a readout of 64"):
         attribute(run, [Site(1, 3), Site(1, 7)], ["is_majority_<0>"], device="cpu", progress=False)
