@@ -116,7 +116,9 @@ def cmd_attribute(args) -> int:
     if len(dirs) == 1 and not args.group:
         outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
                           progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                          midpoint=args.midpoint)]
+                          midpoint=args.midpoint, readout=args.readout)]
+    elif args.readout is not None:
+        raise ValueError("--readout replays a single run (not --group or several run dirs)")
     elif args.out:
         raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
     else:
@@ -312,6 +314,10 @@ def _add_attribute(sub) -> None:
     a.add_argument("--midpoint", action="store_true",
                    help="read each step's gradient of R at the midpoint of the step taken: the components then "
                         "add up to the change of R to second order (docs/balance.md)")
+    a.add_argument("--readout", type=int, metavar="N",
+                   help="the exact account: read R and R_c on the first N evaluation sequences, measure each step's "
+                        "change of them and split it by a path integral along the step; summary.json gives each "
+                        "row's residual, the last line PASS/FAIL against 1%% (docs/balance.md)")
     a.add_argument("--force-unlock", action="store_true",
                    help="take over the output folder's lock left by a process on another host that is gone")
     a.add_argument("--device", help="auto (default), cpu, cuda, ...")

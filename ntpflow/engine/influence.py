@@ -23,6 +23,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ntpflow.engine.decomposition import SitePasses, flat_grads
@@ -62,6 +63,28 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
     if type(opt) is torch.optim.SGD and g.get("momentum", 0) == 0 and not g.get("nesterov", False):
         return "sgd", g
     raise ValueError(f"influence tracking supports Adam and plain SGD, not {type(opt).__name__} with these options")
+
+
+def gauss_legendre(n: int) -> list[tuple[float, float]]:
+    """The n-point Gauss–Legendre rule on [0, 1]: [(node s_j, weight ω_j)], Σ ω_j = 1; exact for polynomials of
+    degree < 2n."""
+    x, w = np.polynomial.legendre.leggauss(n)
+    return [(float((xj + 1) / 2), float(wj / 2)) for xj, wj in zip(x, w)]
+
+
+@dataclass(frozen=True)
+class Readout:
+    """A fixed readout set H: ``tokens`` [N, n_pos] (the sites' prefix), θ*'s projections on them ``final_proj``
+    [N, n_probes], their type labels ``types`` ({probe name: int [N, pos]} or None), the Gauss–Legendre point
+    counts tried in turn ``levels``, and the refinement tolerance: a step is re-integrated while some risk's
+    |residual| > ``rtol`` · |change| + ``floor`` · R_H(θ_0)."""
+
+    tokens: torch.Tensor
+    final_proj: torch.Tensor
+    types: dict[str, torch.Tensor] | None
+    levels: tuple[int, ...]
+    rtol: float
+    floor: float
 
 
 def _projection_dtype(device: torch.device) -> torch.dtype:
@@ -117,7 +140,9 @@ class InfluenceTracker:
     ``{step, layer, pos, feature, feature_type, mismatch, component, optimizer, value}``; ``feature_type`` is -1
     for the whole batch, else the type whose rows the risk was restricted to (empty subsets are skipped);
     ``mismatch`` is ``"paper"`` (R) or ``"centred"`` (R_c, the batch variance of the projection difference);
-    ``component="risk"`` rows hold R or R_c itself (``optimizer="none"``).
+    ``component="risk"`` rows hold R or R_c itself (``optimizer="none"``). After ``use_readout`` (the exact account)
+    every risk is read on a fixed readout set, each influence is a path integral along the step, and each risk has
+    ``change`` (optimizer none) and ``residual`` rows.
     """
 
     def __init__(self, final_model: GPT, probes: Sequence[Probe], sgd_rows: bool = True,
@@ -144,6 +169,11 @@ class InfluenceTracker:
                            else torch.empty(0, d))  # [n_probes, d_model], probe order
         self.sgd_rows, self.midpoint = sgd_rows, midpoint
         self._middle: GPT | None = None  # scratch weights θ_t − Δ/2 (midpoint mode)
+        self.readout: Readout | None = None  # see use_readout
+        self._points: list[GPT] = []  # scratch weights θ_t − s_j Δ (readout mode), one per node
+        self._start: torch.Tensor | None = None  # R_H at the step's start [n_risks] (readout mode)
+        self._floor: torch.Tensor | None = None  # floor · R_H(θ_0) [n_risks]
+        self.refined = self.evaluations = 0  # steps re-integrated, and points evaluated (readout mode)
         # Adam first moments, stacked: per site [n_sites, 2 (direct, pre-cached), n_params], and the full one
         self._m_sites: torch.Tensor | None = None
         self._m_full: torch.Tensor | None = None
@@ -173,6 +203,10 @@ class InfluenceTracker:
         """The state for resuming: the step and the first moments, ``m.full`` and ``m.{layer}:{pos}:{component}``
         (component direct or pre_cached), each [n_params]; none before the first Adam step."""
         state = {"step": torch.tensor(self.step)}
+        if self._start is not None:
+            state.update({"readout.start": self._start, "readout.floor": self._floor,
+                          "readout.refined": torch.tensor(self.refined),
+                          "readout.evaluations": torch.tensor(self.evaluations)})
         if self._m_full is not None:
             state["m.full"] = self._m_full
             for s, m in zip(self.sites, self._m_sites):
@@ -183,6 +217,8 @@ class InfluenceTracker:
         """Restore what :meth:`state_dict` returned."""
         self.step = int(state["step"])
         self._m_sites = self._m_full = None
+        self._start, self._floor = state.get("readout.start"), state.get("readout.floor")
+        self.refined, self.evaluations = (int(state.get(f"readout.{k}", 0)) for k in ("refined", "evaluations"))
         if "m.full" in state:
             self._ensure_moments(state["m.full"])
             self._m_full.copy_(state["m.full"])
@@ -211,6 +247,23 @@ class InfluenceTracker:
         self._dataset, self._chunk = tokens, chunk
         self._proj = tokens.new_zeros((len(tokens), len(self.probes)), dtype=_projection_dtype(tokens.device))
         self._proj_done = torch.zeros(-(-len(tokens) // chunk), dtype=torch.bool)
+
+    def use_readout(self, tokens: torch.Tensor, types: dict[str, torch.Tensor] | None = None,
+                    levels: Sequence[int] = (2, 4, 8), rtol: float = 1e-3, floor: float = 1e-6) -> None:
+        """Read R and R_c on the fixed readout set ``tokens`` [N, pos] (N ≥ 2; ``types``: their type labels)
+        instead of each step's batch, and integrate each step exactly (the exact account, docs/balance.md).
+
+        A step's change of R_H, R_H(θ_t) − R_H(θ_t − Δ) with Δ the real step as subtracted, is measured by plain
+        forwards (the end is the next step's start: one forward per step); each component's share is the path
+        integral ∫₀¹ ∇R_H(θ_t − sΔ)·Δ_c ds by the ``levels[0]``-point Gauss–Legendre rule, and the components add up
+        to the full. Its ``residual`` (full − change) is recorded; a step whose residual exceeds ``rtol`` · |change|
+        + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points (up to the last)."""
+        if len(tokens) < 2:
+            raise ValueError("the readout set needs at least 2 sequences (R_c is a variance)")
+        n_pos = max(s.pos for s in self.sites) + 1
+        self.readout = Readout(tokens[:, :n_pos], self.final_projections(tokens), types, tuple(levels), rtol, floor)
+        self._start = self._floor = None
+        self.refined = self.evaluations = 0
 
     def _cached_projections(self, example_ids: torch.Tensor) -> torch.Tensor:
         """⟨w, r*⟩ [batch, n_probes] of the dataset's examples ``example_ids`` [batch], chunks filled on demand."""
@@ -271,14 +324,18 @@ class InfluenceTracker:
         kind, group = _check_optimizer(opt)
         params = list(model.parameters())
         passes = SitePasses(model, tokens, self.sites, loss_mask)  # backward, own cotangents, cached forward
-        final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
-                      else self._cached_projections(example_ids))
         self._last_grads = (model, passes.param_grads)
         adam = None
         if kind == "adam":
             self._ensure_moments(passes.full)
             adam = AdamStep(*adam_second_moment(opt, params), group["betas"], group["eps"], self._m_full,
                             self._m_sites)
+        if self.readout is not None:
+            rows = self._exact_step(model, passes, group["lr"], adam)
+            self.step += 1
+            return rows
+        final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
+                      else self._cached_projections(example_ids))
         midpoint = ((lambda step: self._midpoint_primals(model, step, passes.primals.tokens)) if self.midpoint
                     else None)
         values, layout = self.influences(passes, final_proj, self.directions, feature_types, group["lr"], adam,
@@ -304,29 +361,53 @@ class InfluenceTracker:
         parts from ``SitePasses.run_many``, the hand-written reverse mode). Both run per bucket of sites of one layer
         (``buckets``). Shared parts follow as full − direct − pre. No per-risk gradient vector is formed.
         """
-        primals = passes.primals  # the ordinary forward over positions < n_pos, also for a myopic model
-        tokens = primals.tokens
-        risks = self.risk_coefficients(primals.resid, final_proj, feature_types, w)
-        g_full = passes.full
+        risks = self.risk_coefficients(passes.primals.resid, final_proj, feature_types, w)
+        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam)
+        if midpoint is not None:  # ∇R read at θ_t − Δ/2: its own forward, risk coefficients and tangents
+            primals = midpoint(shared_dirs[-1] if adam is not None else lr * passes.full)
+            node = (None, primals, self.risk_coefficients(primals.resid, final_proj, feature_types, w))
+        else:
+            node = (None, passes.primals, risks)  # the ordinary forward over positions < n_pos, also when myopic
+        pending = self._integrate(passes, [node], w, shared_dirs, scale, sgd, adam, update=True)
+        return self._values(risks, pending, sgd, adam, passes.full)
+
+    def _shared_directions(self, g_full: torch.Tensor, lr: float, adam: AdamStep | None):
+        """The directions every site shares, [m0, n_params]: the full gradient (SGD rows) and the real Adam step
+        (updating the full first moment in place), with Adam's per-parameter scale [n_params] (None for SGD) and
+        whether SGD rows are computed. The last direction is the step actually taken (for SGD, divided by lr)."""
         sgd = adam is None or self.sgd_rows
         shared_dirs, scale = [g_full] if sgd else [], None
         if adam is not None:
             scale = adam.scale(lr, g_full)
             adam.m_full.mul_(adam.beta1).add_((1 - adam.beta1) * g_full)
             shared_dirs.append(scale * adam.m_full)  # the real Adam step
-        if midpoint is not None:  # ∇R read at θ_t − Δ/2: its own forward, risk coefficients and tangents
-            primals = midpoint(shared_dirs[-1] if adam is not None else lr * g_full)
-            coef_risks = self.risk_coefficients(primals.resid, final_proj, feature_types, w)
-        else:
-            coef_risks = risks
-        n_layers, n_pos = max(s.layer for s in self.sites), max(s.pos for s in self.sites) + 1
+        return torch.stack(shared_dirs), scale, sgd
+
+    def _values(self, risks: list, pending: list, sgd: bool, adam: AdamStep | None, like: torch.Tensor):
+        """(values [n_values] float64, layout) of a step's risks and its sites' influences (see ``influences``)."""
+        values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
+                           + [v.flatten().to(torch.float64) for *_, v in pending]) if risks else like.new_zeros(0)
+        sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
+        layout = ([r[:3] for r in risks], sites, sgd, adam is not None)  # (probe, type, mismatch) of each value
+        return values, layout
+
+    def _integrate(self, passes: SitePasses, nodes: list, w: torch.Tensor, shared_dirs: torch.Tensor, scale,
+                   sgd: bool, adam: AdamStep | None, update: bool) -> list:
+        """Per site: (its risks, with_pre, Σ_j ω_j ∇R(θ_j)·δ [risks, m]) over the directions δ of every component.
+
+        nodes: [(weight ω_j or None for 1, Primals at θ_j, risk_coefficients there)], each point's forward (on the
+        same tokens for every node); shared_dirs [m0, n_params] and scale from ``_shared_directions``; ``update``:
+        advance the sites' Adam first moments (once per step; a re-integration of the same step reads them).
+        """
+        primals, n_pos = nodes[0][1], max(s.pos for s in self.sites) + 1
+        tokens, n_layers = primals.tokens, max(s.layer for s in self.sites)
         # the shared directions once for all sites (full blocks over n_pos positions), unless the sites' own prefixes
         # are less work (e.g. a single site): then they ride along in each site's tangents
         once = sum(s.layer * (s.pos + 1) for s in self.sites) > n_layers * n_pos
-        shared_dirs = torch.stack(shared_dirs)
-        tau_shared = all_tangents(primals, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
+        tau_shared = [all_tangents(pr, n_layers, n_pos, shared_dirs) if once else None  # [m0, batch, n_pos, d]
+                      for _, pr, _ in nodes]
+        by_site = [self._risks_by_site(coef, w, tokens.device) for *_, coef in nodes]
         pending = []  # per site: (its risks, with_pre, influences [risks, directions])
-        by_site = self._risks_by_site(coef_risks, w, tokens.device)
         for bucket in self.buckets(len(tokens), tokens.device):  # sites of one layer together; bounds memory
             sites = self.sites[bucket]
             k, n = sites[0].layer, len(sites)
@@ -342,27 +423,83 @@ class InfluenceTracker:
                 at = n_own
             if adam is not None:
                 moments = adam.m_sites[bucket, :n_own]  # a view [n, n_own, n_params]
-                moments.mul_(adam.beta1).add_((1 - adam.beta1) * parts[:, :n_own])  # as β1·m + (1−β1)·g rounds
+                if update:
+                    moments.mul_(adam.beta1).add_((1 - adam.beta1) * parts[:, :n_own])  # as β1·m + (1−β1)·g rounds
                 dirs[:, at:at + n_own] = scale * moments
                 at += n_own
             if not once:
                 dirs[:, at:] = shared_dirs
-            tau = site_tangents(primals, k, pos.repeat_interleave(m_dirs), dirs.flatten(0, 1))
-            tau = tau.view(n, m_dirs, *tau.shape[1:])  # [n, m, batch, d]
-            if once:
-                tau = torch.cat([tau, tau_shared[k][:, :, pos.to(tau.device)].movedim(2, 0)], 1)
-            for site, tau_site in zip(sites, tau):
-                if site not in by_site:
-                    continue
-                mine, w_site, sel = by_site[site]
-                proj = tau_site @ w_site.to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
-                coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
-                pending.append((mine, with_pre, (proj.index_select(2, sel) * coef).sum(1).T))  # [risks, m]: ∇R·δ
-        values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
-                           + [v.flatten().to(torch.float64) for *_, v in pending]) if risks else g_full.new_zeros(0)
-        sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
-        layout = ([r[:3] for r in risks], sites, sgd, adam is not None)  # (probe, type, mismatch) of each value
-        return values, layout
+            acc: dict[Site, torch.Tensor] = {}
+            for (weight, pr, _), node_sites, node_shared in zip(nodes, by_site, tau_shared):
+                tau = site_tangents(pr, k, pos.repeat_interleave(m_dirs), dirs.flatten(0, 1))
+                tau = tau.view(n, m_dirs, *tau.shape[1:])  # [n, m, batch, d]
+                if once:
+                    tau = torch.cat([tau, node_shared[k][:, :, pos.to(tau.device)].movedim(2, 0)], 1)
+                for site, tau_site in zip(sites, tau):
+                    if site not in node_sites:
+                        continue
+                    mine, w_site, sel = node_sites[site]
+                    proj = tau_site @ w_site.to(tau_site)  # [m, batch, probes]: ⟨w, Jδ⟩
+                    coef = torch.stack([a for *_, a in mine], 1)  # [batch, risks]
+                    v = (proj.index_select(2, sel) * coef).sum(1).T  # [risks, m]: ∇R·δ
+                    v = v if weight is None else weight * v
+                    acc[site] = v if site not in acc else acc[site] + v
+            pending += [(by_site[0][site][0], with_pre, acc[site]) for site in sites if site in acc]
+        return pending
+
+    def _exact_step(self, model: GPT, passes: SitePasses, lr: float, adam: AdamStep | None) -> list[dict]:
+        """This step's rows in readout mode (``use_readout``): the risks R_H(θ_t), each component's path integral,
+        and per risk the exact change (``change``, optimizer none) and the rule's ``residual`` (full − change)."""
+        ro, w = self.readout, self.directions
+        if self._start is None:  # θ_0: its plain forward (later starts are the previous step's end)
+            self._start = self._readout_risks(Primals(model, ro.tokens))[1]
+            self._floor = ro.floor * self._start.abs()
+        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam)
+        step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
+        layout_risks, end = self._readout_risks(Primals(self._point(model, step, 1.0, 0), ro.tokens))
+        change = self._start - end  # [n_risks], float64
+        index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(layout_risks)}
+        for level, n in enumerate(ro.levels):
+            nodes = []
+            for j, (s, weight) in enumerate(gauss_legendre(n)):
+                pr = Primals(self._point(model, step, s, j), ro.tokens)
+                nodes.append((weight, pr, self.risk_coefficients(pr.resid, ro.final_proj, ro.types, w)))
+            pending = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update=level == 0)
+            self.evaluations += n
+            full = change.new_zeros(len(change))  # the integral along the real step, per risk
+            for mine, _, v in pending:
+                at = torch.tensor([index[(id(r[0]), r[1], r[2])] for r in mine], device=full.device)
+                full[at] = v[:, -1].to(full) * (1.0 if adam is not None else lr)
+            residual = full - change
+            if level + 1 == len(ro.levels) or bool((residual.abs() <= ro.rtol * change.abs() + self._floor).all()):
+                break
+        self.refined += level > 0
+        risks = [(p, t, m, r) for (p, t, m, *_), r in zip(layout_risks, self._start)]
+        values, layout = self._values(risks, pending, sgd, adam, passes.full)
+        extra = torch.stack([change, residual]).tolist()  # with values: one host sync
+        rows = self.rows(values.tolist(), layout, lr)
+        kind = "adam" if adam is not None else "sgd"
+        for (p, t, m, *_), c, r in zip(layout_risks, *extra):
+            rows += [self._row(p, t, m, "change", "none", c), self._row(p, t, m, "residual", kind, r)]
+        self._start = end
+        return rows
+
+    def _readout_risks(self, primals: Primals) -> tuple[list, torch.Tensor]:
+        """The risks on the readout set at ``primals``' weights: their layout (``risk_coefficients``) and R_H
+        [n_risks] float64."""
+        ro = self.readout
+        risks = self.risk_coefficients(primals.resid, ro.final_proj, ro.types, self.directions)
+        return risks, torch.stack([r[3].to(torch.float64) for r in risks])
+
+    def _point(self, model: GPT, step: torch.Tensor, s: float, j: int) -> GPT:
+        """Scratch weights number ``j`` set to θ − s·step (``step`` flat [n_params], the update as subtracted)."""
+        while len(self._points) <= j:
+            self._points.append(copy.deepcopy(model))
+        with torch.no_grad():
+            for m, p, d in zip(self._points[j].parameters(), model.parameters(),
+                               step.split([p.numel() for p in model.parameters()])):
+                torch.sub(p, d.view_as(p), alpha=s, out=m)
+        return self._points[j]
 
     def rows(self, values: list[float], layout: tuple, lr: float) -> list[dict]:
         """This step's rows from :meth:`influences`' values (as Python floats) and layout."""

@@ -70,7 +70,7 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
 def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str] | None = None, *,
               out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
               progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-              midpoint: bool = False) -> Path:
+              midpoint: bool = False, readout: int | None = None) -> Path:
     """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
@@ -78,16 +78,30 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     between saved states. ``force_unlock`` takes over a lock left by a process on another host. ``sgd_rows=False``
     writes the Adam rows only (about 30 % less tracking work at the toy load; what the experiments read).
     ``midpoint=True`` reads each step's ∇R at the midpoint of the step taken (``InfluenceTracker``; docs/balance.md).
+    ``readout=N`` gives the exact account instead: R and R_c read on the first N evaluation sequences, each step's
+    exact change of them measured, and each component's share of it a path integral along the step (adaptive
+    Gauss–Legendre, ``InfluenceTracker.use_readout``); summary.json then gives every row's residual.
     """
     run = Run.open(run_dir)
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
+    check_readout(readout, cfg.n_eval, midpoint)
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, sites)
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
-        return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, midpoint)
+        return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, midpoint, readout)
+
+
+def check_readout(readout: int | None, n_eval: int, midpoint: bool) -> None:
+    """Raise ValueError (one line) unless ``readout`` is None or 2..n_eval, and not combined with ``midpoint``."""
+    if readout is None:
+        return
+    if midpoint:
+        raise ValueError("--readout integrates each step exactly; it does not combine with --midpoint")
+    if not 2 <= readout <= n_eval:
+        raise ValueError(f"--readout takes 2..{n_eval} (the run's evaluation sequences), got {readout}")
 
 
 def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], features: Sequence[str] | None = None, *,
@@ -186,8 +200,8 @@ def run_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
 
 
 def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress, sgd_rows,
-            midpoint) -> Path:
-    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint)
+            midpoint, readout=None) -> Path:
+    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint, readout=readout)
     if m.done:
         return out
     advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
@@ -212,14 +226,15 @@ class _Tracked:
     it; ``finish()`` at the end. ``done``: the folder already holds a finished attribution (nothing else is set)."""
 
     def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool,
-                 midpoint: bool, run_axis: bool = False):
+                 midpoint: bool, run_axis: bool = False, readout: int | None = None):
         cfg = run.cfg
         self.run, self.out, self.dev = run, out, dev
         self.probes = make_probes(run, sites, features, device)
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
-                "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint, "run_axis": run_axis}
+                "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint, "run_axis": run_axis,
+                "readout": readout}
         folder = AttributionDir(out)
-        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, **read_json(folder.spec)} if (
+        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, "readout": None, **read_json(folder.spec)} if (
             folder.spec.exists()) else spec  # keys missing in specs written before they existed
         self.done = folder.done
         if self.done and {**old, "run_axis": run_axis} == spec:
@@ -227,6 +242,9 @@ class _Tracked:
         if old != spec:
             if {**old, "midpoint": midpoint} == spec:
                 what = f"read at each step's {'midpoint' if old['midpoint'] else 'start'}"
+            elif {**old, "readout": readout} == spec:
+                what = (f"with the exact account on a readout of {old['readout']}" if old["readout"]
+                        else "read on each step's batch (without --readout)")
             elif {**old, "run_axis": run_axis} == spec:
                 what = ("tracked over its group's run axis (resume it with attribute --group)" if old["run_axis"]
                         else "tracked one member at a time (resume it with attribute RUN_DIR, without --group)")
@@ -250,6 +268,13 @@ class _Tracked:
                                         [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes], sgd_rows=sgd_rows,
                                         midpoint=midpoint)
         self.tracker.use_dataset(self.data["tokens"])  # θ* projections once per example, not a θ* forward per step
+        self.readout = readout
+        if readout is not None:
+            held = torch.as_tensor(self.eval_set.tokens[:readout], device=dev)
+            types = None if self.types is None else {
+                n: torch.as_tensor(self.eval_set.feature_types[:readout, :, task.feature_names.index(n)],
+                                   device=dev).long() for n in spec["features"]}
+            self.tracker.use_readout(held, types)
         self.block = block or cfg.ckpt_every
         self.order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
         self.rewind(cfg.steps)
@@ -298,7 +323,7 @@ class _Tracked:
     def finish(self) -> None:
         """Check the final weights against the run's (bit for bit) and write influence.parquet and summary.json."""
         check_replay(self.run, self.model)
-        _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev)
+        _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev, self.readout)
 
 
 def resume_points(out: Path) -> Checkpoints:
@@ -356,7 +381,7 @@ def check_replay(run: Run, model):
                            "its influences would not describe that run")
 
 
-def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, dev):
+def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, dev, readout: int | None = None):
     folder = AttributionDir(out)
     parts = folder.part_files()
     table = pa.concat_tables([pq.read_table(p) for p in parts])
@@ -365,8 +390,8 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
         table = table.append_column(name, pa.array([value] * table.num_rows, kind))
     tmp = folder.influence.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp)
-    # mismatch actually removed, on a fixed held-out batch: R(θ_0) − R(θ_T)
-    tokens = torch.as_tensor(eval_set.tokens[:1024], device=dev)
+    # mismatch actually removed, on a fixed held-out batch (the readout set, if any): R(θ_0) − R(θ_T)
+    tokens = torch.as_tensor(eval_set.tokens[:readout or 1024], device=dev)
     init, final = run.load_model("init", dev), run.load_model("final", dev)
     with torch.no_grad():
         r_star = tracker.final_model(tokens, return_resid=True, myopic="none")[1]
@@ -384,13 +409,37 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
                      "R0_minus_RT_eval": R0 - RT, "offset_share_R0": (d0.mean().pow(2) / d0.pow(2).mean()).item()}
             for r in last:
                 if ((r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"]) == (k, i, p.name, -1, mismatch)
-                        and r["component"] != "risk"):
+                        and r["component"] not in ("risk", "change", "residual")):
                     entry[f"{r['optimizer']}_{r['component']}"] = r["cumulative"]
+                elif (r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"]) == (k, i, p.name, -1,
+                                                                                             mismatch):
+                    entry[r["component"]] = r["cumulative"]  # readout: Σ exact changes, Σ residuals
             summary.append(entry)
-    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps,
+    extra = {} if readout is None else {
+        "readout": readout, "refined_steps": tracker.refined, "point_evaluations": tracker.evaluations,
+        "rule": f"Gauss-Legendre {'/'.join(map(str, tracker.readout.levels))} points, a step re-integrated while "
+                f"|residual| > {tracker.readout.rtol:g} |change| + {tracker.readout.floor:g} R_H(θ_0)",
+        "exact": "R0_eval = R_H(θ_0) and R0_minus_RT_eval on the readout set; change = Σ_t R_H(θ_t) − R_H(θ_t+1); "
+                 "residual = Σ_t (full influence − change)"}
+    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra,
                                       "sign": "positive = the component moved the feature toward its final value"})
     tmp.replace(folder.influence)
     log.info(_summary_line(probes, summary, run.cfg.steps))
+    if readout is not None:
+        log.info(residual_line(summary, run.cfg.steps, tracker.refined))
+
+
+def residual_line(summary: list[dict], steps: int, refined: int, limit: float = 0.01) -> str:
+    """One line per mismatch of an exact account: the largest |residual| / R_H(θ_0) over the rows and PASS/FAIL
+    against ``limit`` (the influence claims' precondition), and the share of refined steps."""
+    parts = []
+    for mismatch in MISMATCHES:
+        worst = max((abs(e["residual"]) / e["R0_eval"] if e["R0_eval"] else float("inf")
+                     for e in summary if e["mismatch"] == mismatch and "residual" in e), default=None)
+        if worst is not None:
+            parts.append(f"{mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} "
+                         f"{'PASS' if worst <= limit else 'FAIL'} (≤ {limit:g})")
+    return "exact account: " + "; ".join(parts) + f"; {refined}/{steps} steps refined"
 
 
 def _summary_line(probes, summary: list[dict], steps: int) -> str:

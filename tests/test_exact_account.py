@@ -1,0 +1,223 @@
+"""The exact account (``InfluenceTracker.use_readout``, ``attribute --readout``): R on a fixed readout set, each
+step's exact change, and the components' path integrals along the step against float64 autograd."""
+
+import copy
+import json
+import shutil
+
+import pytest
+import torch
+
+from ntpflow import GPT, GPTConfig, Site, TrainConfig
+from ntpflow.cli import main
+from ntpflow.engine.decomposition import decompose, flat_grads
+from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe, gauss_legendre, mismatch_value
+from ntpflow.replay.attribution import attribute
+from ntpflow.runs.run import Run
+
+T, V, D = 8, 7, 16
+EPS = torch.finfo(torch.float64).eps
+
+
+def tiny(seed=0, **kw) -> GPT:
+    return GPT(GPTConfig(vocab_size=V, n_ctx=T, n_layer=2, n_head=2, d_model=D, **kw), seed=seed).double()
+
+
+def tokens_of(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n, T), generator=g), torch.rand(n, T, generator=g) > 0.2
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def at(model, theta):
+    """A copy of ``model`` with its weights set to ``theta`` (flat)."""
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for q, b in zip(out.parameters(), theta.split([q.numel() for q in out.parameters()])):
+            q.copy_(b.view_as(q))
+    return out
+
+
+def risk(model, final, probe, held, mismatch):
+    """R_H of ``probe`` at ``model``'s weights (autograd graph kept)."""
+    k, i = probe.site.layer, probe.site.pos
+    r = model(held, return_resid=True, myopic="none")[1][k][:, i]
+    with torch.no_grad():
+        r_star = final(held, return_resid=True, myopic="none")[1][k][:, i]
+    return mismatch_value((r - r_star) @ probe.w, mismatch)
+
+
+def path_integral(model, final, probe, held, mismatch, theta, step, direction, n=64):
+    """The definition by autograd: ∫₀¹ ∇R_H(θ − sΔ)·δ ds with the n-point Gauss–Legendre rule."""
+    total = 0.0
+    for s, w in gauss_legendre(n):
+        m = at(model, theta - s * step)
+        params = list(m.parameters())
+        g = flat_grads(torch.autograd.grad(risk(m, final, probe, held, mismatch), params, allow_unused=True), params)
+        total += w * torch.dot(g, direction).item()
+    return total
+
+
+def setup(opt_name, kw=None, levels=(32,), rtol=1e-3, floor=1e-6):
+    kw = kw or {}
+    model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
+    g = torch.Generator().manual_seed(3)
+    probes = [Probe(Site(1, 3), "a", torch.randn(D, generator=g, dtype=torch.float64)),
+              Probe(Site(2, 5), "b", torch.randn(D, generator=g, dtype=torch.float64))]
+    tracker = InfluenceTracker(final, probes)
+    held = tokens_of(99, 10)[0]
+    tracker.use_readout(held, levels=levels, rtol=rtol, floor=floor)
+    lr = 1e-2 if opt_name == "adam" else 1e-1
+    opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam"
+           else torch.optim.SGD(model.parameters(), lr=lr))
+    return model, final, probes, tracker, held, opt, lr
+
+
+def value(rows, p, m, optimizer, component):
+    (v,) = [r["value"] for r in rows if r["feature"] == p.name and r["mismatch"] == m and r["optimizer"] == optimizer
+            and r["component"] == component and r["feature_type"] == -1]
+    return v
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+@pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}])
+def test_path_integrals_match_autograd_and_add_up_to_the_exact_change(opt_name, kw):
+    """Each component's integral (SGD rows: lr·∫∇R_H·g_c with the decomposition's g_c at θ_t; the full Adam or SGD
+    step: ∫∇R_H·Δ) against a 64-point autograd path integral of the definition; the components add up to the full;
+    with 32 points the residual against the exact change is at rounding level; risk rows are R_H(θ_t)."""
+    model, final, probes, tracker, held, opt, lr = setup(opt_name, kw)
+    for step in range(3):
+        tokens, mask = tokens_of(step, 6)
+        theta = flat(model)
+        parts = decompose(model, tokens, [probes[0].site], mask)[probes[0].site].as_dict()
+        rows = tracker.track(model, opt, tokens, mask)
+        tracker.optimizer_step(model, opt)
+        real = theta - flat(model)  # the subtracted step
+        for p in probes:
+            for m in MISMATCHES:
+                r0, r1 = (risk(at(model, x), final, p, held, m).item() for x in (theta, theta - real))
+                assert value(rows, p, m, "none", "risk") == pytest.approx(r0, rel=1e-12)
+                change = value(rows, p, m, "none", "change")
+                assert change == pytest.approx(r0 - r1, rel=1e-9, abs=1e-13)
+                full = value(rows, p, m, opt_name, "full")
+                ref = path_integral(model, final, p, held, m, theta, real, real)
+                assert full == pytest.approx(ref, rel=1e-8, abs=1e-13)
+                comps = [value(rows, p, m, opt_name, c) for c in ("direct", "pre_cached", "shared")]
+                assert sum(comps) == pytest.approx(full, rel=1e-10, abs=1e-14)
+                residual = value(rows, p, m, opt_name, "residual")
+                assert residual == pytest.approx(full - change, rel=1e-9, abs=1e-15)
+                scale = sum(risk(at(model, x), final, p, held, "paper").item() for x in (theta, theta - real))
+                assert abs(residual) <= 1e3 * EPS * scale  # 32 points: rounding of the R (mean d²) it differences
+                if p.name == "a":  # the decomposition's components are of site ⟨1, 3⟩
+                    for c in ("direct", "pre_cached", "shared"):
+                        ref_c = lr * path_integral(model, final, p, held, m, theta, real, parts[c], n=16)
+                        assert value(rows, p, m, "sgd", c) == pytest.approx(ref_c, rel=1e-8, abs=1e-13)
+
+
+def test_changes_telescope_and_refinement_counts():
+    """Σ_t change = R_H(θ_0) − R_H(θ_T) from the weights; with a zero tolerance every step goes through every level
+    (1 + 2 + 4 points), with a huge one none is refined; resuming from a state_dict gives the same rows."""
+    model, final, probes, tracker, held, opt, lr = setup("adam", levels=(1, 2, 4), rtol=0.0, floor=0.0)
+    start = [(p, m, risk(model, final, p, held, m).item()) for p in probes for m in MISMATCHES]
+    total = {(p.name, m): 0.0 for p in probes for m in MISMATCHES}
+    for step in range(4):
+        tokens, mask = tokens_of(step, 6)
+        if step == 2:  # resume a copy from here: same rows, same counters
+            twin = InfluenceTracker(final, probes)
+            twin.use_readout(held, levels=(1, 2, 4), rtol=0.0, floor=0.0)
+            twin.load_state_dict(copy.deepcopy(tracker.state_dict()))
+            twin_model = copy.deepcopy(model)
+            twin_opt = torch.optim.Adam(twin_model.parameters(), lr=lr)
+            twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            twin_rows = twin.track(twin_model, twin_opt, tokens, mask)
+        rows = tracker.track(model, opt, tokens, mask)
+        if step == 2:
+            assert [r["value"] for r in rows] == [r["value"] for r in twin_rows]
+            assert (twin.refined, twin.evaluations) == (tracker.refined, tracker.evaluations)
+        tracker.optimizer_step(model, opt)
+        for r in rows:
+            if r["component"] == "change" and r["feature_type"] == -1:
+                total[r["feature"], r["mismatch"]] += r["value"]
+    for p, m, r0 in start:
+        rT = risk(model, final, p, held, m).item()
+        assert total[p.name, m] == pytest.approx(r0 - rT, rel=1e-10, abs=1e-12)
+    assert (tracker.refined, tracker.evaluations) == (4, 4 * 7)
+    model, final, probes, lazy, held, opt, lr = setup("adam", levels=(1, 2, 4), rtol=1e9)
+    for step in range(2):
+        lazy.track(model, opt, *tokens_of(step, 6))
+        lazy.optimizer_step(model, opt)
+    assert (lazy.refined, lazy.evaluations) == (0, 2)
+
+
+def test_readout_set_needs_two_sequences():
+    model, final, probes, tracker, held, opt, lr = setup("adam")
+    with pytest.raises(ValueError, match="at least 2"):
+        tracker.use_readout(held[:1])
+
+
+# ---------------------------------------------------------------- a replay
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from ntpflow.runs.training import train
+
+    out = tmp_path_factory.mktemp("exact") / "run"
+    cfg = TrainConfig(task="majority", n_layer=1, d_model=32, n_head=2, steps=12, batch_size=32, n_train=256,
+                      n_eval=128, eval_every=6, ckpt_every=4, log_every=2, device="cpu")
+    train(cfg, out, progress=False)
+    return out
+
+
+def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog):
+    """summary.json: per row the components' totals, Σ exact changes (= R_H(θ_0) − R_H(θ_T) from the saved weights,
+    to float32 rounding) and the residual (= full − change); the last log line says PASS per mismatch."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    with caplog.at_level("INFO"):
+        out = attribute(run, [Site(1, 3), Site(1, 7)], ["is_majority_<0>"], device="cpu", progress=False,
+                        readout=64, block=5)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["readout"] == 64 and 0 <= summary["refined_steps"] <= 12
+    assert json.loads((out / "spec.json").read_text())["readout"] == 64
+    for e in summary["probes"]:
+        assert e["adam_direct"] + e["adam_pre_cached"] + e["adam_shared"] == pytest.approx(e["adam_full"], rel=1e-6,
+                                                                                          abs=1e-9)
+        assert e["residual"] == pytest.approx(e["adam_full"] - e["change"], rel=1e-6, abs=1e-9 * e["R0_eval"])
+        assert e["change"] == pytest.approx(e["R0_minus_RT_eval"], rel=1e-3, abs=1e-5 * e["R0_eval"])
+        assert abs(e["residual"]) <= 0.01 * e["R0_eval"]
+    last = caplog.records[-1].getMessage()
+    assert last.startswith("exact account: paper: largest |residual| / R_H(θ_0)") and last.count("PASS") == 2
+    # resumed from the state after step 10 (the last one lost): the same summary, counters included
+    (out / "influence.parquet").unlink()
+    (out / "summary.json").unlink()
+    for f in (out / "state").glob("step_000012.*"):
+        f.unlink()
+    with caplog.at_level("INFO"):
+        attribute(run, [Site(1, 3), Site(1, 7)], ["is_majority_<0>"], device="cpu", progress=False, readout=64,
+                  block=5)
+    assert any("from step 10" in m for m in caplog.messages)
+    again = json.loads((out / "summary.json").read_text())
+    assert again["refined_steps"] == summary["refined_steps"]
+    assert again["point_evaluations"] == summary["point_evaluations"]
+    for e, f in zip(summary["probes"], again["probes"]):
+        assert e.keys() == f.keys()
+        for k in ("adam_full", "adam_direct", "change", "residual"):
+            assert f[k] == pytest.approx(e[k], rel=1e-12, abs=1e-15), k
+    # the same folder without --readout: a one-line refusal naming it
+    with pytest.raises(ValueError, match="exact account on a readout of 64"):
+        attribute(run, [Site(1, 3), Site(1, 7)], ["is_majority_<0>"], device="cpu", progress=False)
+    assert Run.open(run).done
+
+
+@pytest.mark.parametrize("n,fragment", [("129", "2..128"), ("1", "2..128"), ("0", "2..128")])
+def test_attribute_bad_readout_is_a_one_line_error_and_writes_nothing(finished_run, tmp_path, capsys, n, fragment):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    assert main(["attribute", str(run), "--sites", "1:3", "--readout", n, "--device", "cpu"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ntpflow: error: ") and fragment in lines[0], lines
+    assert not (run / "attribution").exists()
