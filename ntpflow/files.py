@@ -122,6 +122,17 @@ def sidecar(path: str | Path) -> Path:
     return Path(path).with_suffix(".json")
 
 
+class InFolder:
+    """A file's name inside a folder object's ``dir``, declared once: ``config_path = InFolder("config.json")``
+    makes ``obj.config_path`` the path ``obj.dir / "config.json"``."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        return self if obj is None else Path(obj.dir) / self.name
+
+
 def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
     """Save tensors to ``path`` (safetensors) atomically (fsync, then rename), and ``meta`` plus the file's SHA-256
     (``"sha256"``) to its ``.json`` sidecar if given.

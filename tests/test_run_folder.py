@@ -21,7 +21,7 @@ PREFIXES = ("probes_", "step_", "part_", "attribution", "classifier_")
 
 
 def _spells_a_run_path(node: ast.AST) -> bool:
-    """``x / "DONE"``, ``x / f"probes_{w}"``, ``x.glob("attribution*")`` and the like."""
+    """``x / "DONE"``, ``x / f"probes_{w}"``, ``x.glob("attribution*")``, ``InFolder("DONE")`` and the like."""
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value in NAMES or node.value.startswith(PREFIXES)
     if isinstance(node, ast.JoinedStr):
@@ -36,8 +36,9 @@ def run_paths_spelled(path: Path) -> list[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and _spells_a_run_path(node.right):
             found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("glob", "rglob")
-              and node.args and _spells_a_run_path(node.args[0])):
+        elif (isinstance(node, ast.Call) and node.args and _spells_a_run_path(node.args[0])
+              and (isinstance(node.func, ast.Attribute) and node.func.attr in ("glob", "rglob")
+                   or isinstance(node.func, ast.Name) and node.func.id == "InFolder")):
             found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     return found
 
@@ -51,9 +52,9 @@ def test_the_path_check_finds_a_spelled_path(tmp_path):
     f = PACKAGE / "_probe_for_the_check.py"  # parsed only, never imported
     try:
         f.write_text('from pathlib import Path\nd = Path("r")\na = d / "DONE"\nb = d / f"probes_{3}"\n'
-                     'c = list(d.glob("attribution*"))\nok = d / "figures"\n')
-        assert run_paths_spelled(f) == ["ntpflow/_probe_for_the_check.py:3", "ntpflow/_probe_for_the_check.py:4",
-                                        "ntpflow/_probe_for_the_check.py:5"]
+                     'c = list(d.glob("attribution*"))\nok = d / "figures"\ne = InFolder("DONE")\n')
+        assert sorted(run_paths_spelled(f)) == ["ntpflow/_probe_for_the_check.py:3", "ntpflow/_probe_for_the_check.py:4",
+                                        "ntpflow/_probe_for_the_check.py:5", "ntpflow/_probe_for_the_check.py:7"]
     finally:
         f.unlink()
 

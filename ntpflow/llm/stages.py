@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ntpflow.files import json_safe, read_json, sidecar, write_json
+from ntpflow.files import InFolder, json_safe, read_json, sidecar, write_json
 from ntpflow.llm.corpus import Contexts, build_corpus, hf_encoder, tokenize_corpus
 from ntpflow.llm.qscan import QScanConfig, QScanResult, q_scan, q_statistics
 from ntpflow.llm.sae import (
@@ -45,26 +45,14 @@ class LLMDir:
     def __init__(self, path: str | Path):
         self.dir = Path(path)
 
-    @property
-    def contexts_path(self) -> Path:
-        """The windows (:meth:`~ntpflow.llm.corpus.Contexts.save`); :attr:`contexts_files` with its sidecar."""
-        return self.dir / "contexts.safetensors"
+    contexts_path = InFolder("contexts.safetensors")  # the windows (Contexts.save); contexts_files: with its sidecar
+    sae_dir = InFolder("sae")
+    quality_path = InFolder("quality.json")
+    stats_path = InFolder("stats.json")
 
     @property
     def contexts_files(self) -> tuple[Path, Path]:
         return self.contexts_path, sidecar(self.contexts_path)
-
-    @property
-    def sae_dir(self) -> Path:
-        return self.dir / "sae"
-
-    @property
-    def quality_path(self) -> Path:
-        return self.dir / "quality.json"
-
-    @property
-    def stats_path(self) -> Path:
-        return self.dir / "stats.json"
 
     def q_path(self, mode: str) -> Path:
         """Q(w) of one ablation mode (:class:`~ntpflow.llm.qscan.QScanResult` as JSON)."""

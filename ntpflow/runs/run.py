@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ntpflow.files import CorruptFileError, load_tensors, read_json, resolve_device, save_tensors, sidecar
+from ntpflow.files import CorruptFileError, InFolder, load_tensors, read_json, resolve_device, save_tensors, sidecar
 from ntpflow.model.config import GPTConfig, split_groups
 from ntpflow.model.gpt import GPT
 from ntpflow.runs.config import TrainConfig
@@ -38,17 +38,11 @@ class AttributionDir:
 
     dir: Path
 
-    @property
-    def spec(self) -> Path:
-        return self.dir / "spec.json"
-
-    @property
-    def parts(self) -> Path:
-        return self.dir / "parts"
-
-    @property
-    def states(self) -> Path:
-        return self.dir / "state"
+    spec = InFolder("spec.json")
+    parts = InFolder("parts")
+    states = InFolder("state")
+    influence = InFolder("influence.parquet")
+    summary = InFolder("summary.json")
 
     def part(self, start: int) -> Path:
         """The rows of the block of steps that begins at ``start``."""
@@ -57,14 +51,6 @@ class AttributionDir:
     def part_files(self) -> list[Path]:
         """The written blocks of rows, in step order."""
         return sorted(self.parts.glob("part_*.parquet"))
-
-    @property
-    def influence(self) -> Path:
-        return self.dir / "influence.parquet"
-
-    @property
-    def summary(self) -> Path:
-        return self.dir / "summary.json"
 
     @property
     def done(self) -> bool:
@@ -81,33 +67,15 @@ class RunPaths:
     def __init__(self, dir: str | Path):
         self.dir = Path(dir)
 
-    @property
-    def config_path(self) -> Path:
-        return self.dir / "config.json"
-
-    @property
-    def env_path(self) -> Path:
-        return self.dir / "env.json"
-
-    @property
-    def metrics_path(self) -> Path:
-        return self.dir / "metrics.jsonl"
-
-    @property
-    def threads_path(self) -> Path:
-        return self.dir / "threads.json"
-
-    @property
-    def done_path(self) -> Path:
-        return self.dir / "DONE"
-
-    @property
-    def group_path(self) -> Path:
-        return self.dir / "group.json"
-
-    @property
-    def ckpt_dir(self) -> Path:
-        return self.dir / "ckpt"
+    config_path = InFolder("config.json")
+    env_path = InFolder("env.json")
+    metrics_path = InFolder("metrics.jsonl")
+    threads_path = InFolder("threads.json")
+    done_path = InFolder("DONE")
+    group_path = InFolder("group.json")
+    ckpt_dir = InFolder("ckpt")
+    sweep_path = InFolder("sweep.json")  # the sweep's record of a run it prepared (ntpflow.runs.sweep)
+    failed_path = InFolder("FAILED")  # the sweep's record of a run that failed every attempt
 
     def probes_dir(self, which: str | int = "final") -> Path:
         """Folder of the probes of weights ``which``: ``probes`` (final) or ``probes_<which>`` (``init``, a step)."""
@@ -129,15 +97,6 @@ class RunPaths:
         """The balance audit's folder ``out`` (default ``RUN_DIR/balance``)."""
         return Path(out) if out is not None else self.dir / "balance"
 
-    @property
-    def sweep_path(self) -> Path:
-        """The sweep's record of a run it prepared (``ntpflow.runs.sweep``)."""
-        return self.dir / "sweep.json"
-
-    @property
-    def failed_path(self) -> Path:
-        """The sweep's record of a run that failed every attempt."""
-        return self.dir / "FAILED"
 
 def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
     """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
