@@ -390,30 +390,29 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
         table = table.append_column(name, pa.array([value] * table.num_rows, kind))
     tmp = folder.influence.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp)
-    # mismatch actually removed, on a fixed held-out batch (the readout set, if any): R(θ_0) − R(θ_T)
+    # mismatch actually removed, on a fixed held-out batch (the readout set, if any): R(θ_0) − R(θ_T) = R(θ_0), since
+    # θ_T is θ* (the replay was checked bit for bit against the final weights before this)
     tokens = torch.as_tensor(eval_set.tokens[:readout or 1024], device=dev)
-    init, final = run.load_model("init", dev), run.load_model("final", dev)
     with torch.no_grad():
         r_star = tracker.final_model(tokens, return_resid=True, myopic="none")[1]
-        r0 = init(tokens, return_resid=True, myopic="none")[1]
-        rT = final(tokens, return_resid=True, myopic="none")[1]
+        r0 = run.load_model("init", dev)(tokens, return_resid=True, myopic="none")[1]
     last = table.filter(pa.compute.equal(table["step"], pa.compute.max(table["step"]))).to_pylist()
     summary = []
     for p in probes:
         k, i = p.site.layer, p.site.pos
         w = p.w.to(dev)
-        d0, dT = (r0[k][:, i] - r_star[k][:, i]) @ w, (rT[k][:, i] - r_star[k][:, i]) @ w  # [batch]
+        d0 = (r0[k][:, i] - r_star[k][:, i]) @ w  # [batch]
         for mismatch in MISMATCHES:
-            R0, RT = (mismatch_value(d, mismatch).item() for d in (d0, dT))
+            R0 = mismatch_value(d0, mismatch).item()
             entry = {"layer": k, "pos": i, "feature": p.name, "mismatch": mismatch, "R0_eval": R0,
-                     "R0_minus_RT_eval": R0 - RT, "offset_share_R0": (d0.mean().pow(2) / d0.pow(2).mean()).item()}
+                     "R0_minus_RT_eval": R0, "offset_share_R0": (d0.mean().pow(2) / d0.pow(2).mean()).item()}
             for r in last:
-                if ((r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"]) == (k, i, p.name, -1, mismatch)
-                        and r["component"] not in ("risk", "change", "residual")):
+                if (r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"]) != (k, i, p.name, -1, mismatch):
+                    continue
+                if r["component"] in ("change", "residual"):  # readout: Σ exact changes, Σ residuals
+                    entry[r["component"]] = r["cumulative"]
+                elif r["component"] != "risk":
                     entry[f"{r['optimizer']}_{r['component']}"] = r["cumulative"]
-                elif (r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"]) == (k, i, p.name, -1,
-                                                                                             mismatch):
-                    entry[r["component"]] = r["cumulative"]  # readout: Σ exact changes, Σ residuals
             summary.append(entry)
     extra = {} if readout is None else {
         "readout": readout, "refined_steps": tracker.refined, "point_evaluations": tracker.evaluations,
