@@ -113,18 +113,17 @@ def cmd_attribute(args) -> int:
         if len(dirs) != 1:
             raise ValueError("--group takes one run dir, a member of the group")
         dirs = group_dirs(Run.open(dirs[0]))
+    reading = "paper" if args.paper else "midpoint" if args.midpoint else "exact"
     if len(dirs) == 1 and not args.group:
         outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
                           progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                          midpoint=args.midpoint, readout=args.readout)]
-    elif args.readout is not None:
-        raise ValueError("--readout replays a single run (not --group or several run dirs)")
+                          reading=reading, readout=args.readout)]
     elif args.out:
         raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
     else:
         outs = attribute_group(dirs, sites, features, device=args.device or "auto", progress=not args.quiet,
                                force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                               midpoint=args.midpoint)
+                               reading=reading, readout=args.readout)
     print("\n".join(map(str, outs)))
     return 0
 
@@ -155,8 +154,9 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 def cmd_reproduce(args) -> int:
     """``ntpflow reproduce``: run one experiment (or all) at a scale and print the report's path."""
     check_extras(args.experiment)  # before hours of training, not after
-    if args.at_start and args.experiment == "llm":
-        raise ValueError("--at-start applies to the experiments with replays: toy, othello, stories, all")
+    reading = "paper" if args.paper else "midpoint" if args.midpoint else None
+    if reading and args.experiment == "llm":
+        raise ValueError(f"--{reading} applies to the experiments with replays: toy, othello, stories, all")
     if args.device:
         resolve_device(args.device)
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
@@ -164,7 +164,7 @@ def cmd_reproduce(args) -> int:
                "corpus": args.corpus, "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
                "regimes": tuple(args.regimes.split(",")) if args.regimes else None,
                "seeds": _int_list(args.seeds, "--seeds") if args.seeds else None,
-               "replays": False if args.no_replays else None, "midpoint": False if args.at_start else None}
+               "replays": False if args.no_replays else None, "reading": reading}
     if args.experiment == "all":
         print(run_all(args.scale, out, **options))
     else:
@@ -311,13 +311,18 @@ def _add_attribute(sub) -> None:
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
     a.add_argument("--adam-only", action="store_true",
                    help="write the Adam rows only, not the SGD variant's (about 30%% less tracking work)")
-    a.add_argument("--midpoint", action="store_true",
-                   help="read each step's gradient of R at the midpoint of the step taken: the components then "
-                        "add up to the change of R to second order (docs/balance.md)")
+    how = a.add_mutually_exclusive_group()
+    how.add_argument("--paper", action="store_true",
+                     help="the paper's reading instead of the exact account: R on each step's training batch, its "
+                          "gradient at the step's start θ_t (the components then split R's change to first order "
+                          "only; docs/balance.md)")
+    how.add_argument("--midpoint", action="store_true",
+                     help="as --paper, with the gradient read at the midpoint of the step taken (second order)")
     a.add_argument("--readout", type=int, metavar="N",
-                   help="the exact account: read R and R_c on the first N evaluation sequences, measure each step's "
-                        "change of them and split it by a path integral along the step; summary.json gives each "
-                        "row's residual, the last line PASS/FAIL against 1%% (docs/balance.md)")
+                   help="the exact account (the default): R and R_c read on the first N evaluation sequences "
+                        "(default 256, or all of them if fewer), each step's change of them measured and split by "
+                        "a path integral along the step; summary.json gives each row's residual, the last line "
+                        "PASS/FAIL against 1%% (docs/balance.md)")
     a.add_argument("--force-unlock", action="store_true",
                    help="take over the output folder's lock left by a process on another host that is gone")
     a.add_argument("--device", help="auto (default), cpu, cuda, ...")
@@ -363,10 +368,13 @@ def _add_reproduce(sub) -> None:
                     "(default: all four)")
     rp.add_argument("--seeds", help="toy only: comma-separated subset of the scale's seeds, for every regime "
                     "(default: all)")
-    rp.add_argument("--at-start", action="store_true",
-                    help="replay with each step's influence read at the step's start θ_t, as the paper defines it, "
-                         "instead of at its midpoint (the default: there the components add up to second order, "
-                         "which the influence claims need; docs/balance.md). A folder holds one kind")
+    how = rp.add_mutually_exclusive_group()
+    how.add_argument("--paper", action="store_true",
+                     help="replay with the paper's reading (R on each step's batch, read at θ_t) instead of the exact "
+                          "account (the default, which the influence claims need; docs/balance.md). A folder holds "
+                          "one kind")
+    how.add_argument("--midpoint", action="store_true",
+                     help="replay with R on each step's batch, read at each step's midpoint (docs/balance.md)")
     rp.add_argument("--no-replays", action="store_true",
                     help="toy only: train and probe, skip the tracked replays (hours at medium scale); the influence "
                     "claims are then not testable. Rerun without it to add them")

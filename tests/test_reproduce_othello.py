@@ -40,10 +40,11 @@ def test_smoke_files_and_schema(smoke):
     for key in ("scale", "config", "sites", "squares", "run", "eval_curve", "probes", "influence", "curves"):
         assert key in data, key
     assert data["scale"] == "smoke" and 0.0 <= data["run"]["legal_acc"] <= 1.0
-    # reproduce replays at each step's midpoint by default; the replay's spec and the report say so
-    assert data["influence_read_at"] == "midpoint"
-    assert json.loads((smoke / "run" / "attribution" / "spec.json").read_text())["midpoint"] is True
-    assert "| ∇R of an influence read at | each step's midpoint (docs/balance.md) |" in (smoke / "report.md").read_text()
+    # reproduce replays with the exact account by default; the replay's spec and the report say so
+    assert data["influence_read_at"] == "exact"
+    spec = json.loads((smoke / "run" / "attribution" / "spec.json").read_text())
+    assert spec["readout"] == min(256, data["config"]["n_eval"]) and spec["midpoint"] is False
+    assert "| influence read | the exact account: a fixed readout set," in (smoke / "report.md").read_text()
     scale = SCALES["smoke"]
     assert {tuple(s) for s in data["sites"]} == {(s.layer, s.pos) for s in scale.sites}
     combos = {(r["weights"], r["metric"]) for r in data["probes"]}

@@ -331,9 +331,7 @@ class InfluenceTracker:
             adam = AdamStep(*adam_second_moment(opt, params), group["betas"], group["eps"], self._m_full,
                             self._m_sites)
         if self.readout is not None:
-            rows = self._exact_step(model, passes, group["lr"], adam)
-            self.step += 1
-            return rows
+            return self._exact_step(model, passes, group["lr"], adam)
         final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
                       else self._cached_projections(example_ids))
         midpoint = ((lambda step: self._midpoint_primals(model, step, passes.primals.tokens)) if self.midpoint
@@ -371,15 +369,17 @@ class InfluenceTracker:
         pending = self._integrate(passes, [node], w, shared_dirs, scale, sgd, adam, update=True)
         return self._values(risks, pending, sgd, adam, passes.full)
 
-    def _shared_directions(self, g_full: torch.Tensor, lr: float, adam: AdamStep | None):
+    def _shared_directions(self, g_full: torch.Tensor, lr: float, adam: AdamStep | None, update: bool = True):
         """The directions every site shares, [m0, n_params]: the full gradient (SGD rows) and the real Adam step
-        (updating the full first moment in place), with Adam's per-parameter scale [n_params] (None for SGD) and
-        whether SGD rows are computed. The last direction is the step actually taken (for SGD, divided by lr)."""
+        (updating the full first moment in place unless ``update`` is False: a step integrated again reads the
+        moment as updated), with Adam's per-parameter scale [n_params] (None for SGD) and whether SGD rows are
+        computed. The last direction is the step actually taken (for SGD, divided by lr)."""
         sgd = adam is None or self.sgd_rows
         shared_dirs, scale = [g_full] if sgd else [], None
         if adam is not None:
             scale = adam.scale(lr, g_full)
-            adam.m_full.mul_(adam.beta1).add_((1 - adam.beta1) * g_full)
+            if update:
+                adam.m_full.mul_(adam.beta1).add_((1 - adam.beta1) * g_full)
             shared_dirs.append(scale * adam.m_full)  # the real Adam step
         return torch.stack(shared_dirs), scale, sgd
 
@@ -449,46 +449,77 @@ class InfluenceTracker:
 
     def _exact_step(self, model: GPT, passes: SitePasses, lr: float, adam: AdamStep | None) -> list[dict]:
         """This step's rows in readout mode (``use_readout``): the risks R_H(θ_t), each component's path integral,
-        and per risk the exact change (``change``, optimizer none) and the rule's ``residual`` (full − change)."""
+        and per risk the exact change (``change``, optimizer none) and the rule's ``residual`` (full − change).
+        The tensor work is :meth:`exact_integral`; this adds the host's part: the refinement and the rows."""
         ro, w = self.readout, self.directions
         if self._start is None:  # θ_0: its plain forward (later starts are the previous step's end)
-            self._start = self._readout_risks(Primals(model, ro.tokens))[1]
+            self._start = self._readout_risks(Primals(model, ro.tokens), ro.final_proj, ro.types, w)[1]
             self._floor = ro.floor * self._start.abs()
-        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam)
-        step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
-        layout_risks, end = self._readout_risks(Primals(self._point(model, step, 1.0, 0), ro.tokens))
-        change = self._start - end  # [n_risks], float64
-        index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(layout_risks)}
         for level, n in enumerate(ro.levels):
-            nodes = []
-            for j, (s, weight) in enumerate(gauss_legendre(n)):
-                pr = Primals(self._point(model, step, s, j), ro.tokens)
-                nodes.append((weight, pr, self.risk_coefficients(pr.resid, ro.final_proj, ro.types, w)))
-            pending = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update=level == 0)
-            self.evaluations += n
-            full = change.new_zeros(len(change))  # the integral along the real step, per risk
-            for mine, _, v in pending:
-                at = torch.tensor([index[(id(r[0]), r[1], r[2])] for r in mine], device=full.device)
-                full[at] = v[:, -1].to(full) * (1.0 if adam is not None else lr)
-            residual = full - change
-            if level + 1 == len(ro.levels) or bool((residual.abs() <= ro.rtol * change.abs() + self._floor).all()):
+            scratch = iter(range(n + 1))
+            points = lambda step, s: Primals(self._point(model, step, s, next(scratch)), ro.tokens)  # noqa: E731
+            values, end, full, layout = self.exact_integral(passes, lr, adam, points, n, ro.final_proj, w, ro.types,
+                                                            update=level == 0)
+            if self.settled(level, self._start - end, full):
                 break
-        self.refined += level > 0
-        risks = [(p, t, m, r) for (p, t, m, *_), r in zip(layout_risks, self._start)]
-        values, layout = self._values(risks, pending, sgd, adam, passes.full)
-        extra = torch.stack([change, residual]).tolist()  # with values: one host sync
-        rows = self.rows(values.tolist(), layout, lr)
-        kind = "adam" if adam is not None else "sgd"
-        for (p, t, m, *_), c, r in zip(layout_risks, *extra):
+        return self.exact_rows(values, end, full, layout, lr, level)
+
+    def settled(self, level: int, change: torch.Tensor, full: torch.Tensor) -> bool:
+        """Whether a step integrated at ``levels[level]`` points is done: the last level, or every risk's residual
+        (``full`` − ``change``, [..., n_risks]) within rtol · |change| + floor · R_H(θ_0). One host sync."""
+        ro = self.readout
+        return level + 1 == len(ro.levels) or bool(((full - change).abs() <= ro.rtol * change.abs()
+                                                    + self._floor).all())
+
+    def exact_integral(self, passes: SitePasses, lr: float, adam: AdamStep | None, points, n: int,
+                       final_proj: torch.Tensor, w: torch.Tensor, types: dict[str, torch.Tensor] | None,
+                       update: bool):
+        """The tensor work of one step of the exact account with the ``n``-point Gauss–Legendre rule: (the
+        components' integrals [n_values] float64, R_H at the step's end [n_risks] float64, the full integral along
+        the real step [n_risks] float64, the layout for :meth:`exact_rows`).
+
+        points(step, s): the readout set's ``Primals`` at θ − s·step (``step`` flat [n_params], as subtracted), each
+        call on its own weights; final_proj: θ*'s projections on the readout set [N, n_probes]; w [n_probes,
+        d_model]; ``update``: advance the first moments (the first rule of a step; a refinement reads them). Free
+        of host syncs without ``types``, so it runs under ``torch.func.vmap`` over a run axis."""
+        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam, update)
+        step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
+        risks, end = self._readout_risks(points(step, 1.0), final_proj, types, w)
+        nodes = []
+        for s, weight in gauss_legendre(n):
+            pr = points(step, s)
+            nodes.append((weight, pr, self.risk_coefficients(pr.resid, final_proj, types, w)))
+        pending = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update)
+        index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(risks)}
+        order = [index[(id(r[0]), r[1], r[2])] for mine, *_ in pending for r in mine]
+        along = torch.cat([v[:, -1] for *_, v in pending]).to(end) * (1.0 if adam is not None else lr)
+        full = along[torch.as_tensor(order, device=along.device).argsort()]  # risk order (each risk once)
+        values = torch.cat([v.flatten().to(torch.float64) for *_, v in pending])
+        sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
+        return values, end, full, ([r[:3] for r in risks], sites, sgd, adam is not None)
+
+    def exact_rows(self, values: torch.Tensor, end: torch.Tensor, full: torch.Tensor, layout: tuple, lr: float,
+                   level: int) -> list[dict]:
+        """The rows of a step integrated by :meth:`exact_integral` (risk rows at the step's start, the components,
+        ``change`` and ``residual``), from one host sync; the end becomes the next step's start."""
+        change = self._start - end
+        host = torch.cat([self._start, values.to(self._start), change, full - change]).tolist()
+        n_risks = len(layout[0])
+        rows = self.rows(host[:len(host) - 2 * n_risks], layout, lr)
+        kind = "adam" if layout[3] else "sgd"
+        for (p, t, m), c, r in zip(layout[0], host[-2 * n_risks:-n_risks], host[-n_risks:]):
             rows += [self._row(p, t, m, "change", "none", c), self._row(p, t, m, "residual", kind, r)]
+        self.evaluations += sum(self.readout.levels[:level + 1])
+        self.refined += level > 0
         self._start = end
+        self.step += 1
         return rows
 
-    def _readout_risks(self, primals: Primals) -> tuple[list, torch.Tensor]:
+    def _readout_risks(self, primals: Primals, final_proj: torch.Tensor, types, w: torch.Tensor
+                       ) -> tuple[list, torch.Tensor]:
         """The risks on the readout set at ``primals``' weights: their layout (``risk_coefficients``) and R_H
         [n_risks] float64."""
-        ro = self.readout
-        risks = self.risk_coefficients(primals.resid, ro.final_proj, ro.types, self.directions)
+        risks = self.risk_coefficients(primals.resid, final_proj, types, w)
         return risks, torch.stack([r[3].to(torch.float64) for r in risks])
 
     def _point(self, model: GPT, step: torch.Tensor, s: float, j: int) -> GPT:

@@ -85,11 +85,12 @@ def plain_number(v) -> str:
 
 
 def read_at_settings(data: dict) -> list[dict]:
-    """The setting row "∇R of an influence read at" (none when no replay recorded it: before the record, or no
-    replays)."""
+    """The setting row "influence read" (none when no replay recorded it: before the record, or no replays)."""
     at = data.get("influence_read_at")
-    text = {"start": "each step's start θ_t", "midpoint": "each step's midpoint (docs/balance.md)"}
-    return [{"setting": "∇R of an influence read at", "this_run": text[at], "paper": text["start"]}] if at else []
+    text = {"start": "on each step's batch, ∇R at its start θ_t (the paper's reading)",
+            "midpoint": "on each step's batch, ∇R at its midpoint",
+            "exact": "the exact account: a fixed readout set, each step's change split by a path integral"}
+    return [{"setting": "influence read", "this_run": text[at], "paper": text["start"]}] if at else []
 
 
 def train_settings(train: dict, paper: dict) -> list[dict]:

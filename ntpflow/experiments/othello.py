@@ -130,12 +130,13 @@ class _Timer:
 
 
 def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "auto", progress: bool = True,
-                midpoint: bool = True) -> Path:
+                reading: str = "exact") -> Path:
     """Run (or resume) every stage of ``scale`` into ``out`` and write the report. Returns ``out``.
 
     ``out/run`` is the run directory; ``out/data.json``, ``out/report.{md,html}``, ``out/summary.json`` and
     ``out/figures/`` the results. A second call with finished stages only regathers and rewrites the report.
-    ``midpoint`` (default): the replay reads each step's ∇R at the step's midpoint; False: at θ_t, as the paper.
+    ``reading``: how the replay reads the influence (``ntpflow.replay.attribution.attribute``; default: the exact
+    account).
     """
     scale = resolve_scale(scale, SCALES, OthelloScale)
     out = ensure_writable_dir(out)
@@ -154,7 +155,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                 load_or_classify(run, which, device)
         with timer.stage("attribution", run.attribution().done):
             attribute(run.dir, list(scale.sites), list(scale.squares), device=device,
-                      progress=progress, sgd_rows=False, midpoint=midpoint)
+                      progress=progress, sgd_rows=False, reading=reading)
         data = gather(scale, out)
         write_json(out / "data.json", data)
         write_report(out)

@@ -41,9 +41,9 @@ def run_threads(device: str, workers: int) -> int:
 
 
 def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
-            threads: int, midpoint: bool = False) -> dict:
+            threads: int, reading: str = "exact") -> dict:
     """The job of one run (for :func:`run_jobs`): train it, probe its final and step-0 weights and, with ``sites``,
-    replay it with influence tracking at ``sites`` × ``features`` (``midpoint``: see ``InfluenceTracker``); each
+    replay it with influence tracking at ``sites`` × ``features`` (``reading``: see ``ntpflow.replay.attribution.attribute``); each
     stage skips itself when done. Runs on ``threads`` torch threads and gives the caller its count back."""
     with on_threads(threads):
         run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=False)
@@ -51,7 +51,7 @@ def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features
         load_or_probe(run, "init", device)
         if sites:
             attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
-                      midpoint=midpoint)
+                      reading=reading)
     return {"run_dir": run_dir}
 
 

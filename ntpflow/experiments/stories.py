@@ -144,10 +144,11 @@ def _prepare_data(cfg: TrainConfig) -> None:
 
 
 def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
-                progress: bool = True, corpus: str | None = None, midpoint: bool = True) -> Path:
+                progress: bool = True, corpus: str | None = None, reading: str = "exact") -> Path:
     """Run (or resume) every run of ``scale`` into ``out/runs``, sample, gather ``out/data.json`` and write the
-    report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). ``midpoint``
-    (default): the replays read each step's ∇R at the step's midpoint; False: at θ_t, as the paper. Returns ``out``.
+    report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). ``reading``:
+    how the replays read the influence (``ntpflow.replay.attribution.attribute``; default: the exact account).
+    Returns ``out``.
     """
     scale = resolve_scale(scale, SCALES, StoriesScale)
     corpus = corpus or scale.corpus
@@ -162,7 +163,7 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     threads = run_threads(device, workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
-    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, list(FEATURE_NAMES), device, threads, midpoint)
+    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, list(FEATURE_NAMES), device, threads, reading)
             for c in configs]
     run_jobs(one_run, jobs, workers, f"stories {scale.name}", progress)
     sample_continuations(scale, out, configs, device=device)

@@ -123,23 +123,23 @@ def _one_group(cfg_dicts: list[dict], run_dirs: list[str], device: str, threads:
 
 
 def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: list[str], device: str,
-                  threads: int, midpoint: bool = False) -> dict:
+                  threads: int, reading: str = "exact") -> dict:
     """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped),
     on ``threads`` torch threads (the caller's count is restored)."""
     with on_threads(threads):
         attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False,
-                        sgd_rows=False, midpoint=midpoint)
+                        sgd_rows=False, reading=reading)
     return {"run_dirs": run_dirs}
 
 
 def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
             progress: bool = True, tasks: tuple[str, ...] = TASKS, regimes: tuple[str, ...] = REGIMES,
-            seeds: tuple[int, ...] | None = None, replays: bool = True, midpoint: bool = True) -> Path:
+            seeds: tuple[int, ...] | None = None, replays: bool = True, reading: str = "exact") -> Path:
     """Run (or resume) every run of ``scale`` (for ``tasks``, ``regimes`` and ``seeds``, a subset of the scale's)
     into ``out/runs`` and gather ``out/data.json``.
     ``replays=False`` trains and probes only: the tracked replays (the costly part) are skipped, and the influence
-    claims come out not testable; a later call with ``replays=True`` adds them. ``midpoint=True`` replays with the
-    influence read at each step's midpoint (``InfluenceTracker``; docs/balance.md). Returns ``out``."""
+    claims come out not testable; a later call with ``replays=True`` adds them. ``reading`` is how the replays read
+    the influence (``ntpflow.replay.attribution.attribute``: the exact account by default). Returns ``out``."""
     scale = resolve_scale(scale, SCALES, ToyScale)
     if seeds is not None:
         if not seeds or set(seeds) - set(scale.seeds):
@@ -168,12 +168,12 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
         run_jobs(_one_group, [([c.to_dict() for c in g], [run_dir[c] for c in g], device, threads)
                               for g in groups.values()], workers, f"toy {scale.name} groups", progress)
         replays_of = [[run_dir[c] for c in g if tracked(c)] for g in groups.values()]  # one replay per group
-        run_jobs(_group_replay, [(dirs, sites, list(TRACKED[g[0].task]), device, threads, midpoint)
+        run_jobs(_group_replay, [(dirs, sites, list(TRACKED[g[0].task]), device, threads, reading)
                                  for g, dirs in zip(groups.values(), replays_of) if dirs], workers,
                  f"toy {scale.name} replays", progress)
     else:
         jobs = [(c.to_dict(), run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), device, threads,
-                 midpoint) for c in configs]
+                 reading) for c in configs]
         run_jobs(one_run, jobs, workers, f"toy {scale.name}", progress)
     data = gather(scale, out, configs, replays)
     write_json(out / "data.json", data)

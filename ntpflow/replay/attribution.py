@@ -70,44 +70,57 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
 def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str] | None = None, *,
               out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
               progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-              midpoint: bool = False, readout: int | None = None) -> Path:
+              reading: str = "exact", readout: int | None = None) -> Path:
     """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
     its last saved state when interrupted. ``block`` (default: the run's ``ckpt_every``) is the number of steps
     between saved states. ``force_unlock`` takes over a lock left by a process on another host. ``sgd_rows=False``
     writes the Adam rows only (about 30 % less tracking work at the toy load; what the experiments read).
-    ``midpoint=True`` reads each step's ∇R at the midpoint of the step taken (``InfluenceTracker``; docs/balance.md).
-    ``readout=N`` gives the exact account instead: R and R_c read on the first N evaluation sequences, each step's
-    exact change of them measured, and each component's share of it a path integral along the step (adaptive
-    Gauss–Legendre, ``InfluenceTracker.use_readout``); summary.json then gives every row's residual.
+    ``reading`` says what the influence splits (docs/balance.md): ``"exact"`` (the default) is the exact account:
+    R and R_c read on a fixed readout set, the first ``readout`` evaluation sequences (default
+    ``min(256, n_eval)``), each step's exact change of them measured, and each component's share of it a path
+    integral along the step (adaptive Gauss–Legendre, ``InfluenceTracker.use_readout``); summary.json gives every
+    row's residual. ``"paper"`` is the paper's reading: R on each step's batch, ∇R at the step's start θ_t;
+    ``"midpoint"`` the same batch, ∇R at the step's midpoint.
     """
     run = Run.open(run_dir)
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
-    check_readout(readout, cfg.n_eval, midpoint)
+    readout = readout_size(reading, readout, cfg.n_eval)
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, sites)
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
-        return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, midpoint, readout)
+        return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, reading == "midpoint",
+                       readout)
 
 
-def check_readout(readout: int | None, n_eval: int, midpoint: bool) -> None:
-    """Raise ValueError (one line) unless ``readout`` is None or 2..n_eval, and not combined with ``midpoint``."""
+READINGS = ("exact", "paper", "midpoint")
+DEFAULT_READOUT = 256  # sequences of the readout set of the exact account, unless the run has fewer
+
+
+def readout_size(reading: str, readout: int | None, n_eval: int) -> int | None:
+    """The readout set's size for ``reading`` (None for the paper's batch readings); ValueError (one line) for an
+    unknown reading, a size outside 2..n_eval, or a size given to a batch reading."""
+    if reading not in READINGS:
+        raise ValueError(f"unknown reading {reading!r}; choose one of {', '.join(READINGS)}")
+    if reading != "exact":
+        if readout is not None:
+            raise ValueError(f"--readout sets the exact account's readout set; it does not combine with --{reading}")
+        return None
     if readout is None:
-        return
-    if midpoint:
-        raise ValueError("--readout integrates each step exactly; it does not combine with --midpoint")
+        return min(DEFAULT_READOUT, n_eval)
     if not 2 <= readout <= n_eval:
         raise ValueError(f"--readout takes 2..{n_eval} (the run's evaluation sequences), got {readout}")
+    return readout
 
 
 def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], features: Sequence[str] | None = None, *,
                     out_dirs: Sequence[str | Path | None] | None = None, device: str = "auto", block: int | None = None,
                     progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-                    midpoint: bool = False, run_axis: bool = True) -> list[Path]:
+                    reading: str = "exact", readout: int | None = None, run_axis: bool = True) -> list[Path]:
     """Replay members of one run group together, tracking each at ``sites`` × ``features``; returns the output dirs.
 
     One pass over the steps: before each step the members are tracked, then the group takes the step once for all
@@ -117,7 +130,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     point). Without it, each member's tracker runs on its own model and Adam, one after another, and each folder
     comes out bit for bit as :func:`attribute` writes it; members resume from their own last saved state. Each
     member writes to its own folder (``out_dirs``, default ``RUN_DIR/attribution``); members already finished are
-    skipped. Other arguments as in :func:`attribute`.
+    skipped. Other arguments as in :func:`attribute` (the exact account by default, with each member's own readout
+    set).
     """
     runs = [Run.open(d) for d in run_dirs]
     if not runs:
@@ -129,6 +143,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     outs = list(out_dirs) if out_dirs is not None else [None] * len(runs)
     if len(outs) != len(runs):
         raise ValueError("give one output folder per run dir")
+    readout = readout_size(reading, readout, min(run.cfg.n_eval for run in runs))
     sites = run_sites(runs[0], sites)
     outs = [ensure_writable_dir(run.attribution(o).dir) for o, run in zip(outs, runs)]
     if len({o.resolve() for o in outs}) < len(outs):
@@ -139,7 +154,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
         for o in outs:  # one writer per attribution folder
             locks.enter_context(DirLock(o, force=force_unlock))
         todo = [(r, m) for r, m in zip(index, (_Tracked(run, o, sites, features, dev, device, block, sgd_rows,
-                                                        midpoint, run_axis) for run, o in zip(runs, outs)))
+                                                        reading == "midpoint", run_axis, readout)
+                                               for run, o in zip(runs, outs)))
                 if not m.done]
         if todo:
             group = GroupReplay(runs[0], dev, runs)
@@ -181,14 +197,20 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
 
 
 def influence_read_at(attribution_dirs: Sequence[str | Path]) -> str | None:
-    """Where the finished attributions in ``attribution_dirs`` read each step's ∇R: "midpoint" (``midpoint=True``)
-    or "start" (θ_t, the paper's); None for no folders. Raises ValueError if they differ: one report reads one kind."""
-    kinds = {"midpoint" if read_json(AttributionDir(Path(d)).spec).get("midpoint") else "start" for d in attribution_dirs}
+    """How the finished attributions in ``attribution_dirs`` read the influence: "exact" (the exact account on a
+    readout set), "midpoint" (each step's batch, ∇R at its midpoint) or "start" (each step's batch, ∇R at θ_t: the
+    paper's); None for no folders. Raises ValueError if they differ: one report reads one kind."""
+    kinds = {spec_reading(read_json(AttributionDir(Path(d)).spec)) for d in attribution_dirs}
     if len(kinds) > 1:
-        raise ValueError("these runs were replayed both at each step's start and at its midpoint: "
+        raise ValueError(f"these runs were replayed in different readings ({', '.join(sorted(kinds))}): "
                          + ", ".join(str(d) for d in attribution_dirs) + "; replay them all one way "
-                         "(remove the attribution folders of the other kind)")
+                         "(remove the attribution folders of the other kinds)")
     return next(iter(kinds), None)
+
+
+def spec_reading(spec: dict) -> str:
+    """An attribution's reading from its spec.json: "exact", "midpoint" or "start"."""
+    return "exact" if spec.get("readout") else "midpoint" if spec.get("midpoint") else "start"
 
 
 def run_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
@@ -423,31 +445,35 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
     write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra,
                                       "sign": "positive = the component moved the feature toward its final value"})
     tmp.replace(folder.influence)
-    log.info(_summary_line(probes, summary, run.cfg.steps))
-    if readout is not None:
-        log.info(residual_line(summary, run.cfg.steps, tracker.refined))
+    what = (f"attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
+            f"{run.cfg.steps} steps of {run.dir.name}")
+    if readout is None:
+        log.info(f"{what}; {_balance_text(summary)}")
+        return
+    log.info(f"{what} with the exact account on a readout of {readout}; {tracker.refined}/{run.cfg.steps} steps "
+             "refined")
+    for line in residual_lines(summary):
+        log.info(line)
 
 
-def residual_line(summary: list[dict], steps: int, refined: int, limit: float = 0.01) -> str:
-    """One line per mismatch of an exact account: the largest |residual| / R_H(θ_0) over the rows and PASS/FAIL
-    against ``limit`` (the influence claims' precondition), and the share of refined steps."""
-    parts = []
+def residual_lines(summary: list[dict], limit: float = 0.01) -> list[str]:
+    """One line per mismatch of an exact account: the largest |residual| / R_H(θ_0) over its rows and PASS/FAIL
+    against ``limit`` (the influence claims' precondition)."""
+    lines = []
     for mismatch in MISMATCHES:
         worst = max((abs(e["residual"]) / e["R0_eval"] if e["R0_eval"] else float("inf")
                      for e in summary if e["mismatch"] == mismatch and "residual" in e), default=None)
         if worst is not None:
-            parts.append(f"{mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} "
+            lines.append(f"exact account, {mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} "
                          f"{'PASS' if worst <= limit else 'FAIL'} (≤ {limit:g})")
-    return "exact account: " + "; ".join(parts) + f"; {refined}/{steps} steps refined"
+    return lines
 
 
-def _summary_line(probes, summary: list[dict], steps: int) -> str:
-    """One line on what an attribution did: sites, features, steps, and the balance check (integrated full Adam
-    influence against the mismatch removed on held-out data, R(θ_0) − R(θ_T); equal to first order)."""
+def _balance_text(summary: list[dict]) -> str:
+    """The paper's reading's balance check: integrated full Adam influence against the mismatch removed on held-out
+    data, R(θ_0) − R(θ_T) (equal to first order only), as a median over the probes."""
     ratios = sorted(e["adam_full"] / e["R0_minus_RT_eval"] for e in summary
                     if e["mismatch"] == "paper" and "adam_full" in e and e["R0_minus_RT_eval"] != 0)
-    balance = (f"integrated full influence / (R(θ_0) − R(θ_T)) on held-out data: median "
-               f"{ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes (1 = balanced to first order)"
-               if ratios else "balance check: no probe with a nonzero mismatch removed")
-    return (f"attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
-            f"{steps} steps; {balance}")
+    return (f"integrated full influence / (R(θ_0) − R(θ_T)) on held-out data: median "
+            f"{ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes (1 = balanced to first order)"
+            if ratios else "balance check: no probe with a nonzero mismatch removed")
