@@ -223,3 +223,72 @@ def test_sae_latents_are_decoder_rows(tiny_run, tmp_path):
         attribute(tiny_run, [], directions={"sae_1": (Site(1, 3), w_dec[2]), "sae_4": (Site(1, 3), w_dec[4])},
                   out_dir=tmp_path / "b", device="cpu", progress=False)
     assert re.fullmatch(r"[0-9a-f]{64}", spec["directions"][0]["sha256"])
+
+
+def _texts(kind: str, n: int, seed: int) -> str:
+    """``n`` documents of one kind separated by blank lines."""
+    rng = np.random.default_rng(seed)
+    words = {"news": ["the", "mayor", "said", "on", "monday", "that", "the", "city", "will", "open", "a", "park"],
+             "legal": ["whereas", "the", "party", "shall", "pursuant", "to", "section", "hereby", "agree", "herein"]}
+    return "\n\n".join(" ".join(rng.choice(words[kind], 30)) for _ in range(n))
+
+
+def test_tl_model_and_saelens_sae_on_disk_to_qscan_with_own_domains(tmp_path):
+    """A tiny HookedTransformer and an SAE in SAELens's layout saved to disk → ``ntpflow qscan`` over the user's
+    domains (news, legal; legal formal), offline, in a new process."""
+    from safetensors.torch import save_file
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    from ntpflow.llm.adapters import save_hooked_transformer
+
+    model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=32, n_ctx=64, d_head=16, n_heads=2,
+                                                      d_vocab=259, act_fn="gelu", d_mlp=64, seed=0))
+    save_hooked_transformer(model, tmp_path / "tl")
+    g = torch.Generator().manual_seed(0)
+    sae = tmp_path / "sae"  # SAELens's own layout (as StandardSAE.save_model writes it)
+    sae.mkdir()
+    save_file({"W_enc": torch.randn(32, 16, generator=g), "b_enc": torch.zeros(16),
+               "W_dec": torch.randn(16, 32, generator=g), "b_dec": torch.zeros(32)},
+              str(sae / "sae_weights.safetensors"))
+    (sae / "cfg.json").write_text(json.dumps({
+        "d_in": 32, "d_sae": 16, "dtype": "float32", "device": "cpu", "apply_b_dec_to_input": True,
+        "normalize_activations": "none", "reshape_activations": "none", "architecture": "standard",
+        "metadata": {"hook_name": "blocks.0.hook_resid_post"}}))
+    (tmp_path / "news.txt").write_text(_texts("news", 6, 0))
+    (tmp_path / "legal.txt").write_text(_texts("legal", 6, 1))
+    out = tmp_path / "q"
+    ntpflow("qscan", "--model", tmp_path / "tl", "--sae", sae, "--domains", "news:news.txt,legal:legal.txt",
+            "--formal", "legal", "--docs", "6", "--ctx-len", "24", "--latents", "16", "--candidates", "4",
+            "--examples", "2", "--mode", "error-preserving", "--kl-cutoff", "0", "--out", out, "--device", "cpu",
+            cwd=tmp_path)
+    meta = json.loads((out / "contexts.json").read_text())
+    assert meta["domains"] == ["news", "legal"] and meta["formal"] == ["legal"]
+    q = json.loads((out / "q_error-preserving.json").read_text())
+    assert q["domains"] == ["news", "legal"] and len(q["latents"]) == 16 and any(q["n_examples"])
+    for share, formal, dom, n in zip(q["domain_share"], q["is_formal"], q["domain"], q["n_examples"]):
+        if n:  # the labels follow the shares: legal (formal) holds more than half, the largest share names it
+            assert formal == (share[1] > 0.5) and dom == ("news", "legal")[int(np.argmax(share))]
+            assert sum(share) == pytest.approx(1.0)
+    stats = json.loads((out / "stats.json").read_text())["error-preserving"]
+    assert set(stats["all"]) == {"news", "legal"} and stats["n_scored"] == 16
+
+
+def test_qscan_bad_model_sae_or_domains_is_a_one_line_error(tmp_path, capsys):
+    from ntpflow.llm.qscan_cli import main as qscan
+
+    (tmp_path / "a.txt").write_text("some text " * 20)
+    cases = [(["--model", str(tmp_path / "nope"), "--train-sae"], "does not exist"),
+             (["--model", "tiny", "--train-sae", "--domains", "a:a.txt", "--formal", "b"], "not among --domains"),
+             (["--model", "tiny", "--train-sae", "--domains", "a:missing.txt"], "missing.txt does not exist"),
+             (["--model", "tiny", "--sae-release", "gpt2-small-res-jb", "--sae-id", "blocks.0.hook_resid_pre"],
+              "cannot load SAE")]
+    for args, fragment in cases:
+        cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            assert qscan([*args, "--out", str(tmp_path / "q"), "--device", "cpu"]) == 2
+        finally:
+            os.chdir(cwd)
+        err = capsys.readouterr().err
+        assert fragment in err and err.strip().splitlines()[-1].startswith("ntpflow qscan: error:"), err
+        assert not (tmp_path / "q").exists()
