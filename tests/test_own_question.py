@@ -292,3 +292,48 @@ def test_qscan_bad_model_sae_or_domains_is_a_one_line_error(tmp_path, capsys):
         err = capsys.readouterr().err
         assert fragment in err and err.strip().splitlines()[-1].startswith("ntpflow qscan: error:"), err
         assert not (tmp_path / "q").exists()
+
+
+def test_own_loop_example_gives_the_exact_account(tmp_path):
+    """examples/own_loop.py runs as written, and its account checks against plain forwards: Σ change = R_H(θ_0) −
+    R_H(θ_T) on the held-out set (float64 projections), each row's components add up to its full influence, and
+    the residual is small against R_H(θ_0)."""
+    import runpy
+
+    from ntpflow import GPT
+
+    example = ROOT / "examples" / "own_loop.py"
+    printed = dict(zip(*[iter(ntpflow_script(example, cwd=tmp_path).split())] * 2))
+    ns = runpy.run_path(str(example))  # its definitions, without its __main__ block
+    final, _ = ns["train"]()
+    tracker = ns["InfluenceTracker"](final, [ns["Probe"](Site(1, 5), "mine", ns["w"])])
+    held = ns["tokens"][512:]
+    tracker.use_readout(held)
+    replayed, rows = ns["train"](tracker=tracker)
+    torch.manual_seed(0)
+    start = GPT(ns["cfg"])
+
+    def proj(model):
+        with torch.no_grad():
+            return model(held, return_resid=True)[1][1][:, 5].double() @ ns["w"].double()
+
+    r0, r_end = ((proj(m) - proj(final)).pow(2).mean().item() for m in (start, replayed))
+    paper = [r for r in rows if r["mismatch"] == "paper"]
+    total = {c: sum(r["value"] for r in paper if r["component"] == c and r["optimizer"] in ("adam", "none"))
+             for c in ("direct", "pre_cached", "shared", "full", "change", "residual")}
+    eps32 = torch.finfo(torch.float32).eps  # the residuals are float32; the tracker's end point is its own θ_t − Δ
+    assert total["change"] == pytest.approx(r0 - r_end, rel=10 * eps32)
+    assert abs(total["residual"]) < 1e-3 * r0 and total["pre_cached"] != 0
+    for step in {r["step"] for r in paper}:
+        v = {r["component"]: r["value"] for r in paper if r["step"] == step and r["optimizer"] == "adam"}
+        assert v["direct"] + v["pre_cached"] + v["shared"] == pytest.approx(v["full"], rel=1e-9, abs=1e-12 * r0)
+    assert float(printed["change"]) == pytest.approx(total["change"], rel=1e-3)  # the script prints the same
+
+
+def ntpflow_script(path: Path, cwd: Path) -> str:
+    """Run the Python script ``path`` in a new process (the project on its PYTHONPATH); its stdout, or fail."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, str(path)], env=env, cwd=cwd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
