@@ -11,10 +11,11 @@ from ntpflow import __version__
 from ntpflow.experiments.report_all import run_all, run_experiment
 from ntpflow.files import read_json, resolve_device
 from ntpflow.llm.qscan_cli import main as qscan_main
-from ntpflow.model.sites import parse_sites
+from ntpflow.model.sites import Site, feature_name, parse_sites
 from ntpflow.probes import probe_table
 from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.replay.balance import audit_balance
+from ntpflow.replay.directions import parse_direction, sae_directions
 from ntpflow.runs.config import REGIMES, TrainConfig, apply_overrides
 from ntpflow.runs.group import group_dirs
 from ntpflow.runs.probe import load_or_probe, probe_run
@@ -26,10 +27,10 @@ EXAMPLES = """
 examples:
   ntpflow train --task majority --regime myopic --seed 0 --out runs/maj-myopic-s0
   ntpflow train --task cond_majority --regime untied --set steps=500 lr=3e-4
-  ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'
-  ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_<0>'
+  ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_0'
+  ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_0'
   ntpflow attribute runs/maj-vanilla-s0 --group --sites 1-2:2-19   # every member of its run group, one replay
-  ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features 'is_majority_<0>'   # where the balance goes
+  ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features 'is_majority_0'   # where the balance goes
   ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
   ntpflow reproduce othello --scale small
   ntpflow reproduce stories --scale small --corpus PATH   # your TinyStories folder (or hf, generated:N)
@@ -41,7 +42,7 @@ examples:
 Python equivalents:
   ntpflow.train(ntpflow.TrainConfig(task="majority", regime="myopic", seed=0), "runs/maj-myopic-s0")
   ntpflow.runs.probe.probe_run(ntpflow.Run.open("runs/maj-myopic-s0"))
-  ntpflow.attribute("runs/maj-myopic-s0", ntpflow.parse_sites("1-2:2-19"), ["is_majority_<0>"])
+  ntpflow.attribute("runs/maj-myopic-s0", ntpflow.parse_sites("1-2:2-19"), ["is_majority_0"])
   ntpflow.experiments.report_all.run_experiment("toy", "small", "results/toy-small")
 """
 
@@ -99,7 +100,7 @@ def cmd_probe(args) -> int:
     if not run.done and args.weights == "final":
         raise ValueError(f"{args.run_dir} has not finished training; probe a checkpoint with --weights STEP")
     probes = probe_run(run, args.weights, device=args.device or "auto")
-    for name in [args.feature] if args.feature else probes.feature_names:
+    for name in [feature_name(args.feature)] if args.feature else probes.feature_names:
         print(probe_table(probes, name))
     return 0
 
@@ -108,7 +109,11 @@ def cmd_attribute(args) -> int:
     """``ntpflow attribute``: replay a run (or members of one run group, in one replay), tracking component influences
     at the sites; print the out folder(s)."""
     features = [f for f in args.features.split(",") if f] if args.features else None
-    sites, dirs = parse_sites(args.sites), args.run_dir
+    sites, dirs, directions = parse_sites(args.sites) if args.sites else [], args.run_dir, _directions(args)
+    if not sites and not directions:
+        raise ValueError("give --sites (the task's features) and/or --direction / --sae (directions of your own)")
+    if directions and (args.group or len(dirs) > 1):
+        raise ValueError("--direction and --sae replay a single run (not --group or several run dirs)")
     if args.group:
         if len(dirs) != 1:
             raise ValueError("--group takes one run dir, a member of the group")
@@ -117,7 +122,7 @@ def cmd_attribute(args) -> int:
     if len(dirs) == 1 and not args.group:
         outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
                           progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                          reading=reading, readout=args.readout)]
+                          reading=reading, readout=args.readout, directions=directions)]
     elif args.out:
         raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
     else:
@@ -126,6 +131,26 @@ def cmd_attribute(args) -> int:
                                reading=reading, readout=args.readout)
     print("\n".join(map(str, outs)))
     return 0
+
+
+def _directions(args) -> dict:
+    """{name: (Site, path or (path, key) or tensor)} of ``--direction`` and ``--sae --latents --sae-site``."""
+    out: dict = {}
+    for text in args.direction or []:
+        name, site, path, key = parse_direction(text)
+        if name in out:
+            raise ValueError(f"direction {name!r} given twice")
+        out[name] = (site, (path, key))
+    sae = (args.sae, args.latents, args.sae_site)
+    if any(x is not None for x in sae):
+        if None in sae:
+            raise ValueError("--sae, --latents and --sae-site go together, e.g. --sae SAE_DIR --latents 3,17 "
+                             "--sae-site 1:5")
+        for name, d in sae_directions(args.sae, _int_list(args.latents, "--latents"), Site.parse(args.sae_site)).items():
+            if name in out:
+                raise ValueError(f"direction {name!r} given twice")
+            out[name] = d
+    return out
 
 
 def cmd_balance(args) -> int:
@@ -225,12 +250,12 @@ def check_extras(experiment: str) -> None:
 
 
 def demo_table(rows: dict) -> str:
-    """Mean over v of Pearson r of ``is_majority_<v>`` at input positions 1..9 (NTP-useless), per layer."""
+    """Mean over v of Pearson r of ``is_majority_v`` at input positions 1..9 (NTP-useless), per layer."""
     first = next(iter(rows.values()))
     names = [n for n in first.feature_names if n.startswith("is_majority")]
     idx = [first.feature_index(n) for n in names]
     positions = list(range(1, 10))
-    lines = ["probe quality (test Pearson r, mean over v) of is_majority_<v> at input positions, "
+    lines = ["probe quality (test Pearson r, mean over v) of is_majority_v at input positions, "
              "where it is NTP-useless"]
     for layer in range(first.r.shape[0]):
         lines.append(f"\nlayer {layer}")
@@ -279,7 +304,7 @@ def _add_train(sub) -> None:
 def _add_probe(sub) -> None:
     """The ``ntpflow probe`` subcommand."""
     pr = sub.add_parser("probe", help="fit ridge probes of a finished run and print r tables",
-                        epilog="example: ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'\n"
+                        epilog="example: ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_0'\n"
                                "Python: ntpflow.runs.probe.probe_run(ntpflow.Run.open('runs/maj-myopic-s0'))",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("run_dir", help="a finished run directory (ntpflow train)")
@@ -293,9 +318,9 @@ def _add_attribute(sub) -> None:
     """The ``ntpflow attribute`` subcommand."""
     a = sub.add_parser("attribute", help="replay a finished run and track each gradient component's influence",
                        epilog="example: ntpflow attribute runs/maj-vanilla-s0 --sites 1-2:2-19 "
-                              "--features 'is_majority_<0>'\n"
+                              "--features 'is_majority_0'\n"
                               "Python: ntpflow.attribute('runs/maj-vanilla-s0', "
-                              "ntpflow.parse_sites('1-2:2-19'), ['is_majority_<0>'])\n"
+                              "ntpflow.parse_sites('1-2:2-19'), ['is_majority_0'])\n"
                               "several members of one run group (or --group): one replay of the group tracks them "
                               "all; Python: ntpflow.replay.attribution.attribute_group([RUN_DIR, ...], sites, features)\n"
                               "writes OUT/influence.parquet and OUT/summary.json (schemas: docs/outputs.md); "
@@ -306,8 +331,16 @@ def _add_attribute(sub) -> None:
     a.add_argument("--group", action="store_true",
                    help="track every member of RUN_DIR's run group in one replay, over the run axis (one vmapped "
                         "pass per step; values equal to a lone replay's to rounding; docs/run-groups.md)")
-    a.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:5,2:7 or 1-2:2-19")
+    a.add_argument("--sites", help="LAYER:POS list or ranges, e.g. 1:5,2:7, 1-2:2-19 or blocks.0.hook_resid_post:4 "
+                   "(= 1:4), where the task's features are tracked; without it, only --direction / --sae")
     a.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
+    a.add_argument("--direction", action="append", metavar="NAME=K:I:PATH[:KEY]",
+                   help="a direction of your own tracked as feature NAME at site K:I: a .npy vector [d_model], or "
+                        "PATH.safetensors:KEY (repeatable; docs/own-question.md)")
+    a.add_argument("--sae", metavar="DIR", help="an SAE folder (SAELens layout: cfg.json + sae_weights.safetensors): "
+                   "its decoder rows --latents at --sae-site are tracked as features sae_<latent>")
+    a.add_argument("--latents", help="comma-separated SAE latent ids, with --sae")
+    a.add_argument("--sae-site", metavar="K:I", help="the site the SAE's latents are read at, with --sae")
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
     a.add_argument("--adam-only", action="store_true",
                    help="write the Adam rows only, not the SGD variant's (about 30%% less tracking work)")
@@ -334,9 +367,9 @@ def _add_balance(sub) -> None:
     b = sub.add_parser("balance", help="replay a finished run and split the gap between its integrated full "
                        "influence and the mismatch removed on held-out data",
                        epilog="example: ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features "
-                              "'is_majority_<0>'\n"
+                              "'is_majority_0'\n"
                               "Python: ntpflow.replay.balance.audit_balance('runs/maj-vanilla-s0', "
-                              "ntpflow.parse_sites('1:4,1:6'), ['is_majority_<0>'])\n"
+                              "ntpflow.parse_sites('1:4,1:6'), ['is_majority_0'])\n"
                               "writes OUT/summary.json: per probe and mismatch, Σ full influence = R removed on "
                               "held-out data + a same-batch part + a beyond-first-order part (docs/engine.md)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from ntpflow.files import atomic_write, load_tensors, read_json, save_tensors
+from ntpflow.model.sites import feature_name
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ class ProbeSet:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.feature_names = tuple(str(n) for n in self.feature_names)
+        self.feature_names = tuple(feature_name(str(n)) for n in self.feature_names)  # old toy names read as new
         self.positions = tuple(int(p) for p in self.positions)
         self.alpha = float(self.alpha)
         self.train_frac = float(self.train_frac)
@@ -283,7 +284,7 @@ class ProbeSet:
         """Index of a feature given by index or name."""
         if isinstance(feature, str):
             try:
-                return self.feature_names.index(feature)
+                return self.feature_names.index(feature_name(feature))
             except ValueError:
                 raise ValueError(f"unknown feature {feature!r}; have {self.feature_names}") from None
         F = len(self.feature_names)

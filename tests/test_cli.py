@@ -58,9 +58,9 @@ def test_train_then_probe(tmp_path, capsys):
                                   n_head=2, steps=12, batch_size=32, n_train=256, n_eval=128, eval_every=6,
                                   ckpt_every=4, log_every=2)
 
-    assert main(["probe", str(out), "--feature", "is_majority_<1>", "--device", "cpu"]) == 0
+    assert main(["probe", str(out), "--feature", "is_majority_<1>", "--device", "cpu"]) == 0  # the old name is read
     table = capsys.readouterr().out
-    assert "is_majority_<1>" in table and "is_majority_<0>" not in table
+    assert "is_majority_1" in table and "is_majority_0" not in table and "<" not in table
     lines = table.strip().splitlines()
     assert lines[1].split()[0] == "layer" and "p1" in lines[1].split()
     assert [line.split()[0] for line in lines[2:]] == ["0", "1"]  # resid layers 0..n_layer
@@ -68,7 +68,7 @@ def test_train_then_probe(tmp_path, capsys):
 
     assert main(["probe", str(out), "--weights", "4", "--device", "cpu"]) == 0  # a checkpoint, all features
     table = capsys.readouterr().out
-    assert all(f"is_majority_<{v}>" in table for v in range(3))
+    assert all(f"is_majority_{v}" in table for v in range(3))
     assert (out / "probes_4" / "probes.json").exists()
 
 

@@ -53,7 +53,7 @@ def row_balance_check(rows: "list[tuple[float, float]]", where: str) -> Check:
 
 GATE_ACC, GATE_GAP = 0.99, 0.01  # vanilla must learn the task on every seed
 CLAIM_LAYERS, CLAIM_POSITIONS = (1, 2), tuple(range(2, 10))  # input positions: the features are NTP-useless
-B_LEARNED = 0.9  # claim b: vanilla's prev_is_<0> probe r (window mean) on every seed
+B_LEARNED = 0.9  # claim b: vanilla's prev_is_0 probe r (window mean) on every seed
 B_THRESHOLD = 0.05  # claim b: a gain below this counts as "not learned"
 C_RATIO = 0.25  # claim c: |direct| < C_RATIO · (pre_cached + shared) counts as "small"
 WINDOW = "layers 1–2, input positions 2–9"
@@ -109,7 +109,7 @@ def _toy_rule_b() -> Rule:
         ok = g["vanilla"]["lo"] > 0 and all(g[r]["lo"] <= 0 or g[r]["hi"] < B_THRESHOLD for r in myopic)
         return REPRODUCED if ok else INCONCLUSIVE
 
-    return Rule(f"Per seed, gain = final r − init r of prev_is_<0>, averaged over {WINDOW}. Reproduced if vanilla's "
+    return Rule(f"Per seed, gain = final r − init r of prev_is_0, averaged over {WINDOW}. Reproduced if vanilla's "
                 f"gain has 95% CI lower bound > 0 and, for myopic and myopic-untied, the gain's CI includes 0 or lies "
                 f"below {B_THRESHOLD}. Not reproduced if myopic's or myopic-untied's gain has CI lower bound > "
                 f"{B_THRESHOLD}. Otherwise inconclusive.", decide)
@@ -157,14 +157,14 @@ def toy_claims(summary: dict) -> list[Claim]:
         gain = {g: per[g]["gain"] for g in ("vanilla", "myopic", "myopic-untied") if g in per}
         low = (per.get("vanilla") or {}).get("min_final")
         out.append(Claim(
-            "b", "a myopic model never learns prev_is_<0>", "no number given; the paper's code reaches probe r 0.998 "
+            "b", "a myopic model never learns prev_is_0", "no number given; the paper's code reaches probe r 0.998 "
             "in vanilla", _toy_rule_b(), {"gain": gain},
-            f"gain of prev_is_<0> r over init ({WINDOW}): " + "; ".join(
+            f"gain of prev_is_0 r over init ({WINDOW}): " + "; ".join(
                 f"{g} {fmt_ci(v)} (init r {fmt_ci(per[g]['init'])})" for g, v in gain.items()) + f". n = {n} seeds",
             (at_least("seeds", n, 2), Check("vanilla and myopic both run", sorted(gain),
                                             {"vanilla", "myopic"} <= set(gain)),
              *gate_checks(summary, "cond_majority"),
-             Check(f"vanilla learns prev_is_<0>: window probe r >= {B_LEARNED} on every seed (lowest)",
+             Check(f"vanilla learns prev_is_0: window probe r >= {B_LEARNED} on every seed (lowest)",
                    None if low is None else round(low, 3), low is not None and low >= B_LEARNED)),
             "cond_majority"))
     for t in summary["tasks"]:  # a task without tracked replays gets the claim too: not testable (0 seeds)

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from ntpflow.experiments.parallel import on_threads, one_run, run_jobs, run_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.files import ensure_writable_dir, read_json, write_json
-from ntpflow.model.sites import Site
+from ntpflow.model.sites import Site, feature_name
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute_group, influence_read_at
 from ntpflow.runs.config import REGIMES, TrainConfig
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 TASKS = ("majority", "cond_majority")
 # tracked feature per task (the NTP-useless feature of the paper)
-TRACKED = {"majority": ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>"), "cond_majority": ("prev_is_<0>",)}
+TRACKED = {"majority": ("is_majority_0", "is_majority_1", "is_majority_2"), "cond_majority": ("prev_is_0",)}
 
 
 @dataclass(frozen=True)
@@ -211,17 +211,19 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
         last = max(r["step"] for r in rows)
         stride = max(scale.curve_every, last // MAX_CURVE_POINTS)  # a long run keeps its curves (and data.json) small
         for r in rows:
-            site = {"layer": r["layer"], "pos": r["pos"], "feature": r["feature"], "mismatch": r["mismatch"]}
+            site = {"layer": r["layer"], "pos": r["pos"], "feature": feature_name(r["feature"]),
+                    "mismatch": r["mismatch"]}
             if r["step"] == last:
                 influence.append({**key, **site, "component": r["component"], "total": r["cumulative"],
-                                  "useful": bool(task.useful[r["pos"], task.feature_names.index(r["feature"])])})
+                                  "useful": bool(task.useful[r["pos"], task.feature_names.index(feature_name(r["feature"]))])})
             if r["step"] % stride == 0 or r["step"] == last:
                 curves.append({**key, **site, "step": r["step"] + 1, "component": r["component"],
                                "cumulative": r["cumulative"]})
         for p in read_json(att.summary)["probes"]:  # held-out R(θ_0), R removed, offset
-            mismatch.append({**key, **{k: p[k] for k in ("layer", "pos", "feature", "mismatch", "R0_eval",
-                                                         "R0_minus_RT_eval", "offset_share_R0")},
-                             "useful": bool(task.useful[p["pos"], task.feature_names.index(p["feature"])])})
+            name = feature_name(p["feature"])
+            mismatch.append({**key, **{k: p[k] for k in ("layer", "pos", "mismatch", "R0_eval",
+                                                         "R0_minus_RT_eval", "offset_share_R0")}, "feature": name,
+                             "useful": bool(task.useful[p["pos"], task.feature_names.index(name)])})
     tasks = sorted({c.task for c in configs}, key=TASKS.index)
     return {"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
             "influence_read_at": influence_read_at(attributed), "train": scale.train,

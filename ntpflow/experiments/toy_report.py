@@ -36,6 +36,7 @@ from ntpflow.experiments.formats import (
     train_settings,
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.model.sites import feature_name
 from ntpflow.runs.config import REGIMES
 from ntpflow.stats import mean_of, paired, r_stats, stat_rows, stats
 
@@ -44,8 +45,8 @@ TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}
 MISMATCHES = ("centred", "paper")
 MISMATCH_LABELS = {"centred": "R_c = var(d), centred", "paper": "R = mean(d²), paper"}
 REGIME_COLORS = dict(zip(REGIMES, (fs.OKABE_ITO[c] for c in ("blue", "vermillion", "green", "purple"))))
-PROBE_FEATURES = {"majority": ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>"),
-                  "cond_majority": ("prev_is_<0>",)}
+PROBE_FEATURES = {"majority": ("is_majority_0", "is_majority_1", "is_majority_2"),
+                  "cond_majority": ("prev_is_0",)}
 PAPER_SETTINGS = {"seeds": "10", "steps": "3000", "batch_size": "256", "lr": "0.001", "n_layer": "2",
                   "d_model": "128", "n_head": "4", "n_train": "102400", "n_eval": "10240"}
 INFLUENCE_UNIT = "probe units² (first-order change of the mismatch)"
@@ -125,8 +126,8 @@ def _learning(eval_curves: list[dict], tasks: list[str], seeds: list[int]) -> di
 
 def _probe_r(probes: list[dict]):
     """``r_of(task, regime, seed, weights, layer, pos)``: the probe r there, mean over the task's probed features."""
-    r_at = {(p["task"], p["regime"], p["seed"], p["weights"], p["layer"], p["pos"], p["feature"]): p["r"]
-            for p in probes}
+    r_at = {(p["task"], p["regime"], p["seed"], p["weights"], p["layer"], p["pos"], feature_name(p["feature"])): p["r"]
+            for p in probes}  # data.json of results written before 0.2 spells is_majority_<0>
     return lambda t, g, s, w, k, i: mean_of(r_at.get((t, g, s, w, k, i, f)) for f in PROBE_FEATURES[t])
 
 

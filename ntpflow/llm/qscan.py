@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ntpflow.llm.corpus import DOMAINS, FORMAL_DOMAINS, Contexts
+from ntpflow.llm.corpus import DOMAINS, Contexts
 from ntpflow.llm.sae import as_sae
 from ntpflow.stats import sigma_ci
 
@@ -386,10 +386,12 @@ class QScanResult:
         n_examples: examples used per latent.
         included: ``total_kl > kl_cutoff`` (and at least one example).
         d_mean: mean ``d_m`` profile per latent, ``[S][H]``.
-        domain_share: share of the latent's examples in each of :data:`~ntpflow.llm.corpus.DOMAINS`, ``[S][3]``.
+        domain_share: share of the latent's examples in each of ``domains``, ``[S][len(domains)]``.
         domain: the domain with the largest share per latent.
-        is_formal: whether code + math hold more than half of the latent's examples.
+        is_formal: whether the formal domains (code + math, or the user's) hold more than half of its examples.
         kl_cutoff: the cutoff used.
+        domains: the corpus's domains (:attr:`~ntpflow.llm.corpus.Contexts.domain_names`; default
+            :data:`~ntpflow.llm.corpus.DOMAINS`, for results saved before they were stored).
     """
 
     mode: str
@@ -404,6 +406,7 @@ class QScanResult:
     is_formal: list[bool]
     kl_cutoff: float
     extra: dict = field(default_factory=dict)
+    domains: list[str] = field(default_factory=lambda: list(DOMAINS))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -448,13 +451,14 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
             pp.append(e.position)
             owner.append(s)
     dom = contexts.domain_ids()
-    share = torch.zeros(len(lat_list), len(DOMAINS))
+    names = list(contexts.domain_names)
+    share = torch.zeros(len(lat_list), len(names))
     owner_t = torch.tensor(owner, dtype=torch.long)
     if owner:
         share.index_put_((owner_t, dom[torch.tensor(pc)]), torch.ones(len(owner)), accumulate=True)
     counts = torch.bincount(owner_t, minlength=len(lat_list)) if owner else torch.zeros(len(lat_list))
     share = share / counts.clamp(min=1)[:, None]
-    formal = sum(share[:, DOMAINS.index(d)] for d in FORMAL_DOMAINS) > 0.5
+    formal = share[:, [names.index(d) for d in contexts.formal]].sum(1) > 0.5
     results = {}
     modes = list(cfg.modes)
     d_all = ablation_kl(adapter, sae, tokens, hook, torch.tensor(pl, dtype=torch.long),
@@ -474,8 +478,8 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
         results[mode] = QScanResult(
             mode=mode, latents=lat_list, q=q, total_kl=tot, n_examples=n_ex,
             included=[n > 0 and t > cfg.kl_cutoff for n, t in zip(n_ex, tot)], d_mean=dm,
-            domain_share=share.tolist(), domain=[DOMAINS[int(i)] for i in share.argmax(1)],
-            is_formal=formal.tolist(), kl_cutoff=cfg.kl_cutoff)
+            domain_share=share.tolist(), domain=[names[int(i)] for i in share.argmax(1)],
+            is_formal=formal.tolist(), kl_cutoff=cfg.kl_cutoff, domains=names)
     return results
 
 
@@ -483,8 +487,8 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
 
 
 def q_statistics(result: QScanResult, tail: float = 0.1) -> dict:
-    """The paper's statistics on the included latents: sigma(ln Q) with 95% CIs for formal (code/math) and other
-    latents, and the domain make-up of the lowest and highest ``tail`` share of Q."""
+    """The paper's statistics on the included latents: sigma(ln Q) with 95% CIs for formal (code/math, or the
+    user's formal domains) and other latents, and the domain make-up of the lowest and highest ``tail`` share of Q."""
     q, formal, doms = result.included_q()
     ok = q > 0
     lq, formal, doms = np.log(q[ok]), formal[ok], [d for d, k in zip(doms, ok) if k]
@@ -496,8 +500,8 @@ def q_statistics(result: QScanResult, tail: float = 0.1) -> dict:
     order = np.argsort(lq)
     n_tail = max(1, round(tail * len(lq))) if len(lq) else 0
     for name, idx in (("low_tail", order[:n_tail]), ("high_tail", order[len(order) - n_tail:])):
-        out[name] = {d: (sum(doms[i] == d for i in idx) / max(1, len(idx))) for d in DOMAINS}
-    out["all"] = {d: (sum(x == d for x in doms) / max(1, len(doms))) for d in DOMAINS}
+        out[name] = {d: (sum(doms[i] == d for i in idx) / max(1, len(idx))) for d in result.domains}
+    out["all"] = {d: (sum(x == d for x in doms) / max(1, len(doms))) for d in result.domains}
     if len(lq):
         out["median_q"] = float(np.exp(np.median(lq)))
     return out

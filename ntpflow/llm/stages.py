@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ntpflow.files import InFolder, json_safe, read_json, sidecar, write_json
-from ntpflow.llm.corpus import Contexts, build_corpus, hf_encoder, tokenize_corpus
+from ntpflow.llm.corpus import Contexts, build_corpus, hf_encoder, tokenize_corpus, user_documents
 from ntpflow.llm.qscan import QScanConfig, QScanResult, q_scan, q_statistics
 from ntpflow.llm.sae import (
     TrainSAEConfig,
@@ -87,11 +87,16 @@ def _quiet(msg: str) -> None:
 
 
 def make_contexts(lm: Any, docs_per_domain: int, ctx_len: int, seed: int, stories: str | None = None,
-                  windows_per_doc: int = 2) -> Contexts:
+                  windows_per_doc: int = 2, domains: dict[str, str] | None = None,
+                  formal: tuple[str, ...] | None = None) -> Contexts:
     """Stage 1: the seeded corpus (``docs_per_domain`` documents of each domain; stories from the TinyStories
-    folder ``stories`` or generated) cut into windows of ``ctx_len`` tokens of ``lm``'s tokenizer, BOS first."""
-    docs = build_corpus(docs_per_domain, seed=seed, stories_path=stories)
-    return tokenize_corpus(docs, hf_encoder(lm.tokenizer), ctx_len, lm.bos_id, max_windows_per_doc=windows_per_doc)
+    folder ``stories`` or generated) cut into windows of ``ctx_len`` tokens of ``lm``'s tokenizer, BOS first.
+    ``domains`` ({label: text file or folder}, :func:`~ntpflow.llm.corpus.user_documents`) replaces stories, code
+    and math by the user's, with ``formal`` the labels that count as formal."""
+    docs = (user_documents(domains, docs_per_domain, seed) if domains
+            else build_corpus(docs_per_domain, seed=seed, stories_path=stories))
+    return tokenize_corpus(docs, hf_encoder(lm.tokenizer), ctx_len, lm.bos_id, max_windows_per_doc=windows_per_doc,
+                           formal=formal if domains else None)
 
 
 def train_sae_of_kind(acts: torch.Tensor, spec: dict, seed: int) -> tuple[Any, dict]:

@@ -37,7 +37,8 @@ from ntpflow.files import (
     resolve_device,
     write_json,
 )
-from ntpflow.model.sites import Site, checked_sites
+from ntpflow.model.sites import Site, checked_sites, feature_name
+from ntpflow.replay.directions import direction_probes, direction_records
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
 from ntpflow.runs.probe import load_or_probe
@@ -54,7 +55,7 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
     probes = load_or_probe(run, "final", device)
     if probes.metadata.get("config_hash") != run.cfg.hash():
         raise ValueError(f"the probes in {run.probes_dir('final')} were fitted on another run")
-    names = list(features) if features else list(probes.feature_names)
+    names = [feature_name(f) for f in features] if features else list(probes.feature_names)
     unknown = [n for n in names if n not in probes.feature_names]
     if unknown:
         raise ValueError(f"unknown feature(s) {unknown}; the task has {list(probes.feature_names)}")
@@ -70,7 +71,7 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
 def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str] | None = None, *,
               out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
               progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-              reading: str = "exact", readout: int | None = None) -> Path:
+              reading: str = "exact", readout: int | None = None, directions: dict | None = None) -> Path:
     """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
@@ -83,6 +84,8 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     integral along the step (adaptive Gauss–Legendre, ``InfluenceTracker.use_readout``); summary.json gives every
     row's residual. ``"paper"`` is the paper's reading: R on each step's batch, ∇R at the step's start θ_t;
     ``"midpoint"`` the same batch, ∇R at the step's midpoint.
+    ``directions`` {name: (Site, tensor, array or path)}: directions of one's own, tracked as features named
+    ``name`` beside the task's (``ntpflow.replay.directions``; with empty ``sites``, instead of them).
     """
     run = Run.open(run_dir)
     if not run.done:
@@ -90,11 +93,13 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     cfg = run.cfg
     readout = readout_size(reading, readout, cfg.n_eval)
     dev = resolve_device(device if device != "auto" else cfg.device)
-    sites = run_sites(run, sites)
+    sites = run_sites(run, sites) if sites or not directions else []
+    mc = run.model_config()
+    extra = direction_probes(directions or {}, mc.n_layer, run.task.seq_len, mc.d_model, run.task.feature_names)
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
         return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, reading == "midpoint",
-                       readout)
+                       readout, extra)
 
 
 READINGS = ("exact", "paper", "midpoint")
@@ -222,8 +227,8 @@ def run_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
 
 
 def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress, sgd_rows,
-            midpoint, readout=None) -> Path:
-    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint, readout=readout)
+            midpoint, readout=None, extra=()) -> Path:
+    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint, readout=readout, extra=extra)
     if m.done:
         return out
     advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
@@ -248,16 +253,19 @@ class _Tracked:
     it; ``finish()`` at the end. ``done``: the folder already holds a finished attribution (nothing else is set)."""
 
     def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool,
-                 midpoint: bool, run_axis: bool = False, readout: int | None = None):
+                 midpoint: bool, run_axis: bool = False, readout: int | None = None, extra: Sequence[Probe] = ()):
         cfg = run.cfg
         self.run, self.out, self.dev = run, out, dev
-        self.probes = make_probes(run, sites, features, device)
-        spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
+        task_probes = make_probes(run, sites, features, device) if sites else []  # none: the directions only
+        self.probes = task_probes + list(extra)
+        spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in task_probes}),
                 "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint, "run_axis": run_axis,
-                "readout": readout}
+                "readout": readout, "directions": direction_records(extra)}
         folder = AttributionDir(out)
-        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, "readout": None, **read_json(folder.spec)} if (
+        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, "readout": None, "directions": [],
+               **read_json(folder.spec)} if (
             folder.spec.exists()) else spec  # keys missing in specs written before they existed
+        old["features"] = sorted(feature_name(f) for f in old["features"])  # toy names before 0.2
         self.done = folder.done
         if self.done and {**old, "run_axis": run_axis} == spec:
             spec = old  # finished either way: the spec keeps saying how
@@ -270,6 +278,8 @@ class _Tracked:
             elif {**old, "run_axis": run_axis} == spec:
                 what = ("tracked over its group's run axis (resume it with attribute --group)" if old["run_axis"]
                         else "tracked one member at a time (resume it with attribute RUN_DIR, without --group)")
+            elif {**old, "directions": spec["directions"]} == spec:
+                what = "of other directions (names, sites or vectors: spec.json records each one's sha256)"
             else:
                 what = "with other sites/features/rows"
             raise ValueError(f"{out} holds an attribution {what}; write to another folder (attribute --out) or "
