@@ -14,7 +14,14 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
 from ntpflow.experiments.claim_registry import PAPER_CI, othello_claims
-from ntpflow.experiments.formats import mismatch_summary, plain_number, read_at_settings, select, sites_text
+from ntpflow.experiments.formats import (
+    mismatch_summary,
+    plain_number,
+    read_at_settings,
+    residual_share,
+    select,
+    sites_text,
+)
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
 from ntpflow.stats import finite, mean_of, slope, stat_rows, stats
 
@@ -104,6 +111,7 @@ def summarize(data: dict) -> dict:
         "probe_grid": _split(grid, False), "gap_by_layer": _split(by_layer, True), "gap_by_pos": _split(by_pos, True),
         "gap_grid": _split(grid, True), "gap_slopes": gap_slopes,
         "influence": table, "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
+        "exact_account": residual_share(r for r in records if r["mismatch"] == "paper"),
         **by_mismatch,
     }
     summary["claims"] = [c.to_dict() for c in othello_claims(summary)]

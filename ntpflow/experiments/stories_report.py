@@ -23,6 +23,7 @@ from ntpflow.experiments.formats import (
     COMPONENTS,
     mismatch_summary,
     read_at_settings,
+    residual_share,
     select,
     sites_text,
     train_settings,
@@ -102,6 +103,9 @@ def summarize(data: dict) -> dict:
         "probe_per_feature": _probe_per_feature(probes, groups, regimes, seeds, layers),
         "probe_profiles": profile_rows, "influence": _influence(influence, groups, regimes, seeds),
         "influence_curves": curve_rows, **by_mismatch, "samples": data.get("samples") or None,
+        "exact_account": {g: residual_share(r for r in mismatch if r.get("regime") == "vanilla"
+                                            and r["mismatch"] == "paper" and r["feature"] in members)
+                          for g, members in groups.items()},
     }
     summary["claims"] = [c.to_dict() for c in stories_claims(summary)]
     return summary

@@ -31,6 +31,7 @@ from ntpflow.experiments.formats import (
     COMPONENTS,
     plain_number,
     read_at_settings,
+    residual_share,
     select,
     sites_text,
     train_settings,
@@ -74,7 +75,9 @@ def summarize(data: dict) -> dict:
                "probe_layers": layers, "probe_profiles": profiles,
                "probe_gain": probe_gain, "influence": _influence(influence, tasks, n_layer), "offset_share": offset_rows,
                "balance": balance_rows, "sites_detail": site_rows,
-               "influence_curves": _influence_curves(data.get("curves") or [], n_layer)}
+               "influence_curves": _influence_curves(data.get("curves") or [], n_layer),
+               "exact_account": {t: residual_share(r for r in mismatch if r["task"] == t and r["mismatch"] == "centred"
+                                                   and _useless(r, n_layer)) for t in tasks}}
     summary["claims"] = [c.to_dict() for c in toy_claims(summary)]
     return summary
 
