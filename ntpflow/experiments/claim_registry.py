@@ -76,6 +76,18 @@ def account_check(account: dict | None, where: str) -> Check:
                  "largest ratio)", value, not bad and worst <= RESIDUAL_LIMIT, *FIXED_ACCOUNT)
 
 
+def account_text(reading: str, checks) -> tuple[str, bool]:
+    """What an influence figure states about its decomposition, and whether it passes its precondition:
+    "exact account: largest |residual| / R_H(θ_0) = x" or "paper's reading, balance x× (rows e)"."""
+    ok = all(c.ok for c in checks)
+    if reading == EXACT:
+        return f"exact account: largest |residual| / R_H(θ_0) = {checks[0].value}", ok
+    values = [c.value for c in checks]
+    rows = f"; rows {values[1]}" if len(values) > 1 else ""
+    factor = values[0] if isinstance(values[0], str) else f"{values[0]:g}×"
+    return f"paper's reading, balance {factor}{rows}", ok
+
+
 def influence_checks(account: dict | None, balance, where: str) -> tuple[str, tuple[Check, ...]]:
     """``(reading, checks)`` of an influence claim: the exact account's residual check when the replay has one
     (``account`` not None), else the paper's reading with the first-order balance checks ``balance()``."""
