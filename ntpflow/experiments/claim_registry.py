@@ -441,6 +441,34 @@ def _stories_rule_c() -> Rule:
                 "reported, not scored: the paper compares direct with pre-cached.)", decide, *FIXED_STORIES)
 
 
+def stories_influence_checks(summary, group: str) -> tuple[str, tuple[Check, ...]]:
+    """``(reading, checks)`` of a TinyStories influence claim on the feature ``group`` ("syntax" for c, "position"
+    for d): the exact account's residual check where the replays have one, else the balance checks."""
+    return next(checks for g, checks in _stories_checks(summary) if g == group)
+
+
+def _stories_checks(summary):
+    """[(group, (reading, checks))] for the groups of claims c and d."""
+    infl = summary["influence"]
+
+    def balance(group):  # vanilla, R, the group's tracked (layer, feature) rows (means over positions, seeds)
+        members = set((summary.get("feature_groups") or {}).get(group) or ())
+        rows = [(r["paper_full"], r["paper_removed"]) for r in summary.get("mismatch_by_site") or []
+                if r["regime"] == "vanilla" and r["feature"] in members
+                and None not in (r.get("paper_full"), r.get("paper_removed"))]
+        if rows:
+            full, removed = sum(f for f, _ in rows), sum(d for _, d in rows)
+        else:  # results written before the mismatch records: the group's means
+            raw = infl.get(group, {}).get("per_regime", {}).get("vanilla", {}).get("raw", {})
+            full, removed = ((raw.get(k) or {}).get("mean") for k in ("full", "mismatch_removed"))
+        where = f"R of the vanilla runs, {group} features"
+        return (balance_check(full, removed, where), row_balance_check(rows, f"{where}; rows: layer × feature"))
+
+    return [(g, influence_checks((summary.get("exact_account") or {}).get(g), lambda g=g: balance(g),
+                                 f"R of the vanilla runs, {g} features, every seed × site"))
+            for g in ("syntax", "position")]
+
+
 def stories_claims(summary) -> list[Claim]:
     """The four TinyStories claims of the paper (docs/paper.md#tinystories), judged on ``summary``."""
     lo, pq, infl = summary["loss"], summary["probe_quality"], summary["influence"]
@@ -458,23 +486,6 @@ def stories_claims(summary) -> list[Claim]:
     b_text = (f"syntactic probe r: vanilla {fmt_ci(v['final'])}, myopic {fmt_ci(m['final'])}, init "
               f"{fmt_ci(syn.get('init'))}; gain over init: vanilla {fmt_ci(v['gain'])}, myopic {fmt_ci(m['gain'])}; "
               f"D = vanilla − myopic {fmt_ci(big_d)}") if v and m else "no probe data for vanilla and myopic"
-    def checks(group):  # the exact account where the replays have one, else the paper's reading
-        return influence_checks(((summary.get("exact_account") or {}).get(group)), lambda: balance(group),
-                                f"R of the vanilla runs, {group} features, every seed × site")
-
-    def balance(group):  # vanilla, R, the group's tracked (layer, feature) rows (means over positions, seeds)
-        members = set((summary.get("feature_groups") or {}).get(group) or ())
-        rows = [(r["paper_full"], r["paper_removed"]) for r in summary.get("mismatch_by_site") or []
-                if r["regime"] == "vanilla" and r["feature"] in members
-                and None not in (r.get("paper_full"), r.get("paper_removed"))]
-        if rows:
-            full, removed = sum(f for f, _ in rows), sum(d for _, d in rows)
-        else:  # results written before the mismatch records: the group's means
-            raw = infl.get(group, {}).get("per_regime", {}).get("vanilla", {}).get("raw", {})
-            full, removed = ((raw.get(k) or {}).get("mean") for k in ("full", "mismatch_removed"))
-        where = f"R of the vanilla runs, {group} features"
-        return (balance_check(full, removed, where), row_balance_check(rows, f"{where}; rows: layer × feature"))
-
     # (c) syntax through the direct path
     sv = infl.get("syntax", {}).get("per_regime", {}).get("vanilla")
     e = sv["direct_minus_pre_cached_share"] if sv else empty
@@ -491,7 +502,7 @@ def stories_claims(summary) -> list[Claim]:
               + ("; ".join(f"{COMPONENT_LABELS[c]} {fmt_ci(pv['share'][c])}" for c in COMPONENTS) if pv else "n/a")
               + f"; P = pre-cached − direct {fmt_ci(big_p)}. (d2) position probe r: D = vanilla − myopic "
               f"{fmt_ci(pos_d)}")
-    (read_c, checks_c), (read_d, checks_d) = checks("syntax"), checks("position")
+    (read_c, checks_c), (read_d, checks_d) = (checks for _, checks in _stories_checks(summary))
     return [
         Claim("a", "a myopic model (no pre-caching) reaches a clearly worse held-out loss",
               f"vanilla {PAPER_LOSS['vanilla'][0]} ± {PAPER_LOSS['vanilla'][1]}, myopic {PAPER_LOSS['myopic'][0]} ± "

@@ -160,11 +160,16 @@ def mark_off_axis(ax, xs, ys, lo=None, hi=None, color="#000000") -> int:
 
 def account_note(ax, text: str, ok: bool) -> None:
     """State an influence panel's account in its top-left corner (``text``: the exact account's largest
-    |residual| / R_H(θ_0), or "paper's reading, balance x"); a failed precondition frames the panel in red and says
-    so."""
-    ax.text(0.01, 0.99, text if ok else f"✗ precondition fails: {text}", transform=ax.transAxes, ha="left", va="top",
-            fontsize=8, color="#000000" if ok else FAIL_COLOR,
-            bbox={"facecolor": "white", "edgecolor": "none" if ok else FAIL_COLOR, "alpha": 0.85, "pad": 1.5})
+    |residual| / R_H(θ_0), or "paper's reading, balance x"; lines wrapped to the panel's width); a failed
+    precondition frames the panel in red and says so."""
+    fig = ax.get_figure()
+    chars = max(20, int(ax.get_position().width * fig.get_figwidth() * 14))  # 8-pt characters across the panel
+    lines = [w for line in (text if ok else f"✗ precondition fails: {text}").split("\n")
+             for w in textwrap.wrap(line, chars)]
+    note = ax.text(0.01, 0.99, "\n".join(lines), transform=ax.transAxes, ha="left", va="top", fontsize=8,
+                   color="#000000" if ok else FAIL_COLOR, zorder=6,
+                   bbox={"facecolor": "white", "edgecolor": "none" if ok else FAIL_COLOR, "alpha": 0.85, "pad": 1.5})
+    note.set_in_layout(False)  # the note sits inside the panel; the layout must not make room for it
     if not ok:
         for side in ax.spines.values():
             side.set_visible(True)

@@ -378,7 +378,7 @@ def _fig_influence(summary, kind):
                     fs.mean_line(ax, select(rows, task=t, mismatch=m, component=c), "step", fs.COMPONENT_COLORS[c],
                                  band=True, lw=1.4, ls=":" if c == "full" else "-", label=COMPONENT_LABELS[c])
                 ax.set_xlabel("training step")
-                ax.set_ylabel("cumulative influence (probe units²)")
+                ax.set_ylabel("cumulative influence\n(probe units²)")
             ax.axhline(0, color="#000000", lw=0.8)
             ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
             if m == "centred":  # the mismatch claim c is decided on carries its precondition
