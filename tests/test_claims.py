@@ -239,3 +239,23 @@ def test_row_balance_is_a_factor_2_per_row_and_sees_cancellation(rows, ok):
     assert check.value == pytest.approx(round(expected, 3)) and check.ok == ok
     assert ROW_LIMIT == pytest.approx(2 / 3)
     assert row_balance_check([], "none").value == "no data" and not row_balance_check([], "none").ok
+
+
+def test_one_palette_per_meaning():
+    """No colour means two things: the palettes of figure_style are disjoint (formal/other latents are drawn in the
+    code/stories domain colours on purpose) and the baseline grey and the failure red belong to no palette."""
+    from ntpflow.experiments import figure_style as fs
+
+    seen = {}
+    for meaning, palette in fs.PALETTES.items():
+        for key, color in palette.items():
+            if meaning == "group" and key in ("formal", "other", "baseline"):
+                continue
+            assert color.upper() not in seen, f"{meaning}/{key} reuses {seen.get(color.upper())}'s colour"
+            seen[color.upper()] = f"{meaning}/{key}"
+    assert fs.BASELINE.upper() not in seen and fs.FAIL_COLOR.upper() not in seen
+    assert fs.GROUP_COLORS["formal"] == fs.DOMAIN_COLORS["code"] and fs.GROUP_COLORS["baseline"] == fs.BASELINE
+    from ntpflow.experiments import othello_report, stories_report, toy_report
+
+    assert toy_report.REGIME_COLORS == fs.REGIME_COLORS and othello_report.TYPE_COLORS == fs.TYPE_COLORS
+    assert all(stories_report.REGIME_COLORS[r] == fs.REGIME_COLORS[r] for r in stories_report.REGIMES)
