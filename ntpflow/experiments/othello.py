@@ -263,7 +263,8 @@ def _held_out_records(att: AttributionDir) -> tuple[list[dict], list[dict]]:
             site = {"layer": p["layer"], "pos": p["pos"], "square": p["feature"]}
             mismatch.append({**site, "mismatch": p.get("mismatch", "paper"),
                              **{k: _num(p.get(k, math.nan), 12)
-                                for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")}})
+                                for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")},
+                             **{k: _num(p[k], 12) for k in ("change", "residual") if k in p}})  # exact account
             if p.get("mismatch", "paper") == "paper":  # the sanity check and figures use the paper's R
                 sanity.append({**site, "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 12),
                                "adam_full": _num(p.get("adam_full", math.nan), 12)})

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style
 from ntpflow.experiments import formats as fm
+from ntpflow.experiments.claims import verdict_text
 from ntpflow.files import atomic_write, read_json
 from ntpflow.stats import finite
 
@@ -89,9 +90,11 @@ def _claim_rows(claims, show_experiment: bool) -> tuple[list[str], list[list[str
         label = f"({c['id']}) " if c.get("id") else ""
         context = f" [{c['context']}]" if c.get("context") else ""
         pre = "; ".join(f"{p['name']}: {p['value']}{'' if p['ok'] else ' (fails)'}"
+                        + (f" [fixed {p['fixed']}, against {p['against']}]" if p.get("fixed") else "")
                         for p in c.get("preconditions") or [])
-        rule = c.get("rule", "") + (f" Preconditions: {pre}." if pre else "")
-        row = [f"{label}{c['claim']}{context}", c.get("paper") or "n/a", c.get("measured", ""), c["verdict"], rule]
+        record = f" Rule fixed {c['fixed']}, against {c['against']}." if c.get("fixed") else ""
+        rule = c.get("rule", "") + record + (f" Preconditions: {pre}." if pre else "")
+        row = [f"{label}{c['claim']}{context}", c.get("paper") or "n/a", c.get("measured", ""), verdict_text(c), rule]
         rows.append(([c.get("experiment", "")] if show_experiment else []) + row)
     return header, rows
 
@@ -157,7 +160,7 @@ def _html_table(header, rows, tid) -> str:
     for r in rows:
         cells = []
         for h, c in zip(header, r):
-            cls = f' class="v-{e(str(c).replace(" ", "-"))}"' if h == "verdict" else ""
+            cls = f' class="v-{e(str(c).split(" (")[0].replace(" ", "-"))}"' if h == "verdict" else ""
             cells.append(f"<td{cls}>{e(str(c))}</td>")
         t.append("<tr>" + "".join(cells) + "</tr>")
     t.append("</tbody></table>")

@@ -282,7 +282,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
             for p in read_json(att.summary)["probes"]:  # one entry per site x feature x mismatch
                 site = {**key, "layer": p["layer"], "pos": p["pos"], "feature": p["feature"]}
                 mismatch.append({**site, "mismatch": p.get("mismatch", "paper"),
-                                 **{k: _finite(p.get(k)) for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")}})
+                                 **{k: _finite(p.get(k)) for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")},
+                                 **{k: _finite(p[k]) for k in ("change", "residual") if k in p}})  # exact account
                 if p.get("mismatch", "paper") != "paper":  # the influence rows above are the paper's R
                     continue
                 influence.append({**site, "group": group_of.get(p["feature"], "other"),

@@ -223,6 +223,7 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             name = feature_name(p["feature"])
             mismatch.append({**key, **{k: p[k] for k in ("layer", "pos", "mismatch", "R0_eval",
                                                          "R0_minus_RT_eval", "offset_share_R0")}, "feature": name,
+                             **{k: p[k] for k in ("change", "residual") if k in p},  # the exact account's
                              "useful": bool(task.useful[p["pos"], task.feature_names.index(name)])})
     tasks = sorted({c.task for c in configs}, key=TASKS.index)
     return {"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
