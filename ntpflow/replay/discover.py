@@ -52,7 +52,8 @@ def generalized_eig(M: torch.Tensor, S0: torch.Tensor, rcond: float = 1e-4) -> d
     trace_active = torch.trace(Ua.T @ M @ Ua)
     vectors = (V / V.norm(dim=0)).T
     sign = torch.sign(vectors.gather(1, vectors.abs().argmax(1, keepdim=True)))
-    return {"values": vals, "vectors": vectors * sign, "shares": vals * images / trace_active,
+    shares = vals * images / trace_active if trace_active != 0 else torch.zeros_like(vals)  # c moved nothing here
+    return {"values": vals, "vectors": vectors * sign, "shares": shares,
             "active": int(keep.sum()), "trace_active": trace_active.item(), "basis": Ua}
 
 
