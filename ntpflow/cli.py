@@ -1,4 +1,4 @@
-"""Command line: ``ntpflow {train,probe,attribute,balance,reproduce,sweep,qscan,demo} ...``.
+"""Command line: ``ntpflow {train,probe,attribute,discover,balance,reproduce,sweep,qscan,demo} ...``.
 
 Parses input, builds configs, calls library functions."""
 
@@ -16,6 +16,7 @@ from ntpflow.probes import probe_table
 from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.replay.balance import audit_balance
 from ntpflow.replay.directions import parse_direction, sae_directions
+from ntpflow.replay.discover import discover
 from ntpflow.runs.config import REGIMES, TrainConfig, apply_overrides
 from ntpflow.runs.group import group_dirs
 from ntpflow.runs.probe import load_or_probe, probe_run
@@ -114,6 +115,8 @@ def cmd_attribute(args) -> int:
         raise ValueError("give --sites (the task's features) and/or --direction / --sae (directions of your own)")
     if directions and (args.group or len(dirs) > 1):
         raise ValueError("--direction and --sae replay a single run (not --group or several run dirs)")
+    if args.matrices and (args.group or len(dirs) > 1):
+        raise ValueError("--matrices replays a single run (not --group or several run dirs)")
     if args.group:
         if len(dirs) != 1:
             raise ValueError("--group takes one run dir, a member of the group")
@@ -122,7 +125,7 @@ def cmd_attribute(args) -> int:
     if len(dirs) == 1 and not args.group:
         outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
                           progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                          reading=reading, readout=args.readout, directions=directions)]
+                          reading=reading, readout=args.readout, directions=directions, matrices=args.matrices)]
     elif args.out:
         raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
     else:
@@ -276,6 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_probe, _add_attribute, _add_balance, _add_reproduce, _add_sweep, _add_qscan, _add_demo):
         add(sub)
+    _add_discover(sub)
     return p
 
 
@@ -356,10 +360,52 @@ def _add_attribute(sub) -> None:
                         "(default 256, or all of them if fewer), each step's change of them measured and split by "
                         "a path integral along the step; summary.json gives each row's residual, the last line "
                         "PASS/FAIL against 1%% (docs/balance.md)")
+    a.add_argument("--matrices", action="store_true",
+                   help="also save every site's influence matrices (OUT/matrices.safetensors; the exact account "
+                        "only), from which any direction's influence is read afterwards and ntpflow discover finds "
+                        "the directions each component moved most (docs/discover.md)")
     a.add_argument("--force-unlock", action="store_true",
                    help="take over the output folder's lock left by a process on another host that is gone")
     a.add_argument("--device", help="auto (default), cpu, cuda, ...")
     a.set_defaults(fn=cmd_attribute)
+
+
+def cmd_discover(args) -> int:
+    """``ntpflow discover``: each component's top directions at a site from an attribution's influence matrices;
+    print the output folder and its markdown."""
+    out = discover(args.run_dir, parse_site_arg(args.site), attribution_dir=args.attribution, out_dir=args.out,
+                   top=args.top, null_draws=args.null, seed=args.seed, rcond=args.rcond)
+    print(out)
+    print((out / "discover.md").read_text())
+    return 0
+
+
+def parse_site_arg(text: str):
+    """One site LAYER:POS (ValueError otherwise)."""
+    sites = parse_sites(text)
+    if len(sites) != 1:
+        raise ValueError(f"--site takes one LAYER:POS, got {text!r}")
+    return sites[0]
+
+
+def _add_discover(sub) -> None:
+    """The ``ntpflow discover`` subcommand."""
+    d = sub.add_parser("discover", help="the directions whose mismatch each component removed most, from the "
+                       "influence matrices of attribute --readout N --matrices",
+                       epilog="example: ntpflow discover runs/cmaj-s0 --site 1:4\n"
+                              "Python: ntpflow.replay.discover.discover('runs/cmaj-s0', ntpflow.Site(1, 4))\n"
+                              "writes OUT/discover.json and OUT/discover.md (docs/discover.md)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("run_dir", help="a finished run whose attribution holds influence matrices")
+    d.add_argument("--site", required=True, help="LAYER:POS, one of the attributed sites")
+    d.add_argument("--attribution", help="the attribution folder (default RUN_DIR/attribution)")
+    d.add_argument("--out", help="output folder (default ATTRIBUTION/discover/LAYER_POS)")
+    d.add_argument("--top", type=int, default=3, help="directions per component (default 3)")
+    d.add_argument("--null", type=int, default=1000, help="random subspaces drawn for the null (default 1000)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the null's draws (default 0)")
+    d.add_argument("--rcond", type=float, default=1e-4,
+                   help="S_0's active subspace: eigenvalues above rcond × the largest (default 1e-4)")
+    d.set_defaults(fn=cmd_discover)
 
 
 def _add_balance(sub) -> None:

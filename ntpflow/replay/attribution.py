@@ -11,6 +11,7 @@ Output folder (default ``RUN_DIR/attribution``)::
                         ntpflow.engine.influence); the schema of every column: docs/outputs.md
     summary.json        per probe and mismatch: integrated influence per component vs the mismatch removed,
                         R(θ_0) − R(θ_T) on held-out data, and the offset share of R(θ_0), mean² / R
+    matrices.safetensors  (``matrices=True``) every site's influence matrices (``ntpflow.replay.matrices``)
 
 **Positive influence means the component moved the feature toward its final value.**
 """
@@ -39,6 +40,7 @@ from ntpflow.files import (
 )
 from ntpflow.model.sites import Site, checked_sites, feature_name
 from ntpflow.replay.directions import direction_probes, direction_records
+from ntpflow.replay.matrices import save_matrices
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
 from ntpflow.runs.probe import load_or_probe
@@ -71,7 +73,8 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
 def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str] | None = None, *,
               out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
               progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-              reading: str = "exact", readout: int | None = None, directions: dict | None = None) -> Path:
+              reading: str = "exact", readout: int | None = None, directions: dict | None = None,
+              matrices: bool = False) -> Path:
     """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
@@ -86,12 +89,17 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     ``"midpoint"`` the same batch, ∇R at the step's midpoint.
     ``directions`` {name: (Site, tensor, array or path)}: directions of one's own, tracked as features named
     ``name`` beside the task's (``ntpflow.replay.directions``; with empty ``sites``, instead of them).
+    ``matrices=True`` (the exact account only) also saves every site's influence matrices, from which any
+    direction's influence can be read afterwards (``ntpflow.replay.matrices.direction_influence``,
+    ``ntpflow discover``).
     """
     run = Run.open(run_dir)
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
     readout = readout_size(reading, readout, cfg.n_eval)
+    if matrices and readout is None:
+        raise ValueError("--matrices needs the exact account (not --paper or --midpoint)")
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, sites) if sites or not directions else []
     mc = run.model_config()
@@ -99,7 +107,7 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
         return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, reading == "midpoint",
-                       readout, extra)
+                       readout, extra, matrices)
 
 
 READINGS = ("exact", "paper", "midpoint")
@@ -227,8 +235,9 @@ def run_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
 
 
 def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress, sgd_rows,
-            midpoint, readout=None, extra=()) -> Path:
-    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint, readout=readout, extra=extra)
+            midpoint, readout=None, extra=(), matrices=False) -> Path:
+    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint, readout=readout, extra=extra,
+                 matrices=matrices)
     if m.done:
         return out
     advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
@@ -253,16 +262,18 @@ class _Tracked:
     it; ``finish()`` at the end. ``done``: the folder already holds a finished attribution (nothing else is set)."""
 
     def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool,
-                 midpoint: bool, run_axis: bool = False, readout: int | None = None, extra: Sequence[Probe] = ()):
+                 midpoint: bool, run_axis: bool = False, readout: int | None = None, extra: Sequence[Probe] = (),
+                 matrices: bool = False):
         cfg = run.cfg
         self.run, self.out, self.dev = run, out, dev
         task_probes = make_probes(run, sites, features, device) if sites else []  # none: the directions only
         self.probes = task_probes + list(extra)
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in task_probes}),
                 "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint, "run_axis": run_axis,
-                "readout": readout, "directions": direction_records(extra)}
+                "readout": readout, "directions": direction_records(extra), "matrices": matrices}
         folder = AttributionDir(out)
         old = {"sgd_rows": True, "midpoint": False, "run_axis": False, "readout": None, "directions": [],
+               "matrices": False,
                **read_json(folder.spec)} if (
             folder.spec.exists()) else spec  # keys missing in specs written before they existed
         old["features"] = sorted(feature_name(f) for f in old["features"])  # toy names before 0.2
@@ -275,6 +286,8 @@ class _Tracked:
             elif {**old, "readout": readout} == spec:
                 what = (f"with the exact account on a readout of {old['readout']}" if old["readout"]
                         else "read on each step's batch (without --readout)")
+            elif {**old, "matrices": matrices} == spec:
+                what = "with influence matrices" if old["matrices"] else "without influence matrices (--matrices)"
             elif {**old, "run_axis": run_axis} == spec:
                 what = ("tracked over its group's run axis (resume it with attribute --group)" if old["run_axis"]
                         else "tracked one member at a time (resume it with attribute RUN_DIR, without --group)")
@@ -306,7 +319,7 @@ class _Tracked:
             types = None if self.types is None else {
                 n: torch.as_tensor(self.eval_set.feature_types[:readout, :, task.feature_names.index(n)],
                                    device=dev).long() for n in spec["features"]}
-            self.tracker.use_readout(held, types)
+            self.tracker.use_readout(held, types, matrices=matrices)
         self.block = block or cfg.ckpt_every
         self.order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
         self.rewind(cfg.steps)
@@ -355,6 +368,9 @@ class _Tracked:
     def finish(self) -> None:
         """Check the final weights against the run's (bit for bit) and write influence.parquet and summary.json."""
         check_replay(self.run, self.model)
+        if self.tracker.matrices is not None:  # before influence.parquet, which marks the folder done
+            save_matrices(self.out, self.tracker, {"readout": self.readout, "steps": self.run.cfg.steps,
+                                                   "config_hash": self.run.cfg.hash(), "optimizer": "adam"})
         _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev, self.readout)
 
 
