@@ -190,7 +190,7 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
         assert e["change"] == pytest.approx(e["R0_minus_RT_eval"], rel=1e-3, abs=1e-5 * e["R0_eval"])
         assert abs(e["residual"]) <= 0.01 * e["R0_eval"]
     last = caplog.records[-1].getMessage()
-    assert last.startswith("exact account: paper: largest |residual| / R_H(θ_0)") and last.count("PASS") == 2
+    assert last.startswith("run: exact account: paper: largest |residual| / R_H(θ_0)") and last.count("PASS") == 2
     # resumed from the state after step 10 (the last one lost): the same summary, counters included
     (out / "influence.parquet").unlink()
     (out / "summary.json").unlink()

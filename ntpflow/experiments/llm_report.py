@@ -16,7 +16,14 @@ import numpy as np
 from ntpflow.experiments.claim_registry import llm_claims
 from ntpflow.experiments.figure_style import BASELINE, SIGN, error_bars, figure, finish
 from ntpflow.experiments.formats import fmt, fmt_interval
-from ntpflow.experiments.render import draw_figures, report_main, stored_summary, template_blocks, write_documents
+from ntpflow.experiments.render import (
+    canonical,
+    draw_figures,
+    report_main,
+    stored_summary,
+    template_blocks,
+    write_documents,
+)
 from ntpflow.files import json_safe, read_json
 from ntpflow.llm.stages import LLMDir
 from ntpflow.stats import finite, sd_ratio_ci, sigma_ci, stats, welch_ci
@@ -276,7 +283,7 @@ def write_report(out: str | Path) -> Path:
     """Write report.md, report.html, summary.json and figures into ``out``; returns ``out/report.html``."""
     out = Path(out)
     if (out / "quality.json").exists():
-        s = summarize(out)
+        s = canonical(summarize(out))
     elif (out / "summary.json").exists():  # re-render the stored numbers (the committed docs/results)
         s = stored_summary(out)
     else:
