@@ -257,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``ntpflow`` command and its subcommands."""
     p = argparse.ArgumentParser(prog="ntpflow", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings only")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or stage lines, warnings only")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     p.add_argument("--version", action="version", version=f"ntpflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
