@@ -9,10 +9,10 @@ from pathlib import Path
 
 from ntpflow import __version__
 from ntpflow.experiments.report_all import run_all, run_experiment
-from ntpflow.files import read_json, resolve_device
+from ntpflow.files import read_json, resolve_device, stamp
 from ntpflow.llm.qscan_cli import main as qscan_main
 from ntpflow.model.sites import Site, feature_name, parse_sites
-from ntpflow.probes import probe_table
+from ntpflow.probes import probe_table, write_r_table
 from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.replay.balance import audit_balance
 from ntpflow.replay.directions import parse_direction, sae_directions
@@ -34,9 +34,9 @@ examples:
   ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features 'is_majority_0'   # where the balance goes
   ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
   ntpflow reproduce othello --scale small
-  ntpflow reproduce stories --scale small --corpus PATH   # your TinyStories folder (or hf, generated:N)
+  ntpflow reproduce stories --scale small   # the TinyStories sample in the repository (or --corpus PATH|hf)
   ntpflow reproduce llm --scale small
-  ntpflow reproduce all --scale small --corpus PATH   # every experiment + one report: ~2.5-3 h on 2 cores
+  ntpflow reproduce all --scale small   # every experiment + one report: ~2.5-3 h on 2 cores
   ntpflow qscan --model tiny --train-sae --latents 8 --docs 8 --steps 50 --out runs/qscan-tiny
   ntpflow demo --out runs/demo          # majority in the four regimes, ~5 min (scripts/demo.sh: every experiment)
 
@@ -54,9 +54,9 @@ examples (times measured on a 2-core CPU):
   ntpflow reproduce toy --scale medium --tasks cond_majority --regimes vanilla --no-replays
                                                                # gates first (~1-1.5 h), replays later
   ntpflow reproduce othello --scale small
-  ntpflow reproduce stories --scale small --corpus PATH        # ~40 min; PATH: your TinyStories folder
+  ntpflow reproduce stories --scale small                      # ~40 min, on the shipped TinyStories sample
   ntpflow reproduce llm --scale small                          # under an hour
-  ntpflow reproduce all --scale small --corpus PATH            # all four + one report.html: ~2.5-3 h
+  ntpflow reproduce all --scale small                          # all four + one report.html: ~2.5-3 h
   ntpflow reproduce all --scale paper --device cuda            # the paper's sizes: a GPU and the hub
 
 Each experiment writes OUT/report.md, OUT/report.html, OUT/summary.json and OUT/figures/ (docs/outputs.md);
@@ -64,7 +64,7 @@ rerun the same command to resume an interrupted run.
 
 Python equivalent:
   from ntpflow.experiments.report_all import run_experiment, run_all
-  run_experiment("toy", "small", "results/toy-small"); run_all("small", "results/all-small", corpus="PATH")
+  run_experiment("toy", "small", "results/toy-small"); run_all("small", "results/all-small")
 """
 
 log = logging.getLogger("ntpflow")
@@ -96,13 +96,25 @@ def cmd_train(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    """``ntpflow probe``: fit ridge probes of a run's weights and print each feature's r table."""
+    """``ntpflow probe``: fit ridge probes of a run's weights, print a header (run, weights, step) and each
+    feature's r table beside the untrained baseline's (the step-0 weights), and write them all to r.csv."""
     run = Run.open(args.run_dir)
     if not run.done and args.weights == "final":
         raise ValueError(f"{args.run_dir} has not finished training; probe a checkpoint with --weights STEP")
-    probes = probe_run(run, args.weights, device=args.device or "auto")
+    device = args.device or "auto"
+    probes = probe_run(run, args.weights, device=device)
+    if args.feature:
+        probes.feature_index(feature_name(args.feature))  # an unknown feature: one line, before anything more is written
+    step = {"final": run.cfg.steps, "init": 0}.get(str(args.weights), args.weights)
+    baseline = None if str(args.weights) == "init" else load_or_probe(run, "init", device)
+    csv = write_r_table(run.probes_dir(args.weights), probes, baseline,
+                        {"run": str(run.dir), "weights": str(args.weights), "step": int(step), "stamp": stamp()})
+    print(f"run {run.dir} ({run.cfg.task}, {run.cfg.regime}, seed {run.cfg.seed}): weights {args.weights} "
+          f"(step {step} of {run.cfg.steps}); ridge probes' test Pearson r"
+          + ("" if baseline is None else ", beside the untrained model's (step 0) in brackets"))
     for name in [feature_name(args.feature)] if args.feature else probes.feature_names:
-        print(probe_table(probes, name))
+        print(probe_table(probes, name, baseline=baseline))
+    print(f"every feature's table: {csv}")
     return 0
 
 
@@ -164,7 +176,7 @@ def cmd_balance(args) -> int:
                         device=args.device or "auto", progress=not args.quiet)
     print(out)
     for e in read_json(AttributionDir(out).summary)["probes"]:
-        print(f"⟨{e['layer']}, {e['pos']}⟩ {e['feature']} {e['mismatch']}: Σ full influence {e['full_batch']:.4g} "
+        print(f"{Path(args.run_dir).name} ⟨{e['layer']}, {e['pos']}⟩ {e['feature']} {e['mismatch']}: Σ full influence {e['full_batch']:.4g} "
               f"= removed on held-out {e['removed_held_out']:.4g} + same batch {e['same_batch']:.4g} "
               f"+ beyond first order {e['beyond_first_order']:.4g}; read at each step's midpoint: "
               f"{e['midpoint_held_out']:.4g} on held-out")
@@ -273,7 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``ntpflow`` command and its subcommands."""
     p = argparse.ArgumentParser(prog="ntpflow", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings only")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or stage lines, warnings only")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     p.add_argument("--version", action="version", version=f"ntpflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -440,8 +452,9 @@ def _add_reproduce(sub) -> None:
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores; on a CPU each run trains on "
                     "one torch thread, so its result does not depend on this)")
-    rp.add_argument("--corpus", help="stories (needed at small scale): a folder or file of stories, "
-                    "'generated[:N]' or 'hf' (default: generated at smoke, hf at paper)")
+    rp.add_argument("--corpus", help="stories: a folder or file of stories, 'sample' (the TinyStories sample in the "
+                    "repository, data/tinystories-sample), 'generated[:N]' or 'hf' (default: generated at smoke, "
+                    "sample at small, hf at paper)")
     rp.add_argument("--tasks", help="toy only: comma-separated subset of majority,cond_majority (default: both)")
     rp.add_argument("--regimes", help="toy only: comma-separated subset of vanilla,myopic,untied,myopic-untied "
                     "(default: all four)")
@@ -505,8 +518,6 @@ def main(argv: list[str] | None = None) -> int:
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    if not sys.stderr.isatty():
-        args.quiet = True
     try:
         return args.fn(args)
     except KeyboardInterrupt:

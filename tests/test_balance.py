@@ -129,6 +129,7 @@ def test_audit_resumes_after_kill(finished_run, tmp_path):
     assert list((out / "state").glob("step_*")) and not (out / "summary.json").exists()
     assert subprocess.run([*cmd, "--out", str(out)], check=False, capture_output=True).returncode == 0
     a, b = (json.loads((d / "summary.json").read_text()) for d in (ref, out))
+    assert a.pop("stamp")["command"] != b.pop("stamp")["command"]  # each says which command made it
     assert a == b
 
 

@@ -25,7 +25,14 @@ from ntpflow.experiments.figure_style import (
     ordered_colors,
 )
 from ntpflow.experiments.formats import fmt, fmt_interval
-from ntpflow.experiments.render import draw_figures, report_main, stored_summary, template_blocks, write_documents
+from ntpflow.experiments.render import (
+    canonical,
+    draw_figures,
+    report_main,
+    stored_summary,
+    template_blocks,
+    write_documents,
+)
 from ntpflow.files import json_safe, read_json
 from ntpflow.llm.stages import LLMDir
 from ntpflow.stats import finite, sd_ratio_ci, sigma_ci, stats, welch_ci
@@ -283,7 +290,7 @@ def write_report(out: str | Path) -> Path:
     """Write report.md, report.html, summary.json and figures into ``out``; returns ``out/report.html``."""
     out = Path(out)
     if (out / "quality.json").exists():
-        s = summarize(out)
+        s = canonical(summarize(out))
     elif (out / "summary.json").exists():  # re-render the stored numbers (the committed docs/results)
         s = stored_summary(out)
     else:

@@ -6,12 +6,13 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ntpflow.files import resolve_device
 from ntpflow.model.sites import Site
+from ntpflow.progress import progress_of
 from ntpflow.replay.attribution import attribute
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
@@ -21,16 +22,27 @@ from ntpflow.runs.training import train
 
 def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progress: bool = True) -> None:
     """Call ``fn(*job)`` for every job: in order in this process when ``workers == 1``, else in a pool of
-    ``workers`` processes (``fn`` must be a module-level function). A progress bar counts finished jobs; the first
-    job that raises re-raises here."""
+    ``workers`` processes (``fn`` must be a module-level function). A progress bar (stage lines without a terminal)
+    counts finished jobs and names the runs of the last (its result's ``run_dir`` or ``run_dirs``); the first job
+    that raises re-raises here."""
     if workers == 1:
-        for job in tqdm(jobs, disable=not progress, desc=desc):
-            fn(*job)
+        bar = progress_of(jobs, desc=desc, unit="job", enabled=progress)
+        for job in bar:
+            bar.set_postfix_str(finished_runs(fn(*job)))
         return
     with ProcessPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(fn, *job) for job in jobs]
-        for f in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc=desc):
-            f.result()
+        bar = progress_of(as_completed(futures), desc=desc, total=len(futures), unit="job", enabled=progress)
+        for f in bar:
+            bar.set_postfix_str(finished_runs(f.result()))
+
+
+def finished_runs(result) -> str:
+    """``"finished majority-vanilla-s0, majority-vanilla-s1"`` from a job's result naming its ``run_dir`` or
+    ``run_dirs``; empty for any other result."""
+    dirs = (result.get("run_dirs") or [result.get("run_dir")]) if isinstance(result, dict) else []
+    names = [Path(d).name for d in dirs if d]
+    return f"finished {', '.join(names)}" if names else ""
 
 
 def run_threads(device: str, workers: int) -> int:

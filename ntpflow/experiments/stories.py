@@ -44,13 +44,15 @@ from ntpflow.runs.data import make_datasets
 from ntpflow.runs.run import Run, task_for
 from ntpflow.stats import finite_or_none as _finite
 from ntpflow.tasks.stories import FEATURE_GROUPS, FEATURE_NAMES
+from ntpflow.tasks.stories.corpus import sample_dir
 from ntpflow.tasks.stories.tokenizer import META_FILE as TOKENIZER_META
 
 log = logging.getLogger(__name__)
 
 REGIMES = ("vanilla", "myopic")
 CORPUS_HELP = ("pass --corpus PATH (a folder with train.txt and valid.txt, stories separated by <|endoftext|>, or "
-               "JSON lines), --corpus hf (TinyStoriesV2-GPT4 from the hub) or --corpus generated:N; in Python "
+               "JSON lines), --corpus sample (the TinyStories sample in the repository), --corpus hf "
+               "(TinyStoriesV2-GPT4 from the hub) or --corpus generated:N; in Python "
                "run_stories(scale, out, corpus=...)")
 
 
@@ -97,12 +99,12 @@ SCALES = {
                           curve_every=10),
     # this shared 2-core machine in about an hour for both regimes with attribution (two workers of one thread each;
     # a d-64 training step at batch 32 costs ~0.36 CPU-s on an idle core, a replayed step ~2-3x that per tracked
-    # site). The shared TinyStories sample: all 2,315 train windows (every story of >= 64 tokens) and all 1,727 eval
+    # site). The TinyStories sample shipped in data/tinystories-sample (corpus "sample"): all 2,315 train windows (every story of >= 64 tokens) and all 1,727 eval
     # windows, a BPE of 4,096 tokens trained on the train split; 4 layers, d 64, 4 heads, batch 32, 300 steps
     # (~4 epochs) at lr 2e-3 (twice the paper's, to get further in few steps), 3 seeds, and two tracked sites inside
     # the paper's layers 1-4 x positions 30-39, ⟨2, 32⟩ and ⟨3, 36⟩, with all 22 features. Measured: 37 min for
-    # all six runs, sampling and the report (2026-11-30, load ~2; docs/results/stories-small).
-    "small": StoriesScale("small", None, (0, 1, 2), site_grid((2,), (32,)) + site_grid((3,), (36,)),
+    # all six runs, sampling and the report (load ~2; docs/results/stories-small).
+    "small": StoriesScale("small", "sample", (0, 1, 2), site_grid((2,), (32,)) + site_grid((3,), (36,)),
                           {"n_layer": 4, "d_model": 64, "n_head": 4, "batch_size": 32, "steps": 300, "lr": 2e-3,
                            "n_train": 2_315, "n_eval": 1_727, "eval_every": 100, "ckpt_every": 50, "log_every": 10},
                           curve_every=5),
@@ -121,6 +123,9 @@ def check_corpus(corpus: str | None, scale: str = "") -> None:
     if corpus is None:
         raise ValueError(f"the stories {scale} scale needs a corpus of your choice: {CORPUS_HELP}")
     if corpus == "hf" or corpus.startswith(("hf:", "generated")):
+        return
+    if corpus == "sample":
+        sample_dir()  # present, and every file matches its pinned hash
         return
     if not Path(corpus).exists():
         raise FileNotFoundError(f"corpus {corpus} not found: pass corpus=PATH (a folder with train.txt and "

@@ -32,6 +32,7 @@ import torch
 
 from ntpflow.llm.corpus import DOMAINS, Contexts
 from ntpflow.llm.sae import as_sae
+from ntpflow.progress import progress_of
 from ntpflow.stats import sigma_ci
 
 MODES = ("reconstruction", "error-preserving")
@@ -192,8 +193,8 @@ def _kl(clean_logits: torch.Tensor, abl_logits: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents: torch.Tensor,
                 contexts: torch.Tensor, positions: torch.Tensor, mode: str | Sequence[str] = "reconstruction",
-                horizon: int = 10, contexts_per_batch: int = 16, pairs_per_batch: int = 32, use_prefix_cache: bool = True
-                ) -> torch.Tensor:
+                horizon: int = 10, contexts_per_batch: int = 16, pairs_per_batch: int = 32, use_prefix_cache: bool = True,
+                progress: bool = False) -> torch.Tensor:
     """Batched ``d_m`` for many (latent, context, position) pairs.
 
     Args:
@@ -212,6 +213,7 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
             reuse the clean run's keys/values for positions < p and compute only positions p .. p+H-1 (exact: the
             ablation cannot change earlier positions), and, where the model allows it, only the layers above the
             site, starting from the clean site activations. Otherwise each ablated row is a full forward up to p+H.
+        progress: a bar over the batches of contexts (stage lines on stderr without a terminal).
 
     Returns:
         ``[P, H]`` float64: ``d[i, m-1] = KL(clean || ablated)`` of the prediction at position
@@ -227,7 +229,8 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
     P = latents.numel()
     out = {m: torch.zeros(P, horizon, dtype=torch.float64) for m in modes}
     uniq = torch.unique(contexts)
-    for ci in range(0, uniq.numel(), contexts_per_batch):
+    for ci in progress_of(range(0, uniq.numel(), contexts_per_batch), desc="Q scan ablations", unit="context batch",
+                          enabled=progress):
         chunk = uniq[ci:ci + contexts_per_batch]
         sel = torch.nonzero(torch.isin(contexts, chunk)).flatten()
         T = int(positions[sel].max()) + horizon
@@ -419,7 +422,7 @@ class QScanResult:
 
 
 def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Sequence[int] | None = None,
-           cfg: QScanConfig | None = None) -> dict[str, QScanResult]:
+           cfg: QScanConfig | None = None, progress: bool = False) -> dict[str, QScanResult]:
     """Full Q scan: top activations, de-duplication, batched ablation KL in each mode, Q, the KL filter and a
     domain label per latent.
 
@@ -430,6 +433,7 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
         hook: the site.
         latents: latent ids to score (default: all).
         cfg: settings.
+        progress: as in :func:`ablation_kl`.
 
     Returns:
         ``{mode: QScanResult}``.
@@ -464,7 +468,7 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
     d_all = ablation_kl(adapter, sae, tokens, hook, torch.tensor(pl, dtype=torch.long),
                         torch.tensor(pc, dtype=torch.long), torch.tensor(pp, dtype=torch.long), mode=modes,
                         horizon=cfg.horizon, contexts_per_batch=cfg.contexts_per_batch,
-                        pairs_per_batch=cfg.pairs_per_batch) if pl else {m: torch.zeros(0, cfg.horizon) for m in modes}
+                        pairs_per_batch=cfg.pairs_per_batch, progress=progress) if pl else {m: torch.zeros(0, cfg.horizon) for m in modes}
     for mode in modes:
         d = d_all[mode]
         q, tot, dm = [], [], []

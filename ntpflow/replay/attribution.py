@@ -26,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from tqdm.auto import tqdm
 
 from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe, mismatch_value
 from ntpflow.engine.run_axis import RunAxisTracker
@@ -36,9 +35,11 @@ from ntpflow.files import (
     fault_point,
     read_json,
     resolve_device,
+    stamp,
     write_json,
 )
 from ntpflow.model.sites import Site, checked_sites, feature_name
+from ntpflow.progress import progress_of
 from ntpflow.replay.directions import direction_probes, direction_records
 from ntpflow.replay.matrices import save_matrices
 from ntpflow.runs.data import DataOrder, to_torch
@@ -182,8 +183,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
                 axis = RunAxisTracker([m.tracker for _, m in todo])
             first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
             threads_at = locks.enter_context(follow_threads(runs[0].dir, dev))  # the group trained as one
-            for step in tqdm(range(first, steps), initial=first, total=steps, disable=not progress,
-                             desc=f"attribute the group of {runs[0].dir.name} ({len(todo)} runs)", leave=False):
+            for step in progress_of(range(first, steps), initial=first, total=steps, enabled=progress,
+                                    desc=f"attribute the group of {runs[0].dir.name} ({len(todo)} runs)"):
                 threads_at(step)
                 active = [(r, m) for r, m in todo if m.start <= step]  # a member resumed later joins at its state
                 for r, m in active:
@@ -243,8 +244,8 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
     advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
     alone = not run.in_group  # then track()'s backward is train_step's, bit for bit
     with follow_threads(run.dir, dev) as threads_at:
-        for step in tqdm(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps, disable=not progress,
-                         desc=f"attribute {run.dir.name}", leave=False):
+        for step in progress_of(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps,
+                                enabled=progress, desc=f"attribute {run.dir.name}"):
             threads_at(step)
             tokens, mask = m.track(step)
             if alone:
@@ -468,18 +469,18 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
                 f"|residual| > {tracker.readout.rtol:g} |change| + {tracker.readout.floor:g} R_H(θ_0)",
         "exact": "R0_eval = R_H(θ_0) and R0_minus_RT_eval on the readout set; change = Σ_t R_H(θ_t) − R_H(θ_t+1); "
                  "residual = Σ_t (full influence − change)"}
-    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra,
+    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra, "stamp": stamp(),
                                       "sign": "positive = the component moved the feature toward its final value"})
     tmp.replace(folder.influence)
-    what = (f"attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
-            f"{run.cfg.steps} steps of {run.dir.name}")
+    what = (f"{run.dir.name}: attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
+            f"{run.cfg.steps} steps")
     if readout is None:
         log.info(f"{what}; {_balance_text(summary)}")
         return
     log.info(f"{what} with the exact account on a readout of {readout}; {tracker.refined}/{run.cfg.steps} steps "
              "refined")
     for line in residual_lines(summary):
-        log.info(line)
+        log.info(f"{run.dir.name}: {line}")
 
 
 def residual_lines(summary: list[dict], limit: float = 0.01) -> list[str]:
