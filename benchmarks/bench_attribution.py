@@ -652,10 +652,14 @@ def flops_section(args, tokens, mask) -> list[str]:
     out = ["matmul FLOPs (dispatch counter: mm, bmm, addmm, baddbmm_ ...), one step after a warm-up step:",
            f"  plain step {plain / 1e9:.2f} GFLOP"]
     for label, sgd_rows, midpoint in (("all rows", True, False), ("Adam rows only", False, False),
-                                      ("Adam rows only, read at the midpoint", False, True)):
+                                      ("Adam rows only, read at the midpoint", False, True),
+                                      ("Adam rows only, the exact account (readout = the batch, 2 points)", False,
+                                       "exact")):
         m, o = make_model(args.seed, args.device)
         tracker = InfluenceTracker(final, probes, sgd_rows=sgd_rows, bucket_width=args.bucket_width,
-                                   midpoint=midpoint)
+                                   midpoint=midpoint is True)
+        if midpoint == "exact":  # a readout set of the batch's size; no step refined (rtol 1: the FLOPs of a step
+            tracker.use_readout(tokens, rtol=1.0)  # integrated once; each refinement adds its points' share)
         tracker.track(m, o, tokens, mask)
         tracker.optimizer_step(m, o)
         with MatmulFlops() as fc:

@@ -4,8 +4,8 @@ the replay read at each step's midpoint on its batch (``--midpoint``, what ``rep
 account), and the paper's reading (``--paper``) for reference; with ``--matrices`` also the exact account with the
 influence matrices, if this version has them.
 
-A run is trained first (untimed; the paper's toy model: majority, 2 layers, d_model 128, batch 256, Adam 1e-3, its
-probes fitted); then each round replays every variant into a fresh folder, the order rotating between rounds; medians
+A run is trained first (untimed; the paper's toy model: majority, 2 layers, d_model 128, batch 256, Adam 1e-3, with
+as many epochs as the medium scale; its probes fitted); then each round replays every variant into a fresh folder, the order rotating between rounds; medians
 over rounds. Both the process's CPU time and the wall time are printed; on a machine shared with other jobs the CPU
 time (one torch thread by default) is the steadier measure. Each exact replay's residuals (largest |residual| /
 R_H(θ_0) per mismatch) and refined steps come from its summary.json.
@@ -70,8 +70,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.root or tmp)
-        cfg = TrainConfig(task=args.task, steps=args.steps, n_eval=max(1024, args.readout), eval_every=args.steps,
-                          ckpt_every=args.steps, device="cpu")
+        # as many epochs as the medium scale's 3000 steps over 102,400 sequences (7.5), so that the batch readings'
+        # θ* projection cache (filled on each example's first use) costs per step what it costs in a real replay
+        cfg = TrainConfig(task=args.task, steps=args.steps, n_train=max(256, round(args.steps * 256 / 7.5)),
+                          n_eval=max(1024, args.readout), eval_every=args.steps, ckpt_every=args.steps, device="cpu")
         run = train(cfg, root / "run", progress=False)
         load_or_probe(run, "final", "cpu")
         sites = parse_sites(args.sites)
