@@ -1,0 +1,131 @@
+"""Pilots for the medium Othello scale (issue 32): learning curves of candidate configurations on one CPU thread.
+
+Each pilot trains its configuration (a TrainConfig planned for its full length, warmup + cosine decay, one epoch of
+fresh games) for a wall-time budget, then fits the ridge board probes on its checkpoints. Its curve: legal-move
+accuracy (top-1 legal, the run's evaluations) and the probe r of useful / useless squares by layer (mean over
+positions 1..60, then over squares, as ``othello_report``'s probe_by_layer) against games seen.
+
+Usage (one core, in the background; each stage resumes):
+    OMP_NUM_THREADS=1 python benchmarks/othello_pilots.py train NAME --out DIR --minutes 11
+    OMP_NUM_THREADS=1 python benchmarks/othello_pilots.py probe NAME --out DIR [--every 500]
+    python benchmarks/othello_pilots.py summary --out DIR        # DIR/curves.json, printed
+"""
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ntpflow.files import write_json
+from ntpflow.probes import ProbeSet
+from ntpflow.runs.config import TrainConfig
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import Run
+from ntpflow.runs.training import train
+
+BASE = {"task": "othello", "n_head": 4, "batch_size": 256, "lr": 1e-3, "warmup": 200, "decay": "cosine",
+        "final_lr_frac": 0.1, "n_eval": 2048, "eval_every": 50, "ckpt_every": 100, "log_every": 50, "device": "cpu"}
+# steps: about 3 core-hours at the throughputs measured in issue 32 (one epoch of fresh games, n_train = steps x batch)
+PILOTS = {
+    "L4_d128": {"n_layer": 4, "d_model": 128, "steps": 5900},
+    "L4_d96": {"n_layer": 4, "d_model": 96, "steps": 9400},
+    "L3_d128": {"n_layer": 3, "d_model": 128, "steps": 7600},
+}
+
+
+def config(name: str) -> TrainConfig:
+    p = {**BASE, **PILOTS[name]}
+    return TrainConfig(**p, n_train=p["steps"] * p["batch_size"])
+
+
+def cmd_train(name: str, out: Path, minutes: float) -> None:
+    """Train until the budget runs out (SIGALRM stops it; the checkpoints stay)."""
+    torch.set_num_threads(1)
+
+    def stop(*_):
+        raise TimeoutError
+
+    signal.signal(signal.SIGALRM, stop)
+    signal.alarm(int(minutes * 60))
+    t0 = time.time()
+    try:
+        train(config(name), out / name, progress=False)
+    except TimeoutError:
+        pass
+    write_json(out / name / "pilot_wall.json", {"wall_s": time.time() - t0, "minutes": minutes})
+
+
+def _layer_means(ps: ProbeSet, typ: int) -> list[float]:
+    """Mean over squares of the per-square mean over positions of the test r of squares of type ``typ``."""
+    r = ps.r_by_type[typ].double().numpy()  # [L+1, P, F]
+    with np.errstate(all="ignore"):
+        per_sq = np.nanmean(r, axis=1)  # [L+1, F]
+    return [float(np.nanmean(row)) for row in per_sq]
+
+
+def cmd_probe(name: str, out: Path, every: int) -> None:
+    torch.set_num_threads(1)
+    run = Run.open(out / name)
+    steps = sorted(s for s in run.checkpoints() if s % every == 0)
+    for s in ["init", *steps]:
+        load_or_probe(run, s, "cpu")
+
+
+def cmd_summary(out: Path) -> dict:
+    curves = {}
+    for name in PILOTS:
+        if not (out / name / "config.json").exists():
+            continue
+        run = Run.open(out / name)
+        cfg = run.cfg
+        evals = [m for m in run.metrics() if m["kind"] == "eval"]
+        probes = []
+        for s in sorted(run.checkpoints()):
+            if ProbeSet.saved(run.probes_dir(s)):
+                ps = ProbeSet.load(run.probes_dir(s))
+                probes.append({"step": s, "games": s * cfg.batch_size, "useful_r": _layer_means(ps, 2),
+                               "useless_r": _layer_means(ps, 1)})
+        wall = json.loads((out / name / "pilot_wall.json").read_text()) if (out / name / "pilot_wall.json").exists() else {}
+        last = evals[-1]["step"] if evals else 0
+        curves[name] = {
+            "config": {k: v for k, v in cfg.to_dict().items() if k in (*BASE, "n_layer", "d_model", "steps")},
+            "wall_s": wall.get("wall_s"), "steps_done": last,
+            "games_per_core_hour": None if not wall else round(last * cfg.batch_size / wall["wall_s"] * 3600),
+            "eval": [{"step": m["step"], "games": m["step"] * cfg.batch_size, "legal_acc": m["legal_acc"],
+                      "eval_loss": m["eval_loss"]} for m in evals],
+            "probes": probes,
+        }
+    write_json(out / "curves.json", curves)
+    return curves
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cmd", choices=("train", "probe", "summary"))
+    ap.add_argument("name", nargs="?")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--minutes", type=float, default=11.0)
+    ap.add_argument("--every", type=int, default=100)
+    a = ap.parse_args()
+    if a.cmd != "summary" and a.name not in PILOTS:
+        sys.exit(f"name must be one of {sorted(PILOTS)}")
+    if a.cmd == "train":
+        cmd_train(a.name, a.out, a.minutes)
+    elif a.cmd == "probe":
+        cmd_probe(a.name, a.out, a.every)
+    else:
+        print(json.dumps(cmd_summary(a.out), indent=1)[:4000])
+
+
+if __name__ == "__main__":
+    main()
