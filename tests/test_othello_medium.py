@@ -139,3 +139,84 @@ def test_token_only_set_without_annotate_needs_the_readout(scheduled_run, tmp_pa
     monkeypatch.delattr(Othello, "annotate")
     with pytest.raises(ValueError, match="per-type rows need the readout"):
         attribute(out, [Site(1, 20)], ["sq_C3"], out_dir=tmp_path / "a", progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- the fragility test
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    from ntpflow.experiments.othello_fragility import find_pairs
+    return find_pairs(40, 20, 3, seed=3, per_prefix=3)
+
+
+def _replay(tokens: np.ndarray, t: int):
+    """(own, opp) after the t game tokens of one history, by the engine's move-by-move rules (independent of the
+    search's expansion)."""
+    from ntpflow.tasks.othello_engine import START_OPP, START_OWN, play
+    own, opp = np.array([START_OWN]), np.array([START_OPP])
+    for tok in tokens[1:t + 1]:
+        own, opp = play(own, opp, np.array([int(tok) - 3]))
+    return own, opp
+
+
+def test_pairs_share_legal_moves_and_stones_and_differ_where_their_kind_says(pairs):
+    from ntpflow.tasks.othello_engine import bitboard_to_mask, legal_moves, square_types
+    assert len(pairs) > 10 and set(pairs.kind) == {"useless", "useful"} and pairs.t == 23
+    assert (pairs.tokens[:, :, pairs.t + 1:] == 2).all()  # padded with pass after the history
+    for k in range(len(pairs)):
+        (oa, pa), (ob, pb) = (_replay(pairs.tokens[k, i], pairs.t) for i in (0, 1))
+        assert legal_moves(oa, pa) == legal_moves(ob, pb) and (oa | pa) == (ob | pb) and oa != ob
+        for i, (o, p) in enumerate(((oa, pa), (ob, pb))):
+            board = bitboard_to_mask(o)[0].astype(np.int8) - bitboard_to_mask(p)[0].astype(np.int8)
+            assert np.array_equal(board, pairs.boards[k, i])
+            assert np.array_equal(square_types(o, p)[0], pairs.types[k, i])
+        diff = pairs.differ[k]
+        assert diff.any()
+        types = pairs.types[k][:, diff]
+        assert (pairs.kind[k] == "useful") == bool((types == 2).any())
+        if pairs.kind[k] == "useless":
+            assert (types == 1).all()
+
+
+def test_fragility_measures_on_a_tiny_model(pairs):
+    from ntpflow.experiments.othello_fragility import _which_board, fragility_section, measure
+    from ntpflow.model.gpt import GPT
+    from ntpflow.probes import fit_probes
+    from ntpflow.runs.probe import collect_resid
+    from ntpflow.runs.run import model_config
+    task = Othello()
+    model = GPT(model_config(TrainConfig(task="othello", n_layer=2, d_model=32, n_head=2), task), seed=0)
+    ev = task.sample(200, np.random.default_rng(0))
+    probes = fit_probes(collect_resid(model, torch.as_tensor(ev.tokens)), torch.as_tensor(ev.features),
+                        positions=[pairs.t], feature_names=task.feature_names)
+    rows = measure(model, probes, pairs)
+    assert len(rows) == 3 * 2 and {r["kind"] for r in rows} == {"useless", "useful"}
+    # the probe accuracy by hand for layer 1, useful pairs: ProbeSet.predict on the full residual grid
+    resid = collect_resid(model, torch.as_tensor(pairs.tokens.reshape(-1, 61)))  # [L+1, 2n, T, d]
+    pred = probes.predict(resid)[1, :, pairs.t].reshape(len(pairs), 2, 64).numpy()
+    sel = pairs.kind == "useful"
+    d = np.broadcast_to(pairs.differ[sel][:, None], (int(sel.sum()), 2, 64))
+    want = (np.sign(pred[sel]) == pairs.boards[sel])[d].mean()
+    got = next(r for r in rows if r["layer"] == 1 and r["kind"] == "useful")
+    assert got["probe_acc"] == pytest.approx(want, abs=1e-6)
+    assert got["n_stones"] == int(d.sum()) and got["n_pairs"] == int(sel.sum())
+    for r in rows:
+        assert 0 <= r["which_acc"] <= 1 and r["distance"] >= 0
+    # the "which board" decoder: right on every held-out pair of a linear code of the board difference
+    g = torch.Generator().manual_seed(0)
+    c = torch.randn(40, 4, generator=g, dtype=torch.float64)  # 4 hidden causes: y and z are linear in them
+    y, z = c @ torch.randn(4, 64, generator=g, dtype=torch.float64), c @ torch.randn(4, 16, generator=g,
+                                                                                    dtype=torch.float64)
+    assert _which_board(z, y, 1e-9) == 1.0
+    assert _which_board(torch.cat([z[:20], -z[20:]]), y, 1e-9) == 0.0  # test pairs with the boards swapped
+    assert math.isnan(_which_board(z[:3], y[:3], 1.0))  # below 4 pairs
+    md = fragility_section({"vanilla": rows}, pairs.t)
+    assert md.count("| vanilla |") == len(rows)
+    with pytest.raises(ValueError, match="position"):
+        measure(model, probes, find_pairs_at_other_t())
+
+
+def find_pairs_at_other_t():
+    from ntpflow.experiments.othello_fragility import find_pairs
+    return find_pairs(10, 20, 2, seed=3)
