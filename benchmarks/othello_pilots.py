@@ -18,6 +18,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse
 import json
+import math
 import signal
 import sys
 import time
@@ -107,8 +108,51 @@ def cmd_summary(out: Path) -> dict:
                       "eval_loss": m["eval_loss"]} for m in evals],
             "probes": probes,
         }
-    write_json(out / "curves.json", curves)
+    write_json(out / "curves.json", {"curves": curves, "extrapolation": extrapolate(curves)})
     return curves
+
+
+def power_fit(games, value, start: int) -> dict | None:
+    """Least-squares fit of log(1 - value) = a + b log(games) on the points from ``games >= start``: the error
+    ``1 - value`` as a power law of the games seen. None with fewer than 3 points."""
+    pts = [(g, v) for g, v in zip(games, value) if g >= start and v is not None and v < 1]
+    if len(pts) < 3:
+        return None
+    x, y = np.log([g for g, _ in pts]), np.log([1 - v for _, v in pts])
+    b, a = np.polyfit(x, y, 1)
+    return {"a": float(a), "b": float(b), "from_games": start, "n_points": len(pts)}
+
+
+def predict(fit: dict | None, games: float) -> float | None:
+    """The value ``1 - exp(a) games^b`` of a :func:`power_fit` at ``games``."""
+    return None if fit is None else float(1 - math.exp(fit["a"]) * games ** fit["b"])
+
+
+def extrapolate(curves: dict, core_hours: float = 3.0) -> dict:
+    """Per pilot: the games trained in ``core_hours`` at its measured rate, and the power-law fits of the legal-move
+    error and of the useful squares' probe error (1 - r, best middle layer) over the second half of its curve,
+    evaluated there."""
+    out = {}
+    for name, c in curves.items():
+        rate = c.get("games_per_core_hour")
+        if not rate or not c["eval"]:
+            continue
+        budget = rate * core_hours
+        ev = [e for e in c["eval"] if e["games"] > 0]
+        half = ev[len(ev) // 2]["games"] if ev else 0
+        legal = power_fit([e["games"] for e in ev], [e["legal_acc"] for e in ev], half)
+        n_layer = c["config"]["n_layer"]
+        middle = range(1, n_layer)  # resid[1..L-1]: outputs of the blocks before the last
+        pr = [p for p in c["probes"] if p["games"] > 0]
+        best = [max(p["useful_r"][k] for k in middle) for p in pr]
+        half_p = pr[len(pr) // 2]["games"] if pr else 0
+        probe = power_fit([p["games"] for p in pr], best, half_p)
+        out[name] = {"games_per_core_hour": rate, "games_in_budget": round(budget), "legal_fit": legal,
+                     "legal_at_budget": predict(legal, budget), "useful_r_fit": probe,
+                     "useful_r_at_budget": predict(probe, budget),
+                     "last": {"games": ev[-1]["games"] if ev else 0, "legal_acc": ev[-1]["legal_acc"] if ev else None,
+                              "useful_r_best_middle": best[-1] if best else None}}
+    return out
 
 
 def main() -> None:
@@ -126,7 +170,8 @@ def main() -> None:
     elif a.cmd == "probe":
         cmd_probe(a.name, a.out, a.every)
     else:
-        print(json.dumps(cmd_summary(a.out), indent=1)[:4000])
+        cmd_summary(a.out)
+        print(json.dumps(json.loads((a.out / "curves.json").read_text())["extrapolation"], indent=1))
 
 
 if __name__ == "__main__":

@@ -220,3 +220,37 @@ def test_fragility_measures_on_a_tiny_model(pairs):
 def find_pairs_at_other_t():
     from ntpflow.experiments.othello_fragility import find_pairs
     return find_pairs(10, 20, 2, seed=3)
+
+
+def test_othello_gpu_script_smoke(tmp_path):
+    """``scripts/othello_gpu.sh --smoke``: the paper-gpu code path (6 layers, token-only training set, probes, the
+    tracked replay with the exact account at layers 3-4, the report) at smoke size on the CPU."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ntpflow.experiments.othello import SCALES
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(root)}
+    w = tmp_path / "w"
+
+    def script(*args):
+        res = subprocess.run(["bash", str(root / "scripts" / "othello_gpu.sh"), "--smoke", *args, str(w)], cwd=root,
+                             env=env, capture_output=True, text=True, timeout=1800)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads((w / "data.json").read_text())
+
+    data = script("--no-replays")  # training, probes and the report only
+    assert data["influence"] == [] and not (w / "run" / "attribution").exists()
+    assert (w / "report.md").exists() and data["probes"]
+    data = script()  # adds the replays
+    smoke, paper = SCALES["paper-gpu-smoke"], SCALES["paper-gpu"]
+    assert data["scale"] == "paper-gpu-smoke" and data["config"]["n_layer"] == paper.train["n_layer"] == 6
+    assert {tuple(s) for s in data["sites"]} == {(s.layer, s.pos) for s in smoke.sites}
+    assert {(s.layer, s.pos) for s in paper.sites} <= {(k, p) for k in range(1, 7) for p in range(4, 57, 4)}
+    assert (paper.train["batch_size"], paper.train["steps"], paper.train["d_model"]) == (1024, 5000, 256)
+    spec = json.loads((w / "run" / "attribution" / "spec.json").read_text())
+    assert spec["readout"] == smoke.readout == 64 and spec["midpoint"] is False
+    assert {r["type"] for r in data["influence"]} >= {"useful", "useless"}
+    assert (w / "report.md").exists() and (w / "run" / "probes_init").exists()
