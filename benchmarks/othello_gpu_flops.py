@@ -4,7 +4,8 @@ step and of a tracked replay step (Adam rows, the exact account on a readout set
 small batch and readout and scaled linearly to batch 1024 and the readout size (both costs are linear in them:
 measured at two batch sizes to separate the batch and readout parts).
 
-Usage: OMP_NUM_THREADS=1 python benchmarks/othello_gpu_flops.py [--readout 1024]
+Usage: OMP_NUM_THREADS=1 python benchmarks/othello_gpu_flops.py [--scales paper-gpu,medium] [--batch 1024]
+       [--readout 256] [--steps 5000]
 """
 
 import os
@@ -26,19 +27,19 @@ from ntpflow.runs.run import model_config
 from ntpflow.runs.training import make_optimizer, train_step
 from ntpflow.tasks.othello import Othello
 
-SITE_SETS = {s: SCALES[s].sites for s in ("paper", "paper-gpu")}
 
-
-def count(sites, batch: int, readout: int) -> tuple[int, int]:
-    """(plain step FLOPs, tracked step FLOPs) at ``batch`` and ``readout``, 16 squares a site, typed readout."""
+def count(scale: str, batch: int, readout: int) -> tuple[int, int]:
+    """(plain step FLOPs, tracked step FLOPs) of the model and sites of ``scale`` at ``batch`` and ``readout``, the
+    scale's squares, typed readout."""
     task = Othello()
-    cfg = TrainConfig(task="othello", **{k: v for k, v in SCALES["paper"].train.items() if k in (
+    sites = SCALES[scale].sites
+    cfg = TrainConfig(task="othello", **{k: v for k, v in SCALES[scale].train.items() if k in (
         "n_layer", "d_model", "n_head", "lr")}, device="cpu")
     mcfg = model_config(cfg, task)
     games = task.sample(batch + readout, np.random.default_rng(0))
     tok, mask = torch.as_tensor(games.tokens[:batch]), torch.as_tensor(games.loss_mask[:batch])
     held = torch.as_tensor(games.tokens[batch:])
-    squares = SCALES["paper"].squares
+    squares = SCALES[scale].squares
     idx = [task.feature_names.index(s) for s in squares]
     g = torch.Generator().manual_seed(0)
     probes = [Probe(s, n, torch.randn(cfg.d_model, generator=g)) for s in sites for n in squares]
@@ -64,13 +65,13 @@ def main() -> None:
     ap.add_argument("--readout", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5000)
-    ap.add_argument("--sets", default="paper-gpu,paper")
+    ap.add_argument("--scales", default="paper-gpu", help="comma-separated Othello scales (their model and sites)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    for name in a.sets.split(","):
-        sites = SITE_SETS[name]
-        p1, t1 = count(sites, 8, 8)
-        p2, t2 = count(sites, 16, 8)
+    for name in a.scales.split(","):
+        sites = SCALES[name].sites
+        p1, t1 = count(name, 8, 8)
+        p2, t2 = count(name, 16, 8)
         per_row_plain, per_row_track = (p2 - p1) / 8, (t2 - t1) / 8
         per_readout = (t1 - per_row_track * 8) / 8
         plain = per_row_plain * a.batch

@@ -155,6 +155,30 @@ def extrapolate(curves: dict, core_hours: float = 3.0) -> dict:
     return out
 
 
+def figure(curves: dict, path: Path) -> None:
+    """Legal-move accuracy and the useful / useless squares' probe r (best middle layer) against games seen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name, c in curves.items():
+        line = a.plot([e["games"] for e in c["eval"]], [e["legal_acc"] for e in c["eval"]], marker="o", ms=3,
+                      label=name)[0]
+        middle = range(1, c["config"]["n_layer"])
+        for key, ls in (("useful_r", "-"), ("useless_r", "--")):
+            b.plot([p["games"] for p in c["probes"]], [max(p[key][k] for k in middle) for p in c["probes"]],
+                   ls=ls, marker="o", ms=3, color=line.get_color(), label=f"{name} {key.split('_')[0]}")
+    a.set(xlabel="games seen", ylabel="legal-move accuracy (top-1 legal)", title="legal moves")
+    b.set(xlabel="games seen", ylabel="ridge r, best middle layer", title="board probes (useful -, useless --)")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("cmd", choices=("train", "probe", "summary"))
@@ -170,7 +194,7 @@ def main() -> None:
     elif a.cmd == "probe":
         cmd_probe(a.name, a.out, a.every)
     else:
-        cmd_summary(a.out)
+        figure(cmd_summary(a.out), a.out / "pilots.png")
         print(json.dumps(json.loads((a.out / "curves.json").read_text())["extrapolation"], indent=1))
 
 

@@ -104,6 +104,19 @@ SCALES = {
          "n_train": 51_200, "n_eval": 4_096, "eval_every": 200, "ckpt_every": 200, "log_every": 20},
         site_grid((2,), (30,)), threads=1, curve_every=20,
         note="a small CPU setting, not the paper's"),
+    # the CPU scale that reaches a world model (issue 32): chosen by the pilots of benchmarks/othello_pilots.py
+    # (docs/results/othello-medium/pilots/): 4 layers, d 128, batch 256, lr 1e-3 with a 200-step warmup and a
+    # cosine decay to 1e-4, one epoch of fresh games (5400 x 256 = 1.38 M, token-only: 0.76 GB), about 3 core-hours
+    # at the pilots' 0.56 M games a core-hour. Tracked: layers 2-3 (the middle of 4) x positions 20, 30, 40 (early,
+    # middle, late mid-game), the 16 central squares, the exact account on 32 evaluation games. NOT the paper's
+    # setting (smaller model, fewer games).
+    "medium": OthelloScale(
+        "medium",
+        {"n_layer": 4, "d_model": 128, "n_head": 4, "batch_size": 256, "steps": 5400, "lr": 1e-3, "warmup": 200,
+         "decay": "cosine", "final_lr_frac": 0.1, "n_train": 5400 * 256, "n_eval": 4096, "eval_every": 200,
+         "ckpt_every": 100, "log_every": 50},
+        site_grid((2, 3), (24, 36)), threads=1, curve_every=50, readout=16,
+        note="a CPU scale with a world model, not the paper's setting"),
     # the paper's training on one GPU (scripts/othello_gpu.sh), with the replay's exact account on 256 evaluation
     # games at 6 of the paper's 84 sites (layers 3-4 x positions 20, 28, 36: the middle of the network and of the
     # game): a tracked step there costs 13.6 plain steps, the 84 sites several times more (benchmarks/
