@@ -93,9 +93,9 @@ def cmd_summary(out: Path) -> dict:
         cfg = run.cfg
         evals = [m for m in run.metrics() if m["kind"] == "eval"]
         probes = []
-        for s in sorted(run.checkpoints()):
-            if ProbeSet.saved(run.probes_dir(s)):
-                ps = ProbeSet.load(run.probes_dir(s))
+        for s in [0, *sorted(run.checkpoints())]:  # 0: the step-0 weights (probes_init)
+            if ProbeSet.saved(run.probes_dir(s or "init")):
+                ps = ProbeSet.load(run.probes_dir(s or "init"))
                 probes.append({"step": s, "games": s * cfg.batch_size, "useful_r": _layer_means(ps, 2),
                                "useless_r": _layer_means(ps, 1)})
         wall = json.loads((out / name / "pilot_wall.json").read_text()) if (out / name / "pilot_wall.json").exists() else {}
