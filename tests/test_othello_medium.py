@@ -254,3 +254,17 @@ def test_othello_gpu_script_smoke(tmp_path):
     assert spec["readout"] == smoke.readout == 64 and spec["midpoint"] is False
     assert {r["type"] for r in data["influence"]} >= {"useful", "useless"}
     assert (w / "report.md").exists() and (w / "run" / "probes_init").exists()
+
+
+def test_run_fragility_writes_the_section(scheduled_run, tmp_path):
+    from ntpflow.experiments.othello_fragility import run_fragility
+    _, out = scheduled_run
+    res = run_fragility({"vanilla": out, "again": out}, tmp_path / "f", n_games=20, t0=20, depth=2, seed=1)
+    data = json.loads((res / "fragility.json").read_text())
+    assert data["t"] == 22 and sum(data["pairs"].values()) > 0
+    assert data["rows"]["vanilla"] == data["rows"]["again"]  # the same weights, pairs and seed: the same numbers
+    assert len(data["rows"]["vanilla"]) == 2 * 3  # kinds x (layers 0..2)
+    assert "| again | 2 |" in (res / "fragility.md").read_text()
+    with pytest.raises(FileNotFoundError, match="not a run directory"):
+        run_fragility({"x": tmp_path / "f"}, tmp_path / "g")
+    assert not (tmp_path / "g").exists()  # nothing written before the check

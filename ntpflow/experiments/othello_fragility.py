@@ -27,12 +27,16 @@ Measured per layer at position ``t`` (:func:`measure`), for each kind of pair:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from ntpflow.files import atomic_write, ensure_writable_dir, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.probes import ProbeSet
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import Run
 from ntpflow.tasks.base import BOS_ID
 from ntpflow.tasks.othello import PASS_ID, SQUARE_OFFSET
 from ntpflow.tasks.othello_engine import (
@@ -202,3 +206,27 @@ def fragility_section(results: dict[str, list[dict]], t: int) -> str:
             lines.append(f"| {regime} | {r['layer']} | {r['kind']} | {r['n_pairs']} | {r['probe_acc']:.3f} | "
                          f"{r['which_acc']:.3f} | {r['distance']:.3f} |")
     return "\n".join(lines) + "\n"
+
+
+def run_fragility(run_dirs: dict[str, str | Path], out: str | Path, *, n_games: int = 400, t0: int = 24,
+                  depth: int = 3, seed: int = 0, device: str = "cpu") -> Path:
+    """The fragility test on finished Othello runs (``{regime: RUN_DIR}``, e.g. the medium vanilla and myopic runs):
+    one seeded set of pairs (:func:`find_pairs`), each run's final weights and its final ridge probes
+    (``RUN_DIR/probes``, fitted first if absent), :func:`measure`. Writes ``out/fragility.json`` (the pairs' counts
+    and every row) and ``out/fragility.md`` (:func:`fragility_section`); returns ``out``."""
+    runs = {k: Run.open(d) for k, d in run_dirs.items()}
+    for k, run in runs.items():
+        if not run.done or run.cfg.task != "othello":
+            raise ValueError(f"{run.dir} ({k}) is not a finished Othello run")
+    out = ensure_writable_dir(out)
+    pairs = find_pairs(n_games, t0, depth, seed=seed)
+    results = {k: measure(run.load_model("final", device), load_or_probe(run, "final", device), pairs, seed=seed)
+               for k, run in runs.items()}
+    counts = {kind: int((pairs.kind == kind).sum()) for kind in KINDS}
+    differing = {kind: float(pairs.differ[pairs.kind == kind].sum(1).mean()) if counts[kind] else None
+                 for kind in KINDS}
+    write_json(out / "fragility.json", {"t": pairs.t, "t0": t0, "depth": depth, "n_games": n_games, "seed": seed,
+                                        "pairs": counts, "mean_differing_stones": differing,
+                                        "runs": {k: str(r.dir) for k, r in runs.items()}, "rows": results})
+    atomic_write(out / "fragility.md", fragility_section(results, pairs.t))
+    return out
