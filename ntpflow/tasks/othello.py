@@ -138,10 +138,12 @@ class Othello(Task):
         return self._batch(play_moves(moves))
 
     def _tokens(self, moves: np.ndarray) -> np.ndarray:
-        """int64 ``[n, 61]`` token sequences of moves int8 ``[n, 60]``."""
+        """int64 ``[n, 61]`` token sequences of moves int8 ``[n, 60]`` (in blocks of rows: no full-size temporary)."""
         tokens = np.empty((len(moves), self.seq_len), dtype=np.int64)
         tokens[:, 0] = BOS_ID
-        tokens[:, 1:] = np.where(moves == PASS, PASS_ID, moves.astype(np.int64) + SQUARE_OFFSET)
+        for lo in range(0, len(moves), 65536):
+            m = moves[lo:lo + 65536]
+            tokens[lo:lo + 65536, 1:] = np.where(m == PASS, PASS_ID, m.astype(np.int64) + SQUARE_OFFSET)
         return tokens
 
     def _loss_mask(self, n: int) -> np.ndarray:
