@@ -42,6 +42,8 @@ Extra sections:
              so N ≤ 63. ``--curve-order layer`` (default): the first N sites of layers 0..2 × positions 0..20 in
              layer-major order, so small N are all layer-0 sites (VJPs through the embedding only: cheap);
              ``spread``: N sites spread evenly over that list. Both: ``--curve-order layer,spread``.
+    matrices (``--matrices``) the exact account's tracked step (readout 256, Adam rows) without and with influence
+             matrices, interleaved; target: with / without <= 1.10 (issue 30).
     flops    (``--flops``) the matmul FLOPs of one tracked step (all rows; Adam rows only) per plain step, from a
              dispatch counter (torch's FLOP formulas for mm, bmm, addmm, ...; ``baddbmm_`` counted by hand).
     profile  (``--profile``) one extra tracked step with an exclusive-time breakdown by phase (forwards,
@@ -52,7 +54,8 @@ Extra sections:
 Usage:
     python benchmarks/bench_attribution.py [--repeats 3] [--ref-repeats 1] [--skip-reference]
         [--sites-curve 1,4,16,36,63 | --no-curve] [--curve-order layer,spread] [--curve-repeats 1]
-        [--no-memory] [--mem-reference] [--flops] [--profile] [--othello] [--no-adam-only] [--midpoint] [--threads N]
+        [--no-memory] [--mem-reference] [--flops] [--profile] [--othello] [--no-adam-only] [--midpoint] [--matrices]
+        [--threads N]
         [--device auto|cpu|cuda] [--markdown PATH] [--smoke]
 
 On a shared, busy machine use ``--threads 1``: with 2 threads on 2 busy cores, small ops (the plain step) slow down
@@ -138,6 +141,8 @@ def parse_args(argv=None):
     p.add_argument("--no-adam-only", action="store_true", help="do not time the Adam-rows-only variant")
     p.add_argument("--midpoint", action="store_true", help="also time adam_only with the influence read at each "
                    "step's midpoint (needs the Adam-rows-only variant)")
+    p.add_argument("--matrices", action="store_true", help="also time the exact-account step (readout 256) with and "
+                   "without influence matrices, side by side (Adam rows only)")
     p.add_argument("--no-check", action="store_true", help="skip the start-up agreement check")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="model seed (θ* uses seed+1000, data seed+1, probes seed+2)")
@@ -829,6 +834,39 @@ def profile_section(args, tokens, mask) -> list[str]:
     return out
 
 
+# -------------------------------------------------------------------------------------------------- matrices
+def matrices_section(args, tokens, mask) -> list[str]:
+    """The exact account's tracked step (Adam rows, readout of 256 random sequences, default adaptive rule) without
+    and with influence matrices (``use_readout(matrices=True)``), interleaved, same load as the main table."""
+    probes = make_probes(MAIN_SITES, args.probes_per_site, args.seed, args.device)
+    final = make_model(args.seed + 1000, args.device)[0]
+    held = make_batch(args.seed + 3, args.device)[0]
+    variants = {}
+    for name, on in (("exact", False), ("exact + matrices", True)):
+        tracker = InfluenceTracker(final, probes, sgd_rows=False, bucket_width=args.bucket_width)
+        tracker.use_readout(held, matrices=on)
+        variants[name] = (tracker, *make_model(args.seed, args.device))
+    timer = Timer()
+    for r in range(args.warmup + args.repeats):
+        for name in list(variants)[r % 2:] + list(variants)[:r % 2]:
+            tracker, m, o = variants[name]
+            t0 = now()
+            tracker.track(m, o, tokens, mask)
+            tracker.optimizer_step(m, o)
+            if r >= args.warmup:
+                timer.times.setdefault(name, []).append(now() - t0)
+            print(f"  matrices round {r + 1}: {name} {now() - t0:.1f} s", flush=True)
+    med = {n: timer.median_ms(n) for n in variants}
+    ratio = med["exact + matrices"] / med["exact"]
+    return [f"exact account (readout 256, Gauss-Legendre 2/4/8 adaptive, Adam rows) with and without influence "
+            f"matrices ({len(MAIN_SITES)} sites x d {D_MODEL}), {args.repeats} timed steps each after "
+            f"{args.warmup} warm-up (both variants take the same steps: same refinements)", "",
+            "| variant | median ms | min ms |", "|---|---:|---:|"] + [
+            f"| {n} | {med[n]:.0f} | {min(timer.times[n]) * 1e3:.0f} |" for n in variants] + [
+            "", "| ratio | value | target |", "|---|---:|---|",
+            f"| exact + matrices / exact | {ratio:.3f}x | <= 1.10x: {'PASS' if ratio <= 1.10 else 'FAIL'} |"]
+
+
 # ------------------------------------------------------------------------------------------------------ main
 def git_revision() -> str:
     """Commit of the ntpflow checkout, with a note if ntpflow/ has uncommitted changes."""
@@ -937,6 +975,11 @@ def main(argv=None) -> int:
 
     if args.flops:
         sec = [""] + flops_section(args, tokens, mask)
+        print("\n".join(sec), flush=True)
+        report += sec
+
+    if args.matrices:
+        sec = [""] + matrices_section(args, tokens, mask)
         print("\n".join(sec), flush=True)
         report += sec
 

@@ -5,6 +5,7 @@ before the final LayerNorm; logits at position p predict token p+1.
 """
 
 from ntpflow.engine.decomposition import decompose as decompose
+from ntpflow.files import VERSION
 from ntpflow.model.config import GPTConfig as GPTConfig
 from ntpflow.model.config import split_groups as split_groups
 from ntpflow.model.gpt import GPT as GPT
@@ -25,4 +26,4 @@ from ntpflow.tasks import Task as Task
 from ntpflow.tasks import make_task as make_task
 from ntpflow.tasks import task_class as task_class
 
-__version__ = "0.2.0"
+__version__ = VERSION

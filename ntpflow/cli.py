@@ -1,4 +1,4 @@
-"""Command line: ``ntpflow {train,probe,attribute,balance,reproduce,sweep,qscan,demo} ...``.
+"""Command line: ``ntpflow {train,probe,attribute,discover,balance,reproduce,sweep,qscan,demo} ...``.
 
 Parses input, builds configs, calls library functions."""
 
@@ -9,12 +9,14 @@ from pathlib import Path
 
 from ntpflow import __version__
 from ntpflow.experiments.report_all import run_all, run_experiment
-from ntpflow.files import read_json, resolve_device
+from ntpflow.files import read_json, resolve_device, stamp
 from ntpflow.llm.qscan_cli import main as qscan_main
-from ntpflow.model.sites import parse_sites
-from ntpflow.probes import probe_table
+from ntpflow.model.sites import Site, feature_name, parse_sites
+from ntpflow.probes import probe_table, write_r_table
 from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.replay.balance import audit_balance
+from ntpflow.replay.directions import parse_direction, sae_directions
+from ntpflow.replay.discover import discover
 from ntpflow.runs.config import REGIMES, TrainConfig, apply_overrides
 from ntpflow.runs.group import group_dirs
 from ntpflow.runs.probe import load_or_probe, probe_run
@@ -26,22 +28,22 @@ EXAMPLES = """
 examples:
   ntpflow train --task majority --regime myopic --seed 0 --out runs/maj-myopic-s0
   ntpflow train --task cond_majority --regime untied --set steps=500 lr=3e-4
-  ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'
-  ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_<0>'
+  ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_0'
+  ntpflow attribute runs/maj-myopic-s0 --sites 1-2:2-19 --features 'is_majority_0'
   ntpflow attribute runs/maj-vanilla-s0 --group --sites 1-2:2-19   # every member of its run group, one replay
-  ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features 'is_majority_<0>'   # where the balance goes
+  ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features 'is_majority_0'   # where the balance goes
   ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
   ntpflow reproduce othello --scale small
-  ntpflow reproduce stories --scale small --corpus PATH   # your TinyStories folder (or hf, generated:N)
+  ntpflow reproduce stories --scale small   # the TinyStories sample in the repository (or --corpus PATH|hf)
   ntpflow reproduce llm --scale small
-  ntpflow reproduce all --scale small --corpus PATH   # every experiment + one report: ~2.5-3 h on 2 cores
+  ntpflow reproduce all --scale small   # every experiment + one report: ~2.5-3 h on 2 cores
   ntpflow qscan --model tiny --train-sae --latents 8 --docs 8 --steps 50 --out runs/qscan-tiny
   ntpflow demo --out runs/demo          # majority in the four regimes, ~5 min (scripts/demo.sh: every experiment)
 
 Python equivalents:
   ntpflow.train(ntpflow.TrainConfig(task="majority", regime="myopic", seed=0), "runs/maj-myopic-s0")
   ntpflow.runs.probe.probe_run(ntpflow.Run.open("runs/maj-myopic-s0"))
-  ntpflow.attribute("runs/maj-myopic-s0", ntpflow.parse_sites("1-2:2-19"), ["is_majority_<0>"])
+  ntpflow.attribute("runs/maj-myopic-s0", ntpflow.parse_sites("1-2:2-19"), ["is_majority_0"])
   ntpflow.experiments.report_all.run_experiment("toy", "small", "results/toy-small")
 """
 
@@ -52,9 +54,9 @@ examples (times measured on a 2-core CPU):
   ntpflow reproduce toy --scale medium --tasks cond_majority --regimes vanilla --no-replays
                                                                # gates first (~1-1.5 h), replays later
   ntpflow reproduce othello --scale small
-  ntpflow reproduce stories --scale small --corpus PATH        # ~40 min; PATH: your TinyStories folder
+  ntpflow reproduce stories --scale small                      # ~40 min, on the shipped TinyStories sample
   ntpflow reproduce llm --scale small                          # under an hour
-  ntpflow reproduce all --scale small --corpus PATH            # all four + one report.html: ~2.5-3 h
+  ntpflow reproduce all --scale small                          # all four + one report.html: ~2.5-3 h
   ntpflow reproduce all --scale paper --device cuda            # the paper's sizes: a GPU and the hub
 
 Each experiment writes OUT/report.md, OUT/report.html, OUT/summary.json and OUT/figures/ (docs/outputs.md);
@@ -62,7 +64,7 @@ rerun the same command to resume an interrupted run.
 
 Python equivalent:
   from ntpflow.experiments.report_all import run_experiment, run_all
-  run_experiment("toy", "small", "results/toy-small"); run_all("small", "results/all-small", corpus="PATH")
+  run_experiment("toy", "small", "results/toy-small"); run_all("small", "results/all-small")
 """
 
 log = logging.getLogger("ntpflow")
@@ -94,13 +96,25 @@ def cmd_train(args) -> int:
 
 
 def cmd_probe(args) -> int:
-    """``ntpflow probe``: fit ridge probes of a run's weights and print each feature's r table."""
+    """``ntpflow probe``: fit ridge probes of a run's weights, print a header (run, weights, step) and each
+    feature's r table beside the untrained baseline's (the step-0 weights), and write them all to r.csv."""
     run = Run.open(args.run_dir)
     if not run.done and args.weights == "final":
         raise ValueError(f"{args.run_dir} has not finished training; probe a checkpoint with --weights STEP")
-    probes = probe_run(run, args.weights, device=args.device or "auto")
-    for name in [args.feature] if args.feature else probes.feature_names:
-        print(probe_table(probes, name))
+    device = args.device or "auto"
+    probes = probe_run(run, args.weights, device=device)
+    if args.feature:
+        probes.feature_index(feature_name(args.feature))  # an unknown feature: one line, before anything more is written
+    step = {"final": run.cfg.steps, "init": 0}.get(str(args.weights), args.weights)
+    baseline = None if str(args.weights) == "init" else load_or_probe(run, "init", device)
+    csv = write_r_table(run.probes_dir(args.weights), probes, baseline,
+                        {"run": str(run.dir), "weights": str(args.weights), "step": int(step), "stamp": stamp()})
+    print(f"run {run.dir} ({run.cfg.task}, {run.cfg.regime}, seed {run.cfg.seed}): weights {args.weights} "
+          f"(step {step} of {run.cfg.steps}); ridge probes' test Pearson r"
+          + ("" if baseline is None else ", beside the untrained model's (step 0) in brackets"))
+    for name in [feature_name(args.feature)] if args.feature else probes.feature_names:
+        print(probe_table(probes, name, baseline=baseline))
+    print(f"every feature's table: {csv}")
     return 0
 
 
@@ -108,25 +122,50 @@ def cmd_attribute(args) -> int:
     """``ntpflow attribute``: replay a run (or members of one run group, in one replay), tracking component influences
     at the sites; print the out folder(s)."""
     features = [f for f in args.features.split(",") if f] if args.features else None
-    sites, dirs = parse_sites(args.sites), args.run_dir
+    sites, dirs, directions = parse_sites(args.sites) if args.sites else [], args.run_dir, _directions(args)
+    if not sites and not directions:
+        raise ValueError("give --sites (the task's features) and/or --direction / --sae (directions of your own)")
+    if directions and (args.group or len(dirs) > 1):
+        raise ValueError("--direction and --sae replay a single run (not --group or several run dirs)")
+    if args.matrices and (args.group or len(dirs) > 1):
+        raise ValueError("--matrices replays a single run (not --group or several run dirs)")
     if args.group:
         if len(dirs) != 1:
             raise ValueError("--group takes one run dir, a member of the group")
         dirs = group_dirs(Run.open(dirs[0]))
+    reading = "paper" if args.paper else "midpoint" if args.midpoint else "exact"
     if len(dirs) == 1 and not args.group:
         outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
                           progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                          midpoint=args.midpoint, readout=args.readout)]
-    elif args.readout is not None:
-        raise ValueError("--readout replays a single run (not --group or several run dirs)")
+                          reading=reading, readout=args.readout, directions=directions, matrices=args.matrices)]
     elif args.out:
         raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
     else:
         outs = attribute_group(dirs, sites, features, device=args.device or "auto", progress=not args.quiet,
                                force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                               midpoint=args.midpoint)
+                               reading=reading, readout=args.readout)
     print("\n".join(map(str, outs)))
     return 0
+
+
+def _directions(args) -> dict:
+    """{name: (Site, path or (path, key) or tensor)} of ``--direction`` and ``--sae --latents --sae-site``."""
+    out: dict = {}
+    for text in args.direction or []:
+        name, site, path, key = parse_direction(text)
+        if name in out:
+            raise ValueError(f"direction {name!r} given twice")
+        out[name] = (site, (path, key))
+    sae = (args.sae, args.latents, args.sae_site)
+    if any(x is not None for x in sae):
+        if None in sae:
+            raise ValueError("--sae, --latents and --sae-site go together, e.g. --sae SAE_DIR --latents 3,17 "
+                             "--sae-site 1:5")
+        for name, d in sae_directions(args.sae, _int_list(args.latents, "--latents"), Site.parse(args.sae_site)).items():
+            if name in out:
+                raise ValueError(f"direction {name!r} given twice")
+            out[name] = d
+    return out
 
 
 def cmd_balance(args) -> int:
@@ -137,7 +176,7 @@ def cmd_balance(args) -> int:
                         device=args.device or "auto", progress=not args.quiet)
     print(out)
     for e in read_json(AttributionDir(out).summary)["probes"]:
-        print(f"⟨{e['layer']}, {e['pos']}⟩ {e['feature']} {e['mismatch']}: Σ full influence {e['full_batch']:.4g} "
+        print(f"{Path(args.run_dir).name} ⟨{e['layer']}, {e['pos']}⟩ {e['feature']} {e['mismatch']}: Σ full influence {e['full_batch']:.4g} "
               f"= removed on held-out {e['removed_held_out']:.4g} + same batch {e['same_batch']:.4g} "
               f"+ beyond first order {e['beyond_first_order']:.4g}; read at each step's midpoint: "
               f"{e['midpoint_held_out']:.4g} on held-out")
@@ -155,8 +194,9 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 def cmd_reproduce(args) -> int:
     """``ntpflow reproduce``: run one experiment (or all) at a scale and print the report's path."""
     check_extras(args.experiment)  # before hours of training, not after
-    if args.at_start and args.experiment == "llm":
-        raise ValueError("--at-start applies to the experiments with replays: toy, othello, stories, all")
+    reading = "paper" if args.paper else "midpoint" if args.midpoint else None
+    if reading and args.experiment == "llm":
+        raise ValueError(f"--{reading} applies to the experiments with replays: toy, othello, stories, all")
     if args.device:
         resolve_device(args.device)
     out = Path(args.out or f"results/{args.experiment}-{args.scale}")
@@ -164,7 +204,7 @@ def cmd_reproduce(args) -> int:
                "corpus": args.corpus, "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
                "regimes": tuple(args.regimes.split(",")) if args.regimes else None,
                "seeds": _int_list(args.seeds, "--seeds") if args.seeds else None,
-               "replays": False if args.no_replays else None, "midpoint": False if args.at_start else None}
+               "replays": False if args.no_replays else None, "reading": reading}
     if args.experiment == "all":
         print(run_all(args.scale, out, **options))
     else:
@@ -225,12 +265,12 @@ def check_extras(experiment: str) -> None:
 
 
 def demo_table(rows: dict) -> str:
-    """Mean over v of Pearson r of ``is_majority_<v>`` at input positions 1..9 (NTP-useless), per layer."""
+    """Mean over v of Pearson r of ``is_majority_v`` at input positions 1..9 (NTP-useless), per layer."""
     first = next(iter(rows.values()))
     names = [n for n in first.feature_names if n.startswith("is_majority")]
     idx = [first.feature_index(n) for n in names]
     positions = list(range(1, 10))
-    lines = ["probe quality (test Pearson r, mean over v) of is_majority_<v> at input positions, "
+    lines = ["probe quality (test Pearson r, mean over v) of is_majority_v at input positions, "
              "where it is NTP-useless"]
     for layer in range(first.r.shape[0]):
         lines.append(f"\nlayer {layer}")
@@ -245,12 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``ntpflow`` command and its subcommands."""
     p = argparse.ArgumentParser(prog="ntpflow", description=__doc__, epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars, warnings only")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or stage lines, warnings only")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     p.add_argument("--version", action="version", version=f"ntpflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_probe, _add_attribute, _add_balance, _add_reproduce, _add_sweep, _add_qscan, _add_demo):
         add(sub)
+    _add_discover(sub)
     return p
 
 
@@ -279,7 +320,7 @@ def _add_train(sub) -> None:
 def _add_probe(sub) -> None:
     """The ``ntpflow probe`` subcommand."""
     pr = sub.add_parser("probe", help="fit ridge probes of a finished run and print r tables",
-                        epilog="example: ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_<0>'\n"
+                        epilog="example: ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_0'\n"
                                "Python: ntpflow.runs.probe.probe_run(ntpflow.Run.open('runs/maj-myopic-s0'))",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     pr.add_argument("run_dir", help="a finished run directory (ntpflow train)")
@@ -293,9 +334,9 @@ def _add_attribute(sub) -> None:
     """The ``ntpflow attribute`` subcommand."""
     a = sub.add_parser("attribute", help="replay a finished run and track each gradient component's influence",
                        epilog="example: ntpflow attribute runs/maj-vanilla-s0 --sites 1-2:2-19 "
-                              "--features 'is_majority_<0>'\n"
+                              "--features 'is_majority_0'\n"
                               "Python: ntpflow.attribute('runs/maj-vanilla-s0', "
-                              "ntpflow.parse_sites('1-2:2-19'), ['is_majority_<0>'])\n"
+                              "ntpflow.parse_sites('1-2:2-19'), ['is_majority_0'])\n"
                               "several members of one run group (or --group): one replay of the group tracks them "
                               "all; Python: ntpflow.replay.attribution.attribute_group([RUN_DIR, ...], sites, features)\n"
                               "writes OUT/influence.parquet and OUT/summary.json (schemas: docs/outputs.md); "
@@ -306,22 +347,77 @@ def _add_attribute(sub) -> None:
     a.add_argument("--group", action="store_true",
                    help="track every member of RUN_DIR's run group in one replay, over the run axis (one vmapped "
                         "pass per step; values equal to a lone replay's to rounding; docs/run-groups.md)")
-    a.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:5,2:7 or 1-2:2-19")
+    a.add_argument("--sites", help="LAYER:POS list or ranges, e.g. 1:5,2:7, 1-2:2-19 or blocks.0.hook_resid_post:4 "
+                   "(= 1:4), where the task's features are tracked; without it, only --direction / --sae")
     a.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
+    a.add_argument("--direction", action="append", metavar="NAME=K:I:PATH[:KEY]",
+                   help="a direction of your own tracked as feature NAME at site K:I: a .npy vector [d_model], or "
+                        "PATH.safetensors:KEY (repeatable; docs/own-question.md)")
+    a.add_argument("--sae", metavar="DIR", help="an SAE folder (SAELens layout: cfg.json + sae_weights.safetensors): "
+                   "its decoder rows --latents at --sae-site are tracked as features sae_<latent>")
+    a.add_argument("--latents", help="comma-separated SAE latent ids, with --sae")
+    a.add_argument("--sae-site", metavar="K:I", help="the site the SAE's latents are read at, with --sae")
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
     a.add_argument("--adam-only", action="store_true",
                    help="write the Adam rows only, not the SGD variant's (about 30%% less tracking work)")
-    a.add_argument("--midpoint", action="store_true",
-                   help="read each step's gradient of R at the midpoint of the step taken: the components then "
-                        "add up to the change of R to second order (docs/balance.md)")
+    how = a.add_mutually_exclusive_group()
+    how.add_argument("--paper", action="store_true",
+                     help="the paper's reading instead of the exact account: R on each step's training batch, its "
+                          "gradient at the step's start θ_t (the components then split R's change to first order "
+                          "only; docs/balance.md)")
+    how.add_argument("--midpoint", action="store_true",
+                     help="as --paper, with the gradient read at the midpoint of the step taken (second order)")
     a.add_argument("--readout", type=int, metavar="N",
-                   help="the exact account: read R and R_c on the first N evaluation sequences, measure each step's "
-                        "change of them and split it by a path integral along the step; summary.json gives each "
-                        "row's residual, the last line PASS/FAIL against 1%% (docs/balance.md)")
+                   help="the exact account (the default): R and R_c read on the first N evaluation sequences "
+                        "(default 256, or all of them if fewer), each step's change of them measured and split by "
+                        "a path integral along the step; summary.json gives each row's residual, the last line "
+                        "PASS/FAIL against 1%% (docs/balance.md)")
+    a.add_argument("--matrices", action="store_true",
+                   help="also save every site's influence matrices (OUT/matrices.safetensors; the exact account "
+                        "only), from which any direction's influence is read afterwards and ntpflow discover finds "
+                        "the directions each component moved most (docs/discover.md)")
     a.add_argument("--force-unlock", action="store_true",
                    help="take over the output folder's lock left by a process on another host that is gone")
     a.add_argument("--device", help="auto (default), cpu, cuda, ...")
     a.set_defaults(fn=cmd_attribute)
+
+
+def cmd_discover(args) -> int:
+    """``ntpflow discover``: each component's top directions at a site from an attribution's influence matrices;
+    print the output folder and its markdown."""
+    out = discover(args.run_dir, parse_site_arg(args.site), attribution_dir=args.attribution, out_dir=args.out,
+                   top=args.top, null_draws=args.null, seed=args.seed, rcond=args.rcond)
+    print(out)
+    print((out / "discover.md").read_text())
+    return 0
+
+
+def parse_site_arg(text: str):
+    """One site LAYER:POS (ValueError otherwise)."""
+    sites = parse_sites(text)
+    if len(sites) != 1:
+        raise ValueError(f"--site takes one LAYER:POS, got {text!r}")
+    return sites[0]
+
+
+def _add_discover(sub) -> None:
+    """The ``ntpflow discover`` subcommand."""
+    d = sub.add_parser("discover", help="the directions whose mismatch each component removed most, from the "
+                       "influence matrices of attribute --readout N --matrices",
+                       epilog="example: ntpflow discover runs/cmaj-s0 --site 1:4\n"
+                              "Python: ntpflow.replay.discover.discover('runs/cmaj-s0', ntpflow.Site(1, 4))\n"
+                              "writes OUT/discover.json and OUT/discover.md (docs/discover.md)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    d.add_argument("run_dir", help="a finished run whose attribution holds influence matrices")
+    d.add_argument("--site", required=True, help="LAYER:POS, one of the attributed sites")
+    d.add_argument("--attribution", help="the attribution folder (default RUN_DIR/attribution)")
+    d.add_argument("--out", help="output folder (default ATTRIBUTION/discover/LAYER_POS)")
+    d.add_argument("--top", type=int, default=3, help="directions per component (default 3)")
+    d.add_argument("--null", type=int, default=1000, help="random subspaces drawn for the null (default 1000)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the null's draws (default 0)")
+    d.add_argument("--rcond", type=float, default=1e-4,
+                   help="S_0's active subspace: eigenvalues above rcond × the largest (default 1e-4)")
+    d.set_defaults(fn=cmd_discover)
 
 
 def _add_balance(sub) -> None:
@@ -329,9 +425,9 @@ def _add_balance(sub) -> None:
     b = sub.add_parser("balance", help="replay a finished run and split the gap between its integrated full "
                        "influence and the mismatch removed on held-out data",
                        epilog="example: ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features "
-                              "'is_majority_<0>'\n"
+                              "'is_majority_0'\n"
                               "Python: ntpflow.replay.balance.audit_balance('runs/maj-vanilla-s0', "
-                              "ntpflow.parse_sites('1:4,1:6'), ['is_majority_<0>'])\n"
+                              "ntpflow.parse_sites('1:4,1:6'), ['is_majority_0'])\n"
                               "writes OUT/summary.json: per probe and mismatch, Σ full influence = R removed on "
                               "held-out data + a same-batch part + a beyond-first-order part (docs/engine.md)",
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -356,17 +452,21 @@ def _add_reproduce(sub) -> None:
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores; on a CPU each run trains on "
                     "one torch thread, so its result does not depend on this)")
-    rp.add_argument("--corpus", help="stories (needed at small scale): a folder or file of stories, "
-                    "'generated[:N]' or 'hf' (default: generated at smoke, hf at paper)")
+    rp.add_argument("--corpus", help="stories: a folder or file of stories, 'sample' (the TinyStories sample in the "
+                    "repository, data/tinystories-sample), 'generated[:N]' or 'hf' (default: generated at smoke, "
+                    "sample at small, hf at paper)")
     rp.add_argument("--tasks", help="toy only: comma-separated subset of majority,cond_majority (default: both)")
     rp.add_argument("--regimes", help="toy only: comma-separated subset of vanilla,myopic,untied,myopic-untied "
                     "(default: all four)")
     rp.add_argument("--seeds", help="toy only: comma-separated subset of the scale's seeds, for every regime "
                     "(default: all)")
-    rp.add_argument("--at-start", action="store_true",
-                    help="replay with each step's influence read at the step's start θ_t, as the paper defines it, "
-                         "instead of at its midpoint (the default: there the components add up to second order, "
-                         "which the influence claims need; docs/balance.md). A folder holds one kind")
+    how = rp.add_mutually_exclusive_group()
+    how.add_argument("--paper", action="store_true",
+                     help="replay with the paper's reading (R on each step's batch, read at θ_t) instead of the exact "
+                          "account (the default, which the influence claims need; docs/balance.md). A folder holds "
+                          "one kind")
+    how.add_argument("--midpoint", action="store_true",
+                     help="replay with R on each step's batch, read at each step's midpoint (docs/balance.md)")
     rp.add_argument("--no-replays", action="store_true",
                     help="toy only: train and probe, skip the tracked replays (hours at medium scale); the influence "
                     "claims are then not testable. Rerun without it to add them")
@@ -418,8 +518,6 @@ def main(argv: list[str] | None = None) -> int:
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
-    if not sys.stderr.isatty():
-        args.quiet = True
     try:
         return args.fn(args)
     except KeyboardInterrupt:

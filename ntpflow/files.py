@@ -1,6 +1,7 @@
 """Atomic file writes, safetensors checkpoints with checksummed JSON sidecars, folder locks, and the environment
 record of a run."""
 
+import datetime
 import errno
 import hashlib
 import json
@@ -8,8 +9,10 @@ import math
 import os
 import platform
 import secrets
+import shlex
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +20,8 @@ import numpy
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+
+VERSION = "0.2.0"  # ntpflow's version (ntpflow.__version__), stamped on every result; pyproject.toml's matches it
 
 
 class CorruptFileError(ValueError):
@@ -184,23 +189,56 @@ def environment() -> dict:
         "git_commit": None,
         "git_dirty": None,
     }
-    try:
-        from importlib.metadata import version
+    env["ntpflow"] = VERSION
+    env["git_commit"], env["git_dirty"] = git_state()
+    return env
 
-        env["ntpflow"] = version("ntpflow")
-    except Exception:
-        env["ntpflow"] = None
+
+def git_state() -> tuple[str | None, bool | None]:
+    """``(commit, dirty)`` of the git checkout holding ntpflow's source: the HEAD commit and whether tracked files
+    differ from it; ``(None, None)`` outside a git checkout (an installed package) or without git."""
     src = Path(__file__).resolve().parent
     try:
-        env["git_commit"] = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        env["git_dirty"] = bool(subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=src, capture_output=True, text=True,
-            timeout=10).stdout.strip())
-    except Exception:
-        pass
-    return env
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=src, capture_output=True, text=True, timeout=10,
+                                check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=src,
+                                    capture_output=True, text=True, timeout=10, check=True).stdout.strip())
+    except Exception:  # no git, not a checkout, a timeout: unknown
+        return None, None
+    return commit, dirty
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    """The command that runs this process, as one could type it again: ``argv`` (default ``sys.argv``) quoted for a
+    shell, with ntpflow's own entry points named as they are called (``ntpflow ...``, ``python -m
+    ntpflow.experiments.toy_report ...``)."""
+    argv = list(sys.argv if argv is None else argv) or [""]
+    first = Path(argv[0])
+    pkg = Path(__file__).resolve().parent
+    if first.name == "ntpflow" or first.name == "__main__.py" and first.resolve().parent == pkg:
+        return shlex.join(["ntpflow", *argv[1:]])
+    if first.suffix == ".py" and first.resolve().is_relative_to(pkg):
+        module = ".".join(("ntpflow", *first.resolve().relative_to(pkg).with_suffix("").parts))
+        return shlex.join(["python", "-m", module, *argv[1:]])
+    return shlex.join(argv)
+
+
+def stamp(argv: list[str] | None = None) -> dict:
+    """Who made a result, for every summary.json and report: ``ntpflow`` (version), ``git_commit`` ("unknown"
+    outside a git checkout), ``git_dirty`` (tracked files changed; None when unknown), ``date`` (UTC, ISO 8601) and
+    ``command`` (:func:`command_line` of ``argv``). A re-rendered report reuses the stamp stored with its numbers."""
+    commit, dirty = git_state()
+    return {"ntpflow": VERSION, "git_commit": commit or "unknown", "git_dirty": dirty,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "command": command_line(argv)}
+
+
+def stamp_text(s: dict) -> str:
+    """One line for a report: ``Made by ntpflow 0.2.0 (commit 1a2b3c4d5e6f, with uncommitted changes) on
+    2025-01-01T00:00:00Z: `ntpflow reproduce toy --scale small`.``"""
+    commit = s.get("git_commit") or "unknown"
+    where = f"commit {commit[:12]}" + (", with uncommitted changes" if s.get("git_dirty") else "")
+    return f"Made by ntpflow {s.get('ntpflow')} ({where}) on {s.get('date')}: `{s.get('command')}`."
 
 
 def resolve_device(spec: str = "auto") -> torch.device:

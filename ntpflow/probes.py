@@ -21,6 +21,8 @@ the test rows.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import math
@@ -32,7 +34,8 @@ from typing import Any
 
 import torch
 
-from ntpflow.files import atomic_write, load_tensors, read_json, save_tensors
+from ntpflow.files import atomic_write, load_tensors, read_json, save_tensors, sidecar, write_json
+from ntpflow.model.sites import feature_name
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +49,7 @@ __all__ = [
 
 TENSORS_FILE = "probes.safetensors"
 META_FILE = "probes.json"
+TABLE_FILE = "r.csv"  # written by write_r_table, with its sidecar r.json
 _FORMAT_VERSION = 1
 # Soft cap on float64 working memory per batched chunk of sites.
 _CHUNK_BYTES = 512 * 2**20
@@ -243,7 +247,7 @@ class ProbeSet:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.feature_names = tuple(str(n) for n in self.feature_names)
+        self.feature_names = tuple(feature_name(str(n)) for n in self.feature_names)  # old toy names read as new
         self.positions = tuple(int(p) for p in self.positions)
         self.alpha = float(self.alpha)
         self.train_frac = float(self.train_frac)
@@ -283,7 +287,7 @@ class ProbeSet:
         """Index of a feature given by index or name."""
         if isinstance(feature, str):
             try:
-                return self.feature_names.index(feature)
+                return self.feature_names.index(feature_name(feature))
             except ValueError:
                 raise ValueError(f"unknown feature {feature!r}; have {self.feature_names}") from None
         F = len(self.feature_names)
@@ -541,23 +545,63 @@ def probe_table(
     probes: ProbeSet,
     feature: int | str,
     positions: Sequence[int] | None = None,
+    baseline: ProbeSet | None = None,
 ) -> str:
     """Plain-text table of test r for one feature: rows = layers, columns = positions.
 
     Values use 2 decimals; NaN (unprobed / undefined) is shown as ``"  - "``.
-    ``positions`` defaults to the probed positions.
+    ``positions`` defaults to the probed positions. With ``baseline`` (the same probes of the initial weights) each
+    cell reads ``r (r_init)``.
     """
     fi = probes.feature_index(feature)
     cols = list(probes.positions if positions is None else positions)
     r = probes.r[..., fi].detach().to("cpu", torch.float64)
-    width = max(5, *(len(f"p{p}") for p in cols)) if cols else 5
-    head = f"r[{probes.feature_names[fi]}] test, alpha={probes.alpha:g}"
+    r0 = None if baseline is None else baseline.r[..., baseline.feature_index(feature)].detach().to("cpu",
+                                                                                                    torch.float64)
+
+    def cell(x: torch.Tensor, layer: int, p: int) -> str:
+        v = float(x[layer, p]) if p < x.shape[1] else math.nan
+        return "  - " if math.isnan(v) else f"{v:5.2f}"
+
+    width = max(5 if r0 is None else 13, *(len(f"p{p}") for p in cols)) if cols else 5
+    head = f"r[{probes.feature_names[fi]}] test, alpha={probes.alpha:g}" + ("" if r0 is None else
+                                                                           ", each cell: trained (untrained)")
     lines = [head, "layer " + " ".join(f"p{p}".rjust(width) for p in cols)]
     for layer in range(r.shape[0]):
         cells = []
         for p in cols:
-            v = float(r[layer, p])
-            cell = "  - " if math.isnan(v) else f"{v:5.2f}"
-            cells.append(cell.ljust(5).rjust(width))
+            text = cell(r, layer, p).ljust(5)
+            if r0 is not None:
+                text += f" ({cell(r0, layer, p).strip()})"
+            cells.append(text.rjust(width))
         lines.append(f"{layer:>5} " + " ".join(cells))
     return "\n".join(lines)
+
+
+def write_r_table(directory: str | os.PathLike[str], probes: ProbeSet, baseline: ProbeSet | None,
+                  meta: dict) -> Path:
+    """Write ``directory``/r.csv, atomically: one row per feature × layer × probed position (in that order) with
+    ``r``, the test Pearson r of ``probes``, and ``r_init``, that of ``baseline`` (the initial weights; empty
+    without one or where undefined); then ``meta`` (what made it: run, weights, step, stamp) into its sidecar
+    r.json. Returns the CSV's path."""
+    path = Path(directory) / TABLE_FILE
+    r = probes.r.detach().to("cpu", torch.float64)
+    r0 = None if baseline is None else baseline.r.detach().to("cpu", torch.float64)
+
+    def num(x: torch.Tensor | None, *idx) -> str:
+        v = math.nan if x is None else float(x[idx])
+        return "" if math.isnan(v) else repr(v)
+
+    text = io.StringIO()
+    rows = csv.writer(text, lineterminator="\n")
+    rows.writerow(["feature", "layer", "pos", "r", "r_init"])
+    for f, name in enumerate(probes.feature_names):
+        f0 = None if r0 is None else baseline.feature_index(name)
+        for layer in range(r.shape[0]):
+            for p in probes.positions:
+                rows.writerow([name, layer, p, num(r, layer, p, f), num(r0, layer, p, f0) if r0 is not None else ""])
+    atomic_write(path, text.getvalue())
+    write_json(sidecar(path), {**meta, "columns": {
+        "r": "test-set Pearson r of the ridge probe of these weights",
+        "r_init": "the same of the initial weights (step 0), the untrained baseline"}})
+    return path

@@ -62,10 +62,11 @@ def test_audit_agrees_with_attribution_and_the_weights(finished_run, tmp_path):
     out = audit_balance(finished_run, SITES, [FEATURE], out_dir=tmp_path / "b", n_held_out=TINY["n_eval"],
                         progress=False)
     audit = json.loads((out / "summary.json").read_text())
-    att = attribute(finished_run, SITES, [FEATURE], out_dir=tmp_path / "a", progress=False, sgd_rows=False)
+    att = attribute(finished_run, SITES, [FEATURE], out_dir=tmp_path / "a", progress=False, sgd_rows=False,
+                    reading="paper")
     tracked = {(p["layer"], p["pos"], p["mismatch"]): p for p in json.loads((att / "summary.json").read_text())["probes"]}
     mid = attribute(finished_run, SITES, [FEATURE], out_dir=tmp_path / "m", progress=False, sgd_rows=False,
-                    midpoint=True)
+                    reading="midpoint")
     at_mid = {(p["layer"], p["pos"], p["mismatch"]): p for p in json.loads((mid / "summary.json").read_text())["probes"]}
     # the held-out mismatch of the initial and final weights, computed here from the run's files
     run = Run.open(finished_run)
@@ -128,6 +129,7 @@ def test_audit_resumes_after_kill(finished_run, tmp_path):
     assert list((out / "state").glob("step_*")) and not (out / "summary.json").exists()
     assert subprocess.run([*cmd, "--out", str(out)], check=False, capture_output=True).returncode == 0
     a, b = (json.loads((d / "summary.json").read_text()) for d in (ref, out))
+    assert a.pop("stamp")["command"] != b.pop("stamp")["command"]  # each says which command made it
     assert a == b
 
 

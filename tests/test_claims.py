@@ -5,24 +5,32 @@ import json
 
 import pytest
 
-from ntpflow.experiments.claim_registry import ROW_LIMIT, row_balance_check
+from ntpflow.experiments.claim_registry import RESIDUAL_LIMIT, ROW_LIMIT, account_check, row_balance_check
 from ntpflow.experiments.claims import (
+    EXACT,
     INCONCLUSIVE,
     NOT_REPRODUCED,
     NOT_TESTABLE,
+    PAPERS_READING,
     REPRODUCED,
     Claim,
+    Rule,
     at_least,
     every,
     interval_above,
-    interval_contains,
+    verdict_text,
+    within_margin,
 )
 from ntpflow.experiments.figure_style import ci_label, clip
+from ntpflow.experiments.formats import residual_share
 from ntpflow.experiments.render import read_blocks, to_html, to_markdown, write_documents
 
 
 def ci(lo, hi):
     return {"mean": None if lo is None else (lo + hi) / 2, "lo": lo, "hi": hi}
+
+
+WHEN = {"fixed": "2026-12-03", "against": "none"}
 
 
 @pytest.mark.parametrize(("lo", "hi", "threshold", "verdict"), [
@@ -31,25 +39,88 @@ def ci(lo, hi):
     (None, None, 0.0, INCONCLUSIVE), (0.0, 0.3, 0.0, INCONCLUSIVE),  # a bound on the threshold decides nothing
 ])
 def test_interval_above_decides_what_its_text_says(lo, hi, threshold, verdict):
-    rule = interval_above("the gap", "gap", threshold)
+    rule = interval_above("the gap", "gap", threshold, **WHEN)
     assert rule.decide({"gap": ci(lo, hi)}) == verdict
     t = f"{threshold:g}"
     assert f"lower bound > {t}" in rule.text and f"upper bound < {t}" in rule.text and "the gap" in rule.text
 
 
-def test_contains_and_every_combine_as_stated():
-    rule = every(interval_above("useful", "u"), interval_contains("useless", "s"))
-    assert rule.decide({"u": ci(1, 2), "s": ci(-1, 1)}) == REPRODUCED
-    assert rule.decide({"u": ci(1, 2), "s": ci(0.5, 1)}) == NOT_REPRODUCED  # useless excludes 0
-    assert rule.decide({"u": ci(-1, 2), "s": ci(-1, 1)}) == INCONCLUSIVE
-    assert rule.decide({"u": ci(-2, -1), "s": ci(-1, 1)}) == NOT_REPRODUCED
+def test_mean_beyond_the_threshold_with_an_interval_spanning_it_is_inconclusive():
+    rule = interval_above("Δ", "d", **WHEN)
+    assert rule.decide({"d": {"mean": 0.5, "lo": -0.1, "hi": 1.1}}) == INCONCLUSIVE
+    assert rule.decide({"d": {"mean": -0.5, "lo": -1.1, "hi": 0.1}}) == INCONCLUSIVE  # not "not reproduced"
+    assert rule.decide({"d": {"mean": -0.5, "lo": None, "hi": None}}) == INCONCLUSIVE  # a mean alone decides nothing
+
+
+@pytest.mark.parametrize(("lo", "hi", "verdict"), [
+    (-0.02, 0.04, REPRODUCED), (-0.3, 0.05, REPRODUCED),  # inside the one-sided margin (the bound on it counts)
+    (0.06, 0.2, NOT_REPRODUCED), (0.051, 0.3, NOT_REPRODUCED),  # wholly above it
+    (-0.02, 0.08, INCONCLUSIVE), (0.04, 0.2, INCONCLUSIVE),  # straddling it
+    (-0.5, 0.5, INCONCLUSIVE),  # contains 0 but is wide: noise cannot reproduce a "never" claim
+    (0.05, 0.2, INCONCLUSIVE), (None, None, INCONCLUSIVE),
+])
+def test_one_sided_equivalence_margin(lo, hi, verdict):
+    rule = within_margin("myopic's gain", "g", 0.05, why="hand-worked", **WHEN)
+    assert rule.decide({"g": ci(lo, hi)}) == verdict
+    assert "at most 0.05" in rule.text and "lower bound > 0.05" in rule.text and "hand-worked" in rule.text
+
+
+@pytest.mark.parametrize(("lo", "hi", "margin", "verdict"), [
+    (-0.4, 0.4, 0.5, REPRODUCED), (-0.5, 0.5, 0.5, REPRODUCED), (0.6, 2.0, 0.5, NOT_REPRODUCED),
+    (-2.0, -0.6, 0.5, NOT_REPRODUCED), (-0.4, 0.7, 0.5, INCONCLUSIVE), (-0.7, 0.4, 0.5, INCONCLUSIVE),
+    (-2.5, 2.5, 0.5, INCONCLUSIVE), (-0.1, 0.1, None, INCONCLUSIVE),  # no margin measured
+])
+def test_two_sided_equivalence_margin_read_from_the_numbers(lo, hi, margin, verdict):
+    rule = within_margin("direct", "d", "m", lower="-m", margin_text="0.25 × |full|", why="hand-worked", **WHEN)
+    numbers = {"d": ci(lo, hi), **({} if margin is None else {"m": margin, "-m": -margin})}
+    assert rule.decide(numbers) == verdict
+    assert "within ±0.25 × |full|" in rule.text
+
+
+def test_every_combines_as_stated():
+    rule = every(interval_above("useful", "u", **WHEN), within_margin("useless", "s", 0.5, lower=-0.5, why="w", **WHEN))
+    assert rule.decide({"u": ci(1, 2), "s": ci(-0.4, 0.4)}) == REPRODUCED
+    assert rule.decide({"u": ci(1, 2), "s": ci(0.6, 1)}) == NOT_REPRODUCED  # useless outside the margin
+    assert rule.decide({"u": ci(1, 2), "s": ci(-1, 1)}) == INCONCLUSIVE  # contains 0, but wider than the margin
+    assert rule.decide({"u": ci(-1, 2), "s": ci(-0.1, 0.1)}) == INCONCLUSIVE
+    assert rule.decide({"u": ci(-2, -1), "s": ci(-0.1, 0.1)}) == NOT_REPRODUCED
     assert rule.decide({}) == INCONCLUSIVE
     assert rule.text.startswith("(1) Reproduced if the 95% CI of useful")
-    assert "(2) Reproduced if the 95% CI of useless contains 0" in rule.text
+    assert "(2) Equivalence test: reproduced if the whole 95% CI of useless lies inside [-0.5, 0.5]" in rule.text
+    assert rule.fixed == "2026-12-03" and rule.against == "none"
+
+
+def test_a_rule_records_when_it_was_fixed_and_against_what():
+    with pytest.raises(ValueError, match="fixed and against"):
+        Rule("text", lambda n: REPRODUCED, "", "none")
+    with pytest.raises(ValueError, match="fixed and against"):
+        Rule("text", lambda n: REPRODUCED, "2026-12-03", "")
+    with pytest.raises(TypeError):
+        interval_above("Δ", "d")  # no default record
+    d = Claim("a", "Δ > 0", "0.76", interval_above("Δ", "d", **WHEN), {"d": ci(0.1, 0.2)}).to_dict()
+    assert (d["fixed"], d["against"]) == ("2026-12-03", "none")
+
+
+def test_exact_account_check_and_paper_reading_marks():
+    rows = [{"residual": 0.004, "R0_eval": 2.0}, {"residual": -0.009, "R0_eval": 1.0}, {"R0_eval": 5.0}]
+    share = residual_share(rows)  # hand-worked: max(0.002, 0.009); the row without a residual is not counted
+    assert share == {"worst": pytest.approx(0.009), "n": 2, "zero_R0": 0}
+    assert residual_share([{"R0_eval": 1.0}]) is None  # the paper's reading: no row has a residual
+    assert account_check(share, "rows").ok and account_check(share, "rows").value == 0.009
+    assert RESIDUAL_LIMIT == 0.01
+    over = account_check(residual_share([{"residual": 0.0101, "R0_eval": 1.0}]), "rows")
+    assert not over.ok and over.fixed and over.against
+    zero = account_check(residual_share([{"residual": 1e-9, "R0_eval": 0.0}]), "rows")  # nothing to remove, yet a residual
+    assert not zero.ok
+    assert not account_check(None, "rows").ok
+    claim = {"verdict": REPRODUCED, "reading": PAPERS_READING}
+    assert verdict_text(claim) == "reproduced (paper's reading)"
+    assert verdict_text({**claim, "reading": EXACT}) == verdict_text({"verdict": REPRODUCED}) == "reproduced"
+    assert verdict_text({**claim, "verdict": NOT_TESTABLE}) == NOT_TESTABLE
 
 
 def test_a_failed_precondition_makes_the_claim_not_testable_whatever_the_numbers():
-    rule = interval_above("Δ", "d")
+    rule = interval_above("Δ", "d", **WHEN)
     numbers = {"d": ci(0.1, 0.2)}
     ok = Claim("a", "Δ > 0", "0.76", rule, numbers, "Δ = 0.15", (at_least("seeds", 3, 2),))
     low = Claim("a", "Δ > 0", "0.76", rule, numbers, "Δ = 0.15", (at_least("seeds", 1, 2), at_least("units", 9, 2)))
@@ -64,7 +135,7 @@ def test_a_failed_precondition_makes_the_claim_not_testable_whatever_the_numbers
 
 
 def test_renderer_writes_claims_captions_and_figures(tmp_path):
-    claim = Claim("i", "the gap is positive", "[2.85, 12.38]", interval_above("the gap", "g"), {"g": ci(0.2, 0.4)},
+    claim = Claim("i", "the gap is positive", "[2.85, 12.38]", interval_above("the gap", "g", **WHEN), {"g": ci(0.2, 0.4)},
                   "0.3 [0.2, 0.4]", (at_least("squares", 16, 2),), context="majority")
     png = b"\x89PNG fake bytes"
     blocks = [("h1", "Title"), ("claims", [claim.to_dict()], False), ("fig", "gap", "The gap by layer, n = 16."),
@@ -168,3 +239,23 @@ def test_row_balance_is_a_factor_2_per_row_and_sees_cancellation(rows, ok):
     assert check.value == pytest.approx(round(expected, 3)) and check.ok == ok
     assert ROW_LIMIT == pytest.approx(2 / 3)
     assert row_balance_check([], "none").value == "no data" and not row_balance_check([], "none").ok
+
+
+def test_one_palette_per_meaning():
+    """No colour means two things: the palettes of figure_style are disjoint (formal/other latents are drawn in the
+    code/stories domain colours on purpose) and the baseline grey and the failure red belong to no palette."""
+    from ntpflow.experiments import figure_style as fs
+
+    seen = {}
+    for meaning, palette in fs.PALETTES.items():
+        for key, color in palette.items():
+            if meaning == "group" and key in ("formal", "other", "baseline"):
+                continue
+            assert color.upper() not in seen, f"{meaning}/{key} reuses {seen.get(color.upper())}'s colour"
+            seen[color.upper()] = f"{meaning}/{key}"
+    assert fs.BASELINE.upper() not in seen and fs.FAIL_COLOR.upper() not in seen
+    assert fs.GROUP_COLORS["formal"] == fs.DOMAIN_COLORS["code"] and fs.GROUP_COLORS["baseline"] == fs.BASELINE
+    from ntpflow.experiments import othello_report, stories_report, toy_report
+
+    assert toy_report.REGIME_COLORS == fs.REGIME_COLORS and othello_report.TYPE_COLORS == fs.TYPE_COLORS
+    assert all(stories_report.REGIME_COLORS[r] == fs.REGIME_COLORS[r] for r in stories_report.REGIMES)

@@ -1,6 +1,9 @@
 """The command line, called in-process through ``ntpflow.cli.main`` (plus one real ``python -m ntpflow``)."""
 
+import csv
 import json
+import math
+import re
 import shutil
 import subprocess
 import sys
@@ -10,6 +13,7 @@ import pytest
 
 from ntpflow import TrainConfig
 from ntpflow.cli import main
+from ntpflow.probes import ProbeSet
 from ntpflow.runs.run import Run
 
 TINY_SET = ["n_layer=1", "d_model=32", "n_head=2", "steps=12", "batch_size=32", "n_train=256", "n_eval=128",
@@ -58,17 +62,35 @@ def test_train_then_probe(tmp_path, capsys):
                                   n_head=2, steps=12, batch_size=32, n_train=256, n_eval=128, eval_every=6,
                                   ckpt_every=4, log_every=2)
 
-    assert main(["probe", str(out), "--feature", "is_majority_<1>", "--device", "cpu"]) == 0
+    assert main(["probe", str(out), "--feature", "is_majority_<1>", "--device", "cpu"]) == 0  # the old name is read
     table = capsys.readouterr().out
-    assert "is_majority_<1>" in table and "is_majority_<0>" not in table
+    assert "is_majority_1" in table and "is_majority_0" not in table and "<" not in table
     lines = table.strip().splitlines()
-    assert lines[1].split()[0] == "layer" and "p1" in lines[1].split()
-    assert [line.split()[0] for line in lines[2:]] == ["0", "1"]  # resid layers 0..n_layer
+    assert lines[0].startswith(f"run {out} (majority, vanilla, seed 2): weights final (step 12 of 12); ")
+    assert lines[2].split()[0] == "layer" and "p1" in lines[2].split()
+    assert [line.split()[0] for line in lines[3:5]] == ["0", "1"]  # resid layers 0..n_layer
+    assert lines[-1] == f"every feature's table: {out / 'probes' / 'r.csv'}"
     assert (out / "probes" / "probes.json").exists()
+    trained, untrained = ProbeSet.load(out / "probes"), ProbeSet.load(out / "probes_init")
+    f = trained.feature_index("is_majority_<1>")
+    cells = re.findall(r"(-?\d\.\d\d) \((-?\d\.\d\d)\)", lines[4])  # layer 1: each cell "r (r_init)"
+    assert [float(x) for c in cells for x in c] == pytest.approx(
+        [float(ps.r[1, p, f]) for p in trained.positions for ps in (trained, untrained)], abs=0.005)
+    with open(out / "probes" / "r.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == len(trained.feature_names) * 2 * len(trained.positions)
+    for row in rows:
+        fi, at = trained.feature_index(row["feature"]), (int(row["layer"]), int(row["pos"]))
+        for col, probes in (("r", trained), ("r_init", untrained)):
+            want = float(probes.r[at[0], at[1], fi])
+            assert (row[col] == "") if math.isnan(want) else float(row[col]) == want
+    side = json.loads((out / "probes" / "r.json").read_text())
+    assert (side["run"], side["weights"], side["step"]) == (str(out), "final", 12)
+    assert set(side["stamp"]) == {"ntpflow", "git_commit", "git_dirty", "date", "command"}
 
     assert main(["probe", str(out), "--weights", "4", "--device", "cpu"]) == 0  # a checkpoint, all features
     table = capsys.readouterr().out
-    assert all(f"is_majority_<{v}>" in table for v in range(3))
+    assert all(f"is_majority_{v}" in table for v in range(3))
     assert (out / "probes_4" / "probes.json").exists()
 
 

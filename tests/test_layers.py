@@ -9,7 +9,7 @@ each other)::
     runs         the run folder, its data, the training loop, groups, probing, sweeps
     engine | tasks | probes | llm
     model        GPT, hooks, sites, loss, conversions
-    files | stats   the ground: files and devices; statistics
+    files | stats | progress   the ground: files and devices; statistics; progress lines
 
 Function-level imports count like module-level ones (they are the project's graph all the same).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ntpflow"
 RANKS = {"face": 6, "experiments": 5, "replay": 4, "runs": 3, "engine": 2, "tasks": 2, "probes": 2, "llm": 2,
-         "model": 1, "files": 0, "stats": 0}
+         "model": 1, "files": 0, "stats": 0, "progress": 0}
 
 
 def module_name(path: Path) -> str:

@@ -213,6 +213,7 @@ def test_qscan_train_then_scan(tmp_path, capsys):
     assert main(["scan", "--model", "tiny", "--latents", "3", "--candidates", "4", "--examples", "2",
                  "--kl-cutoff", "0", "--out", out]) == 0
     stats = json.loads((tmp_path / "e" / "stats.json").read_text())
-    assert set(stats) == {"seconds", "reconstruction", "error-preserving"}
+    assert set(stats) == {"seconds", "reconstruction", "error-preserving", "stamp"}  # stamp: who made it
+    assert set(stats["stamp"]) == set(q["stamp"]) == {"ntpflow", "git_commit", "git_dirty", "date", "command"}
     assert stats["reconstruction"]["n_scored"] == 3
 

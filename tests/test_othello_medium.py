@@ -115,11 +115,13 @@ def test_a_killed_scheduled_run_resumes_to_the_same_bits(scheduled_run, tmp_path
 
 
 def test_replays_of_a_scheduled_token_only_run(scheduled_run, tmp_path):
-    """The replay reproduces the scheduled run bit for bit (attribute checks it); without a readout the per-type rows
-    are labelled from each batch's tokens, exactly the types the full games have; with one from the readout set."""
+    """The replay reproduces the scheduled run bit for bit (attribute checks it); in the paper's reading the per-type
+    rows are labelled from each batch's tokens, exactly the types the full games have; in the exact account from the
+    readout set."""
     cfg, out = scheduled_run
     sites, squares = [Site(1, 20)], ["sq_C3", "sq_D4"]
-    plain = attribute(out, sites, squares, out_dir=tmp_path / "plain", progress=False, sgd_rows=False)
+    plain = attribute(out, sites, squares, out_dir=tmp_path / "plain", progress=False, sgd_rows=False,
+                      reading="paper")
     exact = attribute(out, sites, squares, out_dir=tmp_path / "exact", progress=False, sgd_rows=False, readout=16)
     for folder in (plain, exact):
         table = pq.read_table(folder / "influence.parquet").to_pandas()
@@ -134,11 +136,11 @@ def test_replays_of_a_scheduled_token_only_run(scheduled_run, tmp_path):
     assert set(risk["feature_type"].unique()) - {-1} == want
 
 
-def test_token_only_set_without_annotate_needs_the_readout(scheduled_run, tmp_path, monkeypatch):
+def test_token_only_set_without_annotate_needs_the_exact_account(scheduled_run, tmp_path, monkeypatch):
     _, out = scheduled_run
     monkeypatch.delattr(Othello, "annotate")
-    with pytest.raises(ValueError, match="per-type rows need the readout"):
-        attribute(out, [Site(1, 20)], ["sq_C3"], out_dir=tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="per-type rows need the exact account's readout"):
+        attribute(out, [Site(1, 20)], ["sq_C3"], out_dir=tmp_path / "a", progress=False, reading="paper")
 
 
 # ---------------------------------------------------------------------------------------------- the fragility test

@@ -22,13 +22,13 @@ def test_influence_rows_are_self_describing_and_attribute_summarises(tmp_path, c
     train(TrainConfig(**TINY), tmp_path / "run", progress=False)
     with caplog.at_level(logging.INFO, logger="ntpflow.replay.attribution"):
         out = attribute(tmp_path / "run", [Site(1, 3), Site(0, 5)], ["is_majority_<0>"], out_dir=tmp_path / "a",
-                        progress=False)
+                        progress=False, reading="paper")
     table = pq.read_table(out / "influence.parquet")
     assert {"task", "regime", "seed"} <= set(table.column_names)
     rows = table.select(["task", "regime", "seed"]).to_pylist()
     assert rows and all(r == {"task": "majority", "regime": "myopic", "seed": 3} for r in rows)
     line = caplog.messages[-1]
-    assert line.startswith("attributed 2 sites × 1 features over 12 steps;")
+    assert line.startswith("run: attributed 2 sites × 1 features over 12 steps;")  # it names its run
     probes = json.loads((out / "summary.json").read_text())["probes"]
     ratios = sorted(p["adam_full"] / p["R0_minus_RT_eval"] for p in probes if p["mismatch"] == "paper")
     assert f"median {ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes" in line

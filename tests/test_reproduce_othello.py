@@ -40,10 +40,11 @@ def test_smoke_files_and_schema(smoke):
     for key in ("scale", "config", "sites", "squares", "run", "eval_curve", "probes", "influence", "curves"):
         assert key in data, key
     assert data["scale"] == "smoke" and 0.0 <= data["run"]["legal_acc"] <= 1.0
-    # reproduce replays at each step's midpoint by default; the replay's spec and the report say so
-    assert data["influence_read_at"] == "midpoint"
-    assert json.loads((smoke / "run" / "attribution" / "spec.json").read_text())["midpoint"] is True
-    assert "| ∇R of an influence read at | each step's midpoint (docs/balance.md) |" in (smoke / "report.md").read_text()
+    # reproduce replays with the exact account by default; the replay's spec and the report say so
+    assert data["influence_read_at"] == "exact"
+    spec = json.loads((smoke / "run" / "attribution" / "spec.json").read_text())
+    assert spec["readout"] == min(256, data["config"]["n_eval"]) and spec["midpoint"] is False
+    assert "| influence read | the exact account: a fixed readout set," in (smoke / "report.md").read_text()
     scale = SCALES["smoke"]
     assert {tuple(s) for s in data["sites"]} == {(s.layer, s.pos) for s in scale.sites}
     combos = {(r["weights"], r["metric"]) for r in data["probes"]}
@@ -179,7 +180,7 @@ def test_classifier_input_errors():
 # ---------------------------------------------------------------------------------------------------- report statistics
 
 
-def _hand_data():
+def _hand_data(direct_useless=(-1.0, 0.0, 1.0)):
     """2 blocks, positions 1..3, 4 squares. Ridge r: useful = 0.8 + 0.1·layer + 0.01·pos, useless = 0.5 − 0.05·j;
     the gap grows with layer and position. Legal-move accuracy 0.99: a world model by the gates (useful r ≥ 0.8 at
     layer 1). Influence totals chosen per cell (see the test)."""
@@ -196,8 +197,9 @@ def _hand_data():
                                    "values": useless})
                     probes.append({"weights": w, "metric": metric, "type": "all", "layer": k, "pos": p,
                                    "values": [0.5, 0.5, None, 0.5]})
-    vals = {("direct", "useful"): [2.0, 3.0, 4.0], ("direct", "useless"): [-1.0, 0.0, 1.0],
+    vals = {("direct", "useful"): [2.0, 3.0, 4.0],
             ("pre_cached", "useful"): [0.0, 0.0, 0.0], ("pre_cached", "useless"): [-4.0, -3.0, -2.0],
+            ("direct", "useless"): list(direct_useless),
             ("shared", "useful"): [1.0, 1.0, 4.0], ("shared", "useless"): [0.0, 1.0, 2.0]}
     influence = []
     for (c, t), xs in vals.items():
@@ -242,7 +244,9 @@ def test_report_statistics_on_hand_made_data(tmp_path):
     verdicts = {c["id"]: c["verdict"] for c in s["claims"]}
     # (i) positive at layers 1, 2, slopes constant across squares (sd 0 → CI collapses to the mean) > 0
     assert verdicts["i"] == "reproduced"
-    assert verdicts["ii"] == "reproduced"  # useful [2,3,4]: CI lower bound > 0; useless [-1,0,1] contains 0
+    # useful [2,3,4]: CI lower bound > 0; useless direct [-1,0,1]: CI ±2.48 straddles the margin ±0.25·|mean full
+    # on useless squares| = ±0.25·|(−5 − 2 + 1)/3| = ±0.5, so inconclusive (it contains 0, which no longer suffices)
+    assert verdicts["ii"] == "inconclusive"
     assert verdicts["iii"] == "not reproduced"  # useless pre-caching [-4,-3,-2]: CI upper bound < 0
     assert verdicts["iv"] == "inconclusive"  # useful shared [1,1,4] CI contains 0
 
@@ -251,7 +255,12 @@ def test_report_statistics_on_hand_made_data(tmp_path):
     text = md.read_text()
     assert "| direct |" in text and "[2.85, 12.38]" in text and "NOT the paper's setting" in text
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [c["verdict"] for c in summary["claims"]] == ["reproduced", "reproduced", "not reproduced", "inconclusive"]
+    assert [c["verdict"] for c in summary["claims"]] == ["reproduced", "inconclusive", "not reproduced", "inconclusive"]
+    # hand-worked: useless direct [-0.1, 0, 0.1], CI ±0.248 inside ±0.5 (full useless: −4.1, −2, 0.1, mean −2):
+    # reproduced; [3, 3.5, 4] (CI 3.5 ± 1.24; full useless −1, 1.5, 4: margin ±0.375) lies wholly outside
+    verdict = {d: {c["id"]: c["verdict"] for c in summarize(_hand_data(d))["claims"]}["ii"]
+               for d in ((-0.1, 0.0, 0.1), (3.0, 3.5, 4.0))}
+    assert verdict == {(-0.1, 0.0, 0.1): "reproduced", (3.0, 3.5, 4.0): "not reproduced"}
 
 
 def test_influence_claims_need_the_first_order_balance():

@@ -55,9 +55,9 @@ def test_smoke_files_schema_and_claims(smoke):
     assert {r["regime"] for r in data["runs"]} == {"vanilla", "myopic"} and len(data["runs"]) == 2
     assert all(math.isfinite(r["eval_loss"]) for r in data["runs"])
     assert data["tokenizer"]["source"] == "bpe"
-    assert data["influence_read_at"] == "midpoint"  # the default of reproduce (docs/balance.md)
+    assert data["influence_read_at"] == "exact"  # the default of reproduce (docs/balance.md)
     specs = [json.loads(p.read_text()) for p in (out / "runs").glob("*/attribution/spec.json")]
-    assert len(specs) == len(data["runs"]) and all(s["midpoint"] for s in specs)
+    assert len(specs) == len(data["runs"]) and all(s["readout"] and not s["midpoint"] for s in specs)
     assert {p["feature"] for p in data["probes"]} == {f for g in data["feature_groups"].values() for f in g}
     assert len(data["feature_groups"]["tags"]) == 10 and len(data["feature_groups"]["position"]) == 2
     comps = {r["component"] for r in data["influence"]}

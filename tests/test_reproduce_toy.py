@@ -9,6 +9,7 @@ from _util import all_numbers
 
 from ntpflow.cli import main
 from ntpflow.experiments.claims import VERDICTS
+from ntpflow.runs.run import Run
 
 
 @pytest.fixture(scope="module")
@@ -89,19 +90,21 @@ def test_no_replays_skips_the_tracked_replays_and_a_rerun_adds_them(tmp_path, ca
     assert data["replays"] is True and data["influence"]
     replayed = sorted(p.parent.name for p in (out / "runs").glob("*/attribution"))
     assert replayed == ["majority-myopic-s0", "majority-vanilla-s0"]  # smoke tracks every regime
-    # the default reads each step's influence at its midpoint; the report says so, a folder holds one kind
-    assert data["influence_read_at"] == "midpoint"
-    assert all(json.loads((out / "runs" / r / "attribution" / "spec.json").read_text())["midpoint"] for r in replayed)
-    assert "| ∇R of an influence read at | each step's midpoint (docs/balance.md) | each step's start θ_t |" in (
-        out / "report.md").read_text()
+    # the default is the exact account (on the run's readout set); the report says so, a folder holds one kind
+    assert data["influence_read_at"] == "exact"
+    specs = [json.loads((out / "runs" / r / "attribution" / "spec.json").read_text()) for r in replayed]
+    n_eval = [Run.open(out / "runs" / r).cfg.n_eval for r in replayed]
+    assert all(s["readout"] == min(256, n) and not s["midpoint"] for s, n in zip(specs, n_eval))
+    assert ("| influence read | the exact account: a fixed readout set, each step's change split by a path integral "
+            "| on each step's batch, ∇R at its start θ_t (the paper's reading) |") in (out / "report.md").read_text()
     before = (out / "data.json").read_bytes()
-    assert main([*args, "--at-start"]) == 2
-    assert "holds an attribution read at each step's midpoint" in capsys.readouterr().err
+    assert main([*args, "--paper"]) == 2
+    assert "holds an attribution with the exact account on a readout of" in capsys.readouterr().err
     assert (out / "data.json").read_bytes() == before
 
 
-def test_at_start_needs_an_experiment_with_replays(tmp_path, capsys):
-    assert main(["reproduce", "llm", "--at-start", "--out", str(tmp_path / "x")]) == 2
+def test_paper_reading_needs_an_experiment_with_replays(tmp_path, capsys):
+    assert main(["reproduce", "llm", "--paper", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert "--at-start applies to the experiments with replays" in err and err.count("\n") == 1
+    assert "--paper applies to the experiments with replays" in err and err.count("\n") == 1
     assert not (tmp_path / "x").exists()

@@ -18,24 +18,29 @@ R, BATCH, N_DATA, STEPS = 3, 8, 48, 3
 SITES = [Site(0, 2), Site(1, 3), Site(1, 5), Site(2, 4)]
 
 
-def trackers(final_models, data, midpoint, gen):
-    """One tracker per run, 2 random probes per site, each run's own directions and dataset."""
+def trackers(final_models, data, reading, gen):
+    """One tracker per run, 2 random probes per site, each run's own directions and dataset; ``reading``: "start",
+    "midpoint", "exact" (each run's own readout set, its first 16 sequences) or "refined" (the exact account with a
+    tolerance of 0: every step re-integrated up to the last rule)."""
     out = []
     for final, d in zip(final_models, data):
         probes = [Probe(s, f"f{j}", torch.randn(final.cfg.d_model, generator=gen, dtype=torch.float64))
                   for s in SITES for j in range(2)]
-        tr = InfluenceTracker(final, probes, midpoint=midpoint)
+        tr = InfluenceTracker(final, probes, midpoint=reading == "midpoint")
         tr.use_dataset(d)
+        if reading in ("exact", "refined"):
+            tr.use_readout(d[:16], levels=(2, 3), **({"rtol": 0.0, "floor": 0.0} if reading == "refined" else {}))
         out.append(tr)
     return out
 
 
-@pytest.mark.parametrize("midpoint", [False, True])
+@pytest.mark.parametrize("reading", ["start", "midpoint", "exact", "refined"])
 @pytest.mark.parametrize("regime", REGIMES)
-def test_run_axis_rows_equal_separate_trackers_float64(regime, midpoint):
+def test_run_axis_rows_equal_separate_trackers_float64(regime, reading):
     """The R members' rows of one vmapped step, against each member's own ``InfluenceTracker.track`` on its own
     model and Adam (exported from the group's stack), over several Adam steps: the same rows, values equal to
-    rounding (batched kernels round differently): within 1e3 · eps64 of the step's largest |value|."""
+    rounding (batched kernels round differently): within 1e3 · eps64 of the step's largest |value|. With the exact
+    account, the refinement counters too."""
     cfg = TrainConfig(task="majority", d_model=16, n_head=2, batch_size=BATCH, regime=regime)
     mcfg = model_config(cfg, task_for(cfg))
     models = [GPT(mcfg, seed=s).double() for s in range(R)]
@@ -43,8 +48,8 @@ def test_run_axis_rows_equal_separate_trackers_float64(regime, midpoint):
     finals = [GPT(mcfg, seed=10 + s).double() for s in range(R)]
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(2, mcfg.vocab_size, (R, N_DATA, mcfg.n_ctx), generator=gen)
-    alone = trackers(finals, data, midpoint, torch.Generator().manual_seed(2))
-    axis = RunAxisTracker(trackers(finals, data, midpoint, torch.Generator().manual_seed(2)))
+    alone = trackers(finals, data, reading, torch.Generator().manual_seed(2))
+    axis = RunAxisTracker(trackers(finals, data, reading, torch.Generator().manual_seed(2)))
     stack, group_opt = stack_runs(models, opts, cfg)
     eps = torch.finfo(torch.float64).eps
     for _ in range(STEPS):
@@ -64,6 +69,9 @@ def test_run_axis_rows_equal_separate_trackers_float64(regime, midpoint):
     for a, b in zip(alone, axis.trackers):  # the first moments, as each member's state_dict holds them
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and int(sb["step"]) == STEPS
+        assert (a.refined, a.evaluations) == (b.refined, b.evaluations)
+        if reading == "refined":
+            assert b.refined == STEPS and b.evaluations == STEPS * 5
         for k in sa:
             torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=1e3 * eps * max(sa[k].abs().max().item(), 1e-300))
 
@@ -78,3 +86,7 @@ def test_run_axis_refuses_members_that_differ():
     with pytest.raises(ValueError, match="same sites"):
         RunAxisTracker([InfluenceTracker(final, [Probe(Site(1, 3), "a", w)]),
                         InfluenceTracker(final, [Probe(Site(1, 3), "a", w)], midpoint=True)])
+    exact = InfluenceTracker(final, [Probe(Site(1, 3), "a", w)])
+    exact.use_readout(torch.zeros(4, 8, dtype=torch.long))
+    with pytest.raises(ValueError, match="same sites"):
+        RunAxisTracker([InfluenceTracker(final, [Probe(Site(1, 3), "a", w)]), exact])

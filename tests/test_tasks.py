@@ -97,7 +97,7 @@ def test_shapes_dtypes_and_metadata(name):
     assert task.first_output_pos == 10
     assert len(task.feature_names) == 3
     prefix = "is_majority_" if name == "majority" else "prev_is_"
-    assert task.feature_names == tuple(f"{prefix}<{v}>" for v in range(3))
+    assert task.feature_names == tuple(f"{prefix}{v}" for v in range(3))  # no shell quoting needed
 
     useful = task.useful
     assert useful.shape == (21, 3) and useful.dtype == bool

@@ -36,7 +36,7 @@ def wiggle(seed: int, ri: int, scale: float) -> float:
 
 
 def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_OK, centred=INFL_OK, paper=INFL_BAD,
-              first_acc=1.0, steps=4, overshoot=1.0, row_skew=0.0) -> dict:
+              first_acc=1.0, steps=4, overshoot=1.0, row_skew=0.0, probe_noise=0.004, residual=None) -> dict:
     runs, probes, influence, curves, mismatch, eval_curves = [], [], [], [], [], []
     for task in tasks:
         for ri, regime in enumerate(REGIMES):
@@ -54,7 +54,7 @@ def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_O
                             for fi, f in enumerate(FEATURES[task]):
                                 r = 0.2
                                 if weights == "final" and layer >= 1:
-                                    r += gains[task][regime] + wiggle(seed, ri, 0.01)
+                                    r += gains[task][regime] + wiggle(seed, ri, probe_noise)
                                 probes.append({**key, "weights": weights, "layer": layer, "pos": pos, "feature": f,
                                                "r": r, "useful": pos >= 10})
                 if regime != "vanilla":
@@ -79,6 +79,10 @@ def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_O
                                              * (1 + row_skew * ([1, -1, 0][TRACKED[task].index(f)]
                                                                 if len(TRACKED[task]) == 3 else 0)),
                                              "offset_share_R0": 0.7 + 0.02 * seed + 0.01 * TRACKED[task].index(f)})
+                            if residual is not None:  # the exact account: one row (seed 0, the first useless site
+                                # and feature) has |residual| = residual · R_H(θ_0), every other row 1e-6 of it
+                                one = (seed, layer, pos, f) == (seeds[0], *SITES[0], TRACKED[task][0])
+                                mismatch[-1]["residual"] = (residual if one else 1e-6) * mismatch[-1]["R0_eval"]
     return {"scale": "synthetic", "seeds": list(seeds), "sites": SITES, "tracked_seeds": list(seeds),
             "train": {"d_model": 32, "n_train": 1024, "n_eval": 256}, "task_train": {t: {"steps": steps} for t in tasks},
             "tracked": {t: TRACKED[t] for t in tasks}, "runs": runs, "probes": probes, "influence": influence,
@@ -249,3 +253,46 @@ def test_one_seed_is_not_testable(tmp_path):
 def test_missing_data_json(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.json"):
         write_report(tmp_path)
+
+
+def _cond(gain_myopic, noise):
+    gains = {**GAIN_OK, "cond_majority": {**GAIN_OK["cond_majority"], "myopic": gain_myopic,
+                                          "myopic-untied": gain_myopic}}
+    return verdicts(summarize(make_data(tasks=("cond_majority",), gains=gains, probe_noise=noise)))[
+        ("b", "cond_majority")]
+
+
+def test_never_learns_is_an_equivalence_test():
+    # myopic gains per seed: g + (1 + ri)·noise·(−1, 0, 1) (ri = 1 myopic, 3 myopic-untied); 95% t-CI half-width
+    # 4.303 · (1 + ri)·noise / √3: noise 0.004 → myopic-untied ±0.040, inside the margin 0.05 around gain 0
+    assert _cond(0.0, 0.004) == "reproduced"
+    # the same mean with noise 0.03: CI ±0.30 contains 0 (the old rule reproduced it) but crosses the margin
+    assert _cond(0.0, 0.03) == "inconclusive"
+    # the mean beyond the margin (0.08), myopic CI ±0.17 spanning 0: inconclusive, not "not reproduced"
+    assert _cond(0.08, 0.035) == "inconclusive"
+    # a gain of 0.15 with noise 0.004: CI [0.11, 0.19] lies wholly above the margin
+    assert _cond(0.15, 0.004) == "not reproduced"
+    claim = next(c for c in summarize(make_data())["claims"] if c["id"] == "b")
+    assert claim["fixed"].startswith("2026-11-29") and "2026-12-03" in claim["fixed"] and "none" in claim["against"]
+
+
+def test_exact_account_decides_influence_claims(tmp_path):
+    # every R_c row's |residual| is 1e-6 of its R_H(θ_0) but one: 0.009 passes (≤ 1%), 0.011 fails
+    s = summarize(make_data(residual=0.009, overshoot=3.0))  # the paper's balance would fail; it is not asked
+    c = next(c for c in s["claims"] if (c["id"], c["context"]) == ("c", "majority"))
+    assert c["reading"] == "exact account" and c["verdict"] == "reproduced"
+    names = [p["name"] for p in c["preconditions"]]
+    assert any(n.startswith("exact account") for n in names) and not any("balance" in n for n in names)
+    check = next(p for p in c["preconditions"] if p["name"].startswith("exact account"))
+    assert check["value"] == pytest.approx(0.009) and check["ok"] and check["fixed"]
+    assert s["exact_account"]["majority"]["n"] == 3 * 2 * 3  # seeds × useless sites × features (R_c)
+    bad = summarize(make_data(residual=0.011))
+    assert verdicts(bad)[("c", "majority")] == NOT_TESTABLE
+    # without residuals the claim is the paper's reading: its verdict is printed marked as such
+    d = write_data(tmp_path, make_data())
+    write_report(d)
+    s = json.loads((d / "summary.json").read_text())
+    assert {c["reading"] for c in s["claims"] if c["id"] == "c"} == {"paper's reading"}
+    md = (d / "report.md").read_text()
+    assert "| reproduced (paper's reading) |" in md and "Rules were fixed before the numbers were seen" not in md
+    assert "against the overshoots read at θ_t" in md  # the balance rule's record

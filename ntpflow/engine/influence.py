@@ -28,6 +28,7 @@ import torch
 
 from ntpflow.engine.decomposition import SitePasses, flat_grads
 from ntpflow.engine.forward_mode import Primals, all_tangents, site_tangents
+from ntpflow.engine.matrices import InfluenceMatrices
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site, checked_sites
 
@@ -174,6 +175,7 @@ class InfluenceTracker:
         self._start: torch.Tensor | None = None  # R_H at the step's start [n_risks] (readout mode)
         self._floor: torch.Tensor | None = None  # floor · R_H(θ_0) [n_risks]
         self.refined = self.evaluations = 0  # steps re-integrated, and points evaluated (readout mode)
+        self.matrices: InfluenceMatrices | None = None  # see use_readout(matrices=True)
         # Adam first moments, stacked: per site [n_sites, 2 (direct, pre-cached), n_params], and the full one
         self._m_sites: torch.Tensor | None = None
         self._m_full: torch.Tensor | None = None
@@ -207,6 +209,8 @@ class InfluenceTracker:
             state.update({"readout.start": self._start, "readout.floor": self._floor,
                           "readout.refined": torch.tensor(self.refined),
                           "readout.evaluations": torch.tensor(self.evaluations)})
+        if self.matrices is not None:
+            state.update(self.matrices.state_dict())
         if self._m_full is not None:
             state["m.full"] = self._m_full
             for s, m in zip(self.sites, self._m_sites):
@@ -219,6 +223,8 @@ class InfluenceTracker:
         self._m_sites = self._m_full = None
         self._start, self._floor = state.get("readout.start"), state.get("readout.floor")
         self.refined, self.evaluations = (int(state.get(f"readout.{k}", 0)) for k in ("refined", "evaluations"))
+        if self.matrices is not None:
+            self.matrices.load_state_dict(state)
         if "m.full" in state:
             self._ensure_moments(state["m.full"])
             self._m_full.copy_(state["m.full"])
@@ -249,7 +255,8 @@ class InfluenceTracker:
         self._proj_done = torch.zeros(-(-len(tokens) // chunk), dtype=torch.bool)
 
     def use_readout(self, tokens: torch.Tensor, types: dict[str, torch.Tensor] | None = None,
-                    levels: Sequence[int] = (2, 4, 8), rtol: float = 1e-3, floor: float = 1e-6) -> None:
+                    levels: Sequence[int] = (2, 4, 8), rtol: float = 1e-3, floor: float = 1e-6,
+                    matrices: bool = False) -> None:
         """Read R and R_c on the fixed readout set ``tokens`` [N, pos] (N ≥ 2; ``types``: their type labels)
         instead of each step's batch, and integrate each step exactly (the exact account, docs/balance.md).
 
@@ -257,11 +264,18 @@ class InfluenceTracker:
         forwards (the end is the next step's start: one forward per step); each component's share is the path
         integral ∫₀¹ ∇R_H(θ_t − sΔ)·Δ_c ds by the ``levels[0]``-point Gauss–Legendre rule, and the components add up
         to the full. Its ``residual`` (full − change) is recorded; a step whose residual exceeds ``rtol`` · |change|
-        + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points (up to the last)."""
+        + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points (up to the last).
+        ``matrices=True`` also accumulates every site's influence matrices (``ntpflow.engine.matrices``) at the
+        same points, for the optimizer's own rows (Adam, or SGD for an SGD run) on the whole readout set."""
         if len(tokens) < 2:
             raise ValueError("the readout set needs at least 2 sequences (R_c is a variance)")
         n_pos = max(s.pos for s in self.sites) + 1
         self.readout = Readout(tokens[:, :n_pos], self.final_projections(tokens), types, tuple(levels), rtol, floor)
+        self.matrices = None
+        if matrices:
+            with torch.no_grad():
+                frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
+            self.matrices = InfluenceMatrices(self.sites, frozen, _projection_dtype(tokens.device))
         self._start = self._floor = None
         self.refined = self.evaluations = 0
 
@@ -331,9 +345,7 @@ class InfluenceTracker:
             adam = AdamStep(*adam_second_moment(opt, params), group["betas"], group["eps"], self._m_full,
                             self._m_sites)
         if self.readout is not None:
-            rows = self._exact_step(model, passes, group["lr"], adam)
-            self.step += 1
-            return rows
+            return self._exact_step(model, passes, group["lr"], adam)
         final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
                       else self._cached_projections(example_ids))
         midpoint = ((lambda step: self._midpoint_primals(model, step, passes.primals.tokens)) if self.midpoint
@@ -371,15 +383,17 @@ class InfluenceTracker:
         pending = self._integrate(passes, [node], w, shared_dirs, scale, sgd, adam, update=True)
         return self._values(risks, pending, sgd, adam, passes.full)
 
-    def _shared_directions(self, g_full: torch.Tensor, lr: float, adam: AdamStep | None):
+    def _shared_directions(self, g_full: torch.Tensor, lr: float, adam: AdamStep | None, update: bool = True):
         """The directions every site shares, [m0, n_params]: the full gradient (SGD rows) and the real Adam step
-        (updating the full first moment in place), with Adam's per-parameter scale [n_params] (None for SGD) and
-        whether SGD rows are computed. The last direction is the step actually taken (for SGD, divided by lr)."""
+        (updating the full first moment in place unless ``update`` is False: a step integrated again reads the
+        moment as updated), with Adam's per-parameter scale [n_params] (None for SGD) and whether SGD rows are
+        computed. The last direction is the step actually taken (for SGD, divided by lr)."""
         sgd = adam is None or self.sgd_rows
         shared_dirs, scale = [g_full] if sgd else [], None
         if adam is not None:
             scale = adam.scale(lr, g_full)
-            adam.m_full.mul_(adam.beta1).add_((1 - adam.beta1) * g_full)
+            if update:
+                adam.m_full.mul_(adam.beta1).add_((1 - adam.beta1) * g_full)
             shared_dirs.append(scale * adam.m_full)  # the real Adam step
         return torch.stack(shared_dirs), scale, sgd
 
@@ -392,12 +406,13 @@ class InfluenceTracker:
         return values, layout
 
     def _integrate(self, passes: SitePasses, nodes: list, w: torch.Tensor, shared_dirs: torch.Tensor, scale,
-                   sgd: bool, adam: AdamStep | None, update: bool) -> list:
+                   sgd: bool, adam: AdamStep | None, update: bool, mats: dict | None = None) -> list:
         """Per site: (its risks, with_pre, Σ_j ω_j ∇R(θ_j)·δ [risks, m]) over the directions δ of every component.
 
         nodes: [(weight ω_j or None for 1, Primals at θ_j, risk_coefficients there)], each point's forward (on the
         same tokens for every node); shared_dirs [m0, n_params] and scale from ``_shared_directions``; ``update``:
-        advance the sites' Adam first moments (once per step; a re-integration of the same step reads them).
+        advance the sites' Adam first moments (once per step; a re-integration of the same step reads them);
+        ``mats``: a dict filled with each site's Σ_j ω_j mean_b ṙ_b e_bᵀ [3, 2, d, d] (``_matrix_terms``), or None.
         """
         primals, n_pos = nodes[0][1], max(s.pos for s in self.sites) + 1
         tokens, n_layers = primals.tokens, max(s.layer for s in self.sites)
@@ -436,6 +451,9 @@ class InfluenceTracker:
                 if once:
                     tau = torch.cat([tau, node_shared[k][:, :, pos.to(tau.device)].movedim(2, 0)], 1)
                 for site, tau_site in zip(sites, tau):
+                    if mats is not None:
+                        self._matrix_terms(mats, site, pr.resid[k][:, site.pos], tau_site, weight, with_pre, sgd,
+                                           adam is not None)
                     if site not in node_sites:
                         continue
                     mine, w_site, sel = node_sites[site]
@@ -447,48 +465,100 @@ class InfluenceTracker:
             pending += [(by_site[0][site][0], with_pre, acc[site]) for site in sites if site in acc]
         return pending
 
+    def _matrix_terms(self, mats: dict, site: Site, resid: torch.Tensor, tau: torch.Tensor, weight, with_pre: bool,
+                      sgd: bool, adam: bool) -> None:
+        """Add one quadrature point's ω_j mean_b ṙ_b e_bᵀ [3 (direct, pre_cached, full), 2, d, d] to ``mats[site]``:
+        ``resid`` [N, d] the site's residual at the point, ``tau`` [m, N, d] its tangents along the bucket's
+        directions (own directions per row kind, then the shared ones; the last is the step taken). Pre-cached is
+        exactly 0 where it is structurally absent."""
+        n_own = 2 if with_pre else 1
+        first = n_own * sgd if adam else 0  # the optimizer's own rows: Adam's, or SGD's in an SGD run
+        g = self.matrices.node_terms(resid, site, tau[[*range(first, first + n_own), len(tau) - 1]])
+        if not with_pre:
+            g = torch.cat([g[:1], torch.zeros_like(g[:1]), g[1:]])
+        g = g if weight is None else weight * g
+        mats[site] = g if site not in mats else mats[site] + g
+
     def _exact_step(self, model: GPT, passes: SitePasses, lr: float, adam: AdamStep | None) -> list[dict]:
         """This step's rows in readout mode (``use_readout``): the risks R_H(θ_t), each component's path integral,
-        and per risk the exact change (``change``, optimizer none) and the rule's ``residual`` (full − change)."""
+        and per risk the exact change (``change``, optimizer none) and the rule's ``residual`` (full − change).
+        The tensor work is :meth:`exact_integral`; this adds the host's part: the refinement and the rows."""
         ro, w = self.readout, self.directions
         if self._start is None:  # θ_0: its plain forward (later starts are the previous step's end)
-            self._start = self._readout_risks(Primals(model, ro.tokens))[1]
+            primals = Primals(model, ro.tokens)
+            self._start = self._readout_risks(primals, ro.final_proj, ro.types, w)[1]
             self._floor = ro.floor * self._start.abs()
-        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam)
-        step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
-        layout_risks, end = self._readout_risks(Primals(self._point(model, step, 1.0, 0), ro.tokens))
-        change = self._start - end  # [n_risks], float64
-        index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(layout_risks)}
+            if self.matrices is not None:
+                self.matrices.start(primals)
         for level, n in enumerate(ro.levels):
-            nodes = []
-            for j, (s, weight) in enumerate(gauss_legendre(n)):
-                pr = Primals(self._point(model, step, s, j), ro.tokens)
-                nodes.append((weight, pr, self.risk_coefficients(pr.resid, ro.final_proj, ro.types, w)))
-            pending = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update=level == 0)
-            self.evaluations += n
-            full = change.new_zeros(len(change))  # the integral along the real step, per risk
-            for mine, _, v in pending:
-                at = torch.tensor([index[(id(r[0]), r[1], r[2])] for r in mine], device=full.device)
-                full[at] = v[:, -1].to(full) * (1.0 if adam is not None else lr)
-            residual = full - change
-            if level + 1 == len(ro.levels) or bool((residual.abs() <= ro.rtol * change.abs() + self._floor).all()):
+            scratch = iter(range(n + 1))
+            points = lambda step, s: Primals(self._point(model, step, s, next(scratch)), ro.tokens)  # noqa: E731
+            mats = None if self.matrices is None else {}
+            values, end, full, layout = self.exact_integral(passes, lr, adam, points, n, ro.final_proj, w, ro.types,
+                                                            update=level == 0, mats=mats)
+            if self.settled(level, self._start - end, full):
                 break
-        self.refined += level > 0
-        risks = [(p, t, m, r) for (p, t, m, *_), r in zip(layout_risks, self._start)]
-        values, layout = self._values(risks, pending, sgd, adam, passes.full)
-        extra = torch.stack([change, residual]).tolist()  # with values: one host sync
-        rows = self.rows(values.tolist(), layout, lr)
-        kind = "adam" if adam is not None else "sgd"
-        for (p, t, m, *_), c, r in zip(layout_risks, *extra):
+        if mats is not None:  # the rule the step settled at
+            self.matrices.add(mats, 1.0 if adam is not None else lr)
+        return self.exact_rows(values, end, full, layout, lr, level)
+
+    def settled(self, level: int, change: torch.Tensor, full: torch.Tensor) -> bool:
+        """Whether a step integrated at ``levels[level]`` points is done: the last level, or every risk's residual
+        (``full`` − ``change``, [..., n_risks]) within rtol · |change| + floor · R_H(θ_0). One host sync."""
+        ro = self.readout
+        return level + 1 == len(ro.levels) or bool(((full - change).abs() <= ro.rtol * change.abs()
+                                                    + self._floor).all())
+
+    def exact_integral(self, passes: SitePasses, lr: float, adam: AdamStep | None, points, n: int,
+                       final_proj: torch.Tensor, w: torch.Tensor, types: dict[str, torch.Tensor] | None,
+                       update: bool, mats: dict | None = None):
+        """The tensor work of one step of the exact account with the ``n``-point Gauss–Legendre rule: (the
+        components' integrals [n_values] float64, R_H at the step's end [n_risks] float64, the full integral along
+        the real step [n_risks] float64, the layout for :meth:`exact_rows`).
+
+        points(step, s): the readout set's ``Primals`` at θ − s·step (``step`` flat [n_params], as subtracted), each
+        call on its own weights; final_proj: θ*'s projections on the readout set [N, n_probes]; w [n_probes,
+        d_model]; ``update``: advance the first moments (the first rule of a step; a refinement reads them); ``mats``:
+        a dict that collects the influence matrices' terms (``_integrate``). Free of host syncs without ``types``,
+        so it runs under ``torch.func.vmap`` over a run axis."""
+        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam, update)
+        step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
+        risks, end = self._readout_risks(points(step, 1.0), final_proj, types, w)
+        nodes = []
+        for s, weight in gauss_legendre(n):
+            pr = points(step, s)
+            nodes.append((weight, pr, self.risk_coefficients(pr.resid, final_proj, types, w)))
+        pending = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update, mats=mats)
+        index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(risks)}
+        order = [index[(id(r[0]), r[1], r[2])] for mine, *_ in pending for r in mine]
+        along = torch.cat([v[:, -1] for *_, v in pending]).to(end) * (1.0 if adam is not None else lr)
+        full = along[torch.as_tensor(order, device=along.device).argsort()]  # risk order (each risk once)
+        values = torch.cat([v.flatten().to(torch.float64) for *_, v in pending])
+        sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
+        return values, end, full, ([r[:3] for r in risks], sites, sgd, adam is not None)
+
+    def exact_rows(self, values: torch.Tensor, end: torch.Tensor, full: torch.Tensor, layout: tuple, lr: float,
+                   level: int) -> list[dict]:
+        """The rows of a step integrated by :meth:`exact_integral` (risk rows at the step's start, the components,
+        ``change`` and ``residual``), from one host sync; the end becomes the next step's start."""
+        change = self._start - end
+        host = torch.cat([self._start, values.to(self._start), change, full - change]).tolist()
+        n_risks = len(layout[0])
+        rows = self.rows(host[:len(host) - 2 * n_risks], layout, lr)
+        kind = "adam" if layout[3] else "sgd"
+        for (p, t, m), c, r in zip(layout[0], host[-2 * n_risks:-n_risks], host[-n_risks:]):
             rows += [self._row(p, t, m, "change", "none", c), self._row(p, t, m, "residual", kind, r)]
+        self.evaluations += sum(self.readout.levels[:level + 1])
+        self.refined += level > 0
         self._start = end
+        self.step += 1
         return rows
 
-    def _readout_risks(self, primals: Primals) -> tuple[list, torch.Tensor]:
+    def _readout_risks(self, primals: Primals, final_proj: torch.Tensor, types, w: torch.Tensor
+                       ) -> tuple[list, torch.Tensor]:
         """The risks on the readout set at ``primals``' weights: their layout (``risk_coefficients``) and R_H
         [n_risks] float64."""
-        ro = self.readout
-        risks = self.risk_coefficients(primals.resid, ro.final_proj, ro.types, self.directions)
+        risks = self.risk_coefficients(primals.resid, final_proj, types, w)
         return risks, torch.stack([r[3].to(torch.float64) for r in risks])
 
     def _point(self, model: GPT, step: torch.Tensor, s: float, j: int) -> GPT:

@@ -45,7 +45,10 @@ class RunAxisTracker:
     ``rows = tracker.track(stack, group_opt, members, tokens, loss_mask, example_ids)`` before the group's step:
     ``members`` [R] are the tracked members' indices in the group's ``RunStack``, the batches tokens, loss_mask
     [R, batch, pos] and example_ids [R, batch] are theirs; returns each member's rows, as its own
-    ``InfluenceTracker.track`` would (to rounding). Only whole-batch risks (no feature types).
+    ``InfluenceTracker.track`` would (to rounding). Only whole-batch risks (no feature types). With the exact
+    account (every member's ``use_readout``, each on its own readout set of one size) a step is integrated for all
+    members at once, and again at the next rule while some member's residual is above its tolerance; each member
+    keeps the rule its own tracker would settle at.
     """
 
     def __init__(self, trackers: Sequence[InfluenceTracker]):
@@ -54,7 +57,7 @@ class RunAxisTracker:
         key = [(p.site, p.name) for p in first.probes]
         for t in self.trackers[1:]:
             if ([(p.site, p.name) for p in t.probes] != key or (t.midpoint, t.sgd_rows, t.bucket_width)
-                    != (first.midpoint, first.sgd_rows, first.bucket_width)):
+                    != (first.midpoint, first.sgd_rows, first.bucket_width) or _readout_key(t) != _readout_key(first)):
                 raise ValueError("the members tracked over a run axis need the same sites, features and options")
         self._bound = _Bound(GPT(first.final_model.cfg).to("meta"))  # the architecture; weights come per call
         self._stacked, self._views = None, []
@@ -73,8 +76,11 @@ class RunAxisTracker:
         params = {n: s.detach()[idx] for n, s in zip(stack.names, stack.stacked)}
         v_prev, t = adam_second_moment(group_opt, list(stack.stacked), idx)  # [R, n_params]
         m_full, m_sites = self._moments(v_prev)
-        final_proj = torch.stack([tr._cached_projections(i) for tr, i in zip(self.trackers, example_ids)])
         lr, betas, eps = group["lr"], group["betas"], group["eps"]
+        adam = (v_prev, t, betas, eps, m_full, m_sites)
+        if first.readout is not None:
+            return self._track_exact(params, stack, tokens, loss_mask, lr, adam)
+        final_proj = torch.stack([tr._cached_projections(i) for tr, i in zip(self.trackers, example_ids)])
         layout = []
 
         def one(params, tokens, loss_mask, final_proj, w, v_prev, m_full, m_sites):
@@ -87,17 +93,61 @@ class RunAxisTracker:
                 layout.append(lay)
                 return values
 
-            return functional_call(self._bound, ({f"model.{n}": v for n, v in params.items()},
-                                                 {"model.groups": stack.groups}), (on,))
+            return self._call(params, stack, on)
 
-        with warnings.catch_warnings():  # the CPU attention kernel has no batching rule: vmap loops over the runs
-            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
-            values = vmap(one)(params, tokens, loss_mask, final_proj, self._directions, v_prev, m_full, m_sites)
+        values = _vmapped(one)(params, tokens, loss_mask, final_proj, self._directions, v_prev, m_full, m_sites)
         out = []
         for tr, v in zip(self.trackers, values.tolist()):  # one device sync for all members
             out.append(tr.rows(v, layout[0], lr))
             tr.step += 1
         return out
+
+    def _track_exact(self, params: dict, stack: RunStack, tokens: torch.Tensor, loss_mask: torch.Tensor, lr: float,
+                     adam: tuple) -> list[list[dict]]:
+        """Each member's rows of an exactly integrated step (``InfluenceTracker.exact_integral`` under vmap)."""
+        first, trackers = self.trackers[0], self.trackers
+        v_prev, t, betas, eps, m_full, m_sites = adam
+        ro_tokens = torch.stack([tr.readout.tokens for tr in trackers])  # [R, N, n_pos]
+        ro_proj = torch.stack([tr.readout.final_proj for tr in trackers])  # [R, N, n_probes]
+        if first._start is None:  # θ_0 of every member: a plain forward on its readout set
+            def start(params, ro_tokens, ro_proj, w):
+                return self._call(params, stack, lambda m: first._readout_risks(Primals(m, ro_tokens), ro_proj,
+                                                                                None, w)[1])
+
+            for tr, r in zip(trackers, _vmapped(start)(params, ro_tokens, ro_proj, self._directions)):
+                tr._start, tr._floor = r, tr.readout.floor * r.abs()
+        result: list = [None] * len(trackers)  # per member: (values, end, full, level) of the rule it settled at
+        for level, n in enumerate(first.readout.levels):
+            layout = []
+
+            def one(params, tokens, loss_mask, ro_tokens, ro_proj, w, v_prev, m_full, m_sites):
+                def on(model):
+                    passes = SitePasses(model, tokens, first.sites, loss_mask, functional=True)
+                    points = lambda step, s: self._shifted(model, step, s, ro_tokens)  # noqa: E731
+                    *tensors, lay = first.exact_integral(passes, lr, AdamStep(v_prev, t, betas, eps, m_full, m_sites),
+                                                         points, n, ro_proj, w, None, update=level == 0)
+                    layout.append(lay)
+                    return tuple(tensors)
+
+                return self._call(params, stack, on)
+
+            values, end, full = _vmapped(one)(params, tokens, loss_mask, ro_tokens, ro_proj, self._directions,
+                                              v_prev, m_full, m_sites)
+            starts, floors = (torch.stack([getattr(tr, k) for tr in trackers]) for k in ("_start", "_floor"))
+            change = starts - end
+            settled = ((full - change).abs() <= first.readout.rtol * change.abs() + floors).all(1).tolist()
+            last = level + 1 == len(first.readout.levels)
+            for r, ok in enumerate(settled):  # a member settles at its own rule, as its lone tracker would
+                if result[r] is None and (ok or last):
+                    result[r] = (values[r], end[r], full[r], level)
+            if all(x is not None for x in result):
+                break
+        return [tr.exact_rows(*result[r][:3], layout[0], lr, result[r][3]) for r, tr in enumerate(trackers)]
+
+    def _call(self, params: dict, stack: RunStack, fn):
+        """``fn(model)`` on the architecture with one member's ``params`` swapped in (under vmap: a batched one)."""
+        return functional_call(self._bound, ({f"model.{n}": v for n, v in params.items()},
+                                             {"model.groups": stack.groups}), (fn,))
 
     def _moments(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The members' first moments stacked, [R, n_params] and [R, n_sites, 2, n_params] (zeros before the first
@@ -122,8 +172,28 @@ class RunAxisTracker:
     def _midpoint(self, model: GPT, step: torch.Tensor, tokens: torch.Tensor) -> Primals:
         """The cached ordinary forward at θ − step/2 (``step`` flat [n_params], the update as subtracted), on
         ``model``'s (swapped-in) parameters: as ``InfluenceTracker._midpoint_primals``, without writing weights."""
+        return self._shifted(model, step, 0.5, tokens)
+
+    def _shifted(self, model: GPT, step: torch.Tensor, s: float, tokens: torch.Tensor) -> Primals:
+        """The cached ordinary forward of ``tokens`` at θ − s·step (``step`` flat [n_params], as subtracted), on
+        ``model``'s (swapped-in) parameters, without writing weights."""
         named = dict(model.named_parameters())
-        middle = {f"model.{n}": torch.sub(p, s.view_as(p), alpha=0.5)
-                  for (n, p), s in zip(named.items(), step.split([p.numel() for p in named.values()]))}
+        moved = {f"model.{n}": torch.sub(p, d.view_as(p), alpha=s)
+                 for (n, p), d in zip(named.items(), step.split([p.numel() for p in named.values()]))}
         buffers = {f"model.{n}": b for n, b in model.named_buffers()}
-        return functional_call(self._bound, (middle, buffers), (lambda m: Primals(m, tokens),))
+        return functional_call(self._bound, (moved, buffers), (lambda m: Primals(m, tokens),))
+
+
+def _readout_key(tracker: InfluenceTracker) -> tuple | None:
+    """What members tracked together must share about their readout sets: size and rule (None: no readout)."""
+    ro = tracker.readout
+    return None if ro is None else (len(ro.tokens), ro.levels, ro.rtol, ro.floor)
+
+
+def _vmapped(fn):
+    """``vmap(fn)``, quiet about the CPU attention kernel that has no batching rule (vmap loops over the runs)."""
+    def call(*args):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="There is a performance drop because we have not yet")
+            return vmap(fn)(*args)
+    return call

@@ -9,6 +9,15 @@ preconditions (:class:`Check`: a named requirement with its measured value, e.g.
 - otherwise what the rule returns: ``"reproduced"``, ``"not reproduced"`` or ``"inconclusive"`` (also when a
   number the rule needs is missing).
 
+Directional rules (:func:`interval_above`) need the interval, never only the mean, for either verdict. "Never"-type
+claims ("a myopic model never learns ...", "not different from 0") use :func:`within_margin`, an equivalence test
+against a margin stated with the rule: reproduced only if the 95% interval lies inside the margin, not reproduced
+only if it lies outside it, otherwise inconclusive; so more noise can never make such a claim easier to reproduce.
+Every rule and precondition records when it was ``fixed`` and ``against`` which data (what had been seen when it
+was written); the reports print that record beside the rule. An influence claim also has a ``reading``: "exact
+account" (decided on a replay whose residual is checked row by row) or "paper's reading" (the first-order sum
+read on each step's batch; its verdict is printed marked as such).
+
 Interval numbers are dicts with ``mean``, ``lo`` and ``hi`` (None where undefined), as ``report_kit.stats`` makes.
 ``Claim.to_dict()`` is the form written to summary.json and read by the combined report.
 """
@@ -26,13 +35,20 @@ NOT_TESTABLE = "not testable at this scale"
 VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_TESTABLE)
 
 
+EXACT = "exact account"
+PAPERS_READING = "paper's reading"
+
+
 @dataclass(frozen=True)
 class Check:
-    """A precondition of a claim: ``name`` (what is required), the measured ``value`` and whether it holds."""
+    """A precondition of a claim: ``name`` (what is required), the measured ``value`` and whether it holds; a
+    threshold chosen by the project also records when it was ``fixed`` and ``against`` which data."""
 
     name: str
     value: Any
     ok: bool
+    fixed: str = ""
+    against: str = ""
 
     def text(self) -> str:
         return f"{self.name} (measured: {self.value}{'' if self.ok else '; fails'})"
@@ -45,10 +61,21 @@ def at_least(what: str, value, minimum) -> Check:
 
 @dataclass(frozen=True)
 class Rule:
-    """A decision rule: ``decide(numbers) -> verdict`` and the ``text`` that states it."""
+    """A decision rule: ``decide(numbers) -> verdict``, the ``text`` that states it, and when it was ``fixed``
+    (a date, with the commit where known) ``against`` which data (what had been seen then; "none" before any)."""
 
     text: str
     decide: Callable[[Mapping[str, Any]], str]
+    fixed: str
+    against: str
+
+    def __post_init__(self):
+        if not self.fixed or not self.against:
+            raise ValueError(f"a rule records when it was fixed and against which data: {self.text[:60]!r}")
+
+    def record(self) -> str:
+        """"Fixed <date>, against <data>." as the reports print it."""
+        return f"Fixed {self.fixed}, against {self.against}."
 
 
 def _bounds(numbers: Mapping, key: str):
@@ -60,7 +87,7 @@ def _num(x) -> str:
     return f"{x:g}" if isinstance(x, (int, float)) else str(x)
 
 
-def interval_above(label: str, key: str, threshold: float = 0.0) -> Rule:
+def interval_above(label: str, key: str, threshold: float = 0.0, *, fixed: str, against: str) -> Rule:
     """Reproduced if the interval ``numbers[key]`` lies above ``threshold``, not reproduced if below, otherwise
     inconclusive."""
 
@@ -74,23 +101,42 @@ def interval_above(label: str, key: str, threshold: float = 0.0) -> Rule:
 
     t = _num(threshold)
     return Rule(f"Reproduced if the 95% CI of {label} lies above {t} (lower bound > {t}); not reproduced if it lies "
-                f"below {t} (upper bound < {t}); otherwise inconclusive.", decide)
+                f"below {t} (upper bound < {t}); otherwise inconclusive.", decide, fixed, against)
 
 
-def interval_contains(label: str, key: str, value: float = 0.0) -> Rule:
-    """Reproduced if the interval ``numbers[key]`` contains ``value``, not reproduced if it excludes it."""
+def within_margin(label: str, key: str, margin, *, lower=None, margin_text: str = "", why: str, fixed: str,
+                  against: str) -> Rule:
+    """An equivalence test (the interval-within-margin form of TOST at 2.5% a side): reproduced if the 95% interval
+    ``numbers[key]`` lies inside [lower, margin] (``lower`` None: one-sided, the half-line up to ``margin``; for the
+    two-sided "equal to 0" use ``lower = -margin``), not reproduced if it lies wholly outside (lo > margin or
+    hi < lower), otherwise inconclusive (also with no interval). ``margin`` and ``lower`` are numbers, or keys of
+    numbers in ``numbers`` when the margin is relative to a measured scale (``margin_text`` then says of what);
+    ``why`` says why the margin is what it is."""
+
+    def bound(numbers, m):
+        return numbers.get(m) if isinstance(m, str) else m
 
     def decide(numbers):
         lo, hi = _bounds(numbers, key)
-        if lo is None or hi is None:
+        top = bound(numbers, margin)
+        bottom = None if lower is None else bound(numbers, lower)
+        if lo is None or hi is None or top is None or (lower is not None and bottom is None):
             return INCONCLUSIVE
-        return REPRODUCED if lo <= value <= hi else NOT_REPRODUCED
+        if hi <= top and (bottom is None or lo >= bottom):
+            return REPRODUCED
+        if lo > top or (bottom is not None and hi < bottom):
+            return NOT_REPRODUCED
+        return INCONCLUSIVE
 
-    v = _num(value)
-    return Rule(f"Reproduced if the 95% CI of {label} contains {v}; not reproduced if it excludes {v}.", decide)
+    m = margin_text or _num(margin)
+    where = f"at most {m}" if lower is None else f"within ±{m}" if margin_text else f"inside [{_num(lower)}, {m}]"
+    outside = f"lies above {m} (lower bound > {m})" if lower is None else "lies wholly outside that margin"
+    return Rule(f"Equivalence test: reproduced if the whole 95% CI of {label} lies {where} (the margin: {why}); not "
+                f"reproduced if it {outside}; otherwise inconclusive, so a wider interval cannot reproduce it.",
+                decide, fixed, against)
 
 
-def every(*rules: Rule) -> Rule:
+def every(*rules: Rule, fixed: str | None = None, against: str | None = None) -> Rule:
     """All parts must hold: reproduced if every rule says reproduced, not reproduced if any says not reproduced,
     otherwise inconclusive."""
 
@@ -102,7 +148,8 @@ def every(*rules: Rule) -> Rule:
 
     parts = " ".join(f"({i}) {r.text}" for i, r in enumerate(rules, 1))
     return Rule(f"{parts} The claim is reproduced if every part is, not reproduced if any part is not, otherwise "
-                "inconclusive.", decide)
+                "inconclusive.", decide, fixed or "; ".join(dict.fromkeys(r.fixed for r in rules)),
+                against or "; ".join(dict.fromkeys(r.against for r in rules)))
 
 
 @dataclass(frozen=True)
@@ -112,7 +159,8 @@ class Claim:
     ``statement``: the claim in words; ``paper``: the paper's reported value (or "no number given"); ``rule``: the
     decision rule; ``numbers``: the values the rule reads (JSON-serialisable); ``measured``: those values as text;
     ``preconditions``: checks that must hold for the test to mean anything at this scale; ``context``: an optional
-    qualifier shown with the claim (e.g. the task)."""
+    qualifier shown with the claim (e.g. the task); ``reading``: for an influence claim, :data:`EXACT` or
+    :data:`PAPERS_READING` (empty otherwise)."""
 
     id: str
     statement: str
@@ -122,6 +170,7 @@ class Claim:
     measured: str = ""
     preconditions: tuple[Check, ...] = ()
     context: str = ""
+    reading: str = ""
 
     @property
     def verdict(self) -> str:
@@ -132,6 +181,16 @@ class Claim:
     def to_dict(self) -> dict:
         """The claim as written to summary.json (``claim`` = the statement)."""
         return {"id": self.id, "claim": self.statement, "context": self.context, "paper": self.paper,
-                "measured": self.measured, "rule": self.rule.text, "verdict": self.verdict,
-                "preconditions": [{"name": c.name, "value": c.value, "ok": c.ok} for c in self.preconditions],
+                "measured": self.measured, "rule": self.rule.text, "verdict": self.verdict, "reading": self.reading,
+                "fixed": self.rule.fixed, "against": self.rule.against,
+                "preconditions": [{"name": c.name, "value": c.value, "ok": c.ok,
+                                   **({"fixed": c.fixed, "against": c.against} if c.fixed else {})}
+                                  for c in self.preconditions],
                 "numbers": dict(self.numbers)}
+
+
+def verdict_text(claim: Mapping) -> str:
+    """A claim's verdict as a report prints it (``claim``: ``Claim.to_dict()``): marked "(paper's reading)" when
+    its influence was read the paper's way rather than by the exact account."""
+    v = claim["verdict"]
+    return f"{v} ({PAPERS_READING})" if claim.get("reading") == PAPERS_READING and v != NOT_TESTABLE else v

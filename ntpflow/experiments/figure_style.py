@@ -1,9 +1,16 @@
 """The one figure style of every ntpflow report: colours, layout, interval bands and the words that go with them.
 
 Every figure states its unit on the axes, ``n`` and the interval type (:func:`ci_label`), and the sign convention
-(:data:`SIGN`) when it shows influence. Colours are the Okabe–Ito palette (distinguishable with every common colour
-vision deficiency); a baseline (step 0, untrained, "no steering") is always grey and dashed. Layout is matplotlib's
-constrained layout, so titles, labels and the figure legend never overlap or leave the canvas.
+(:data:`SIGN`) when it shows influence. One palette per meaning, defined here and nowhere else, and no colour shared
+between two meanings: training regimes (:data:`REGIME_COLORS`), decomposition components
+(:data:`COMPONENT_COLORS`), NTP-useful/useless square types (:data:`TYPE_COLORS`), the LLM report's domains and
+latent groups (:data:`DOMAIN_COLORS`, :data:`GROUP_COLORS`); ordered things (layers, seeds, ranks) take a
+sequential colour map (:func:`ordered_colors`). A baseline (step 0, untrained, "no steering") is always grey and
+dashed. Axes are linear; a whisker cut at an axis or a quantity's range gets an arrowhead (:func:`error_bars`), and
+points off an axis get a marker at its edge (:func:`mark_off_axis`). An influence panel states its residual and is
+framed in red with "precondition fails" when its decomposition fails the precondition (:func:`account_note`); the
+paper's values are interval marks on an axis of their own (:func:`paper_intervals`), never bars beside ours.
+Layout is matplotlib's constrained layout, so titles, labels and the figure legend never overlap or leave the canvas.
 """
 
 from __future__ import annotations
@@ -19,8 +26,17 @@ from ntpflow.files import atomic_write
 OKABE_ITO = {"orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73", "yellow": "#F0E442", "blue": "#0072B2",
              "vermillion": "#D55E00", "purple": "#CC79A7", "black": "#000000"}
 BASELINE = "#7F7F7F"  # step 0 / untrained / no intervention
+REGIME_COLORS = {"vanilla": OKABE_ITO["blue"], "myopic": OKABE_ITO["vermillion"], "untied": OKABE_ITO["green"],
+                 "myopic-untied": OKABE_ITO["purple"]}
 COMPONENT_COLORS = {"direct": OKABE_ITO["orange"], "pre_cached": OKABE_ITO["sky"], "shared": "#6A3D9A",
                     "full": "#333333"}
+TYPE_COLORS = {"all": OKABE_ITO["black"], "useful": "#117733", "useless": "#882255"}  # NTP-useful / useless
+DOMAIN_COLORS = {"stories": "#44AA99", "code": "#332288", "math": "#DDCC77"}  # LLM corpus domains
+GROUP_COLORS = {"formal": DOMAIN_COLORS["code"], "other": DOMAIN_COLORS["stories"],  # formal = code + math latents
+                "high": "#661100", "low": "#6699CC", "baseline": BASELINE}  # high- / low-Q latents
+PALETTES = {"regime": REGIME_COLORS, "component": COMPONENT_COLORS, "type": TYPE_COLORS, "domain": DOMAIN_COLORS,
+            "group": GROUP_COLORS}
+FAIL_COLOR = "#CC0000"  # the mark of a decomposition that fails its precondition (nothing else is this red)
 SIGN = "Sign convention: positive influence = the component moved the feature toward its final value."
 RC = {"svg.hashsalt": "ntpflow-report", "svg.fonttype": "path", "font.size": 10, "axes.titlesize": 10,
       "axes.labelsize": 10, "legend.fontsize": 9, "xtick.labelsize": 9, "ytick.labelsize": 9, "figure.titlesize": 11,
@@ -111,13 +127,81 @@ def mean_line(ax, rows, x: str, color, band: bool = False, bounds=None, band_alp
 
 def error_bars(ax, xs, rows, color="#000000", bounds=None):
     """Whiskers from each row's lo to hi (dicts with mean, lo, hi), clipped to ``bounds``; rows without an interval
-    get none (a bar of height 0 with a CI still gets its whisker)."""
-    pts = [(x, r["mean"], *clip(r["lo"], r["hi"], bounds)) for x, r in zip(xs, rows)
+    get none (a bar of height 0 with a CI still gets its whisker). A whisker cut by ``bounds`` ends in an arrowhead
+    instead of a cap; returns the number cut."""
+    pts = [(x, r["mean"], *clip(r["lo"], r["hi"], bounds), r["lo"], r["hi"]) for x, r in zip(xs, rows)
            if r is not None and r.get("mean") is not None and r.get("lo") is not None and r.get("hi") is not None]
+    if not pts:
+        return 0
+    ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
+                yerr=[[max(0.0, p[1] - p[2]) for p in pts], [max(0.0, p[3] - p[1]) for p in pts]],
+                fmt="none", ecolor=color, capsize=2.5, elinewidth=1)
+    cut = [(p[0], p[2], "v") for p in pts if p[2] > p[4]] + [(p[0], p[3], "^") for p in pts if p[3] < p[5]]
+    for x, y, marker in cut:
+        ax.plot([x], [y], marker=marker, color=color, ms=6, zorder=4, clip_on=False)
+    return len(cut)
+
+
+def mark_off_axis(ax, xs, ys, lo=None, hi=None, color="#000000") -> int:
+    """Set the y-axis to [lo, hi] (None: matplotlib's) and mark each point of (xs, ys) beyond it with an arrowhead at
+    the edge and a note in the corner ("▲ n off scale"); returns the number off the axis."""
+    ax.set_ylim(bottom=lo, top=hi)
+    bottom, top = ax.get_ylim()
+    above = [x for x, y in zip(xs, ys) if y is not None and y > top]
+    below = [x for x, y in zip(xs, ys) if y is not None and y < bottom]
+    for pts, y, marker in ((above, top, "^"), (below, bottom, "v")):
+        if pts:
+            ax.plot(pts, [y] * len(pts), ls="none", marker=marker, color=color, ms=5, clip_on=False, zorder=4)
+    if above or below:
+        ax.text(0.99, 0.98, f"▲▼ {len(above) + len(below)} points off scale", transform=ax.transAxes, ha="right",
+                va="top", fontsize=8)
+    return len(above) + len(below)
+
+
+def account_note(ax, text: str, ok: bool) -> None:
+    """State an influence panel's account in its top-left corner (``text``: the exact account's largest
+    |residual| / R_H(θ_0), or "paper's reading, balance x"; lines wrapped to the panel's width); a failed
+    precondition frames the panel in red and says so."""
+    fig = ax.get_figure()
+    chars = max(20, int(ax.get_position().width * fig.get_figwidth() * 14))  # 8-pt characters across the panel
+    lines = [w for line in (text if ok else f"✗ precondition fails: {text}").split("\n")
+             for w in textwrap.wrap(line, chars)]
+    note = ax.text(0.01, 0.99, "\n".join(lines), transform=ax.transAxes, ha="left", va="top", fontsize=8,
+                   color="#000000" if ok else FAIL_COLOR, zorder=6,
+                   bbox={"facecolor": "white", "edgecolor": "none" if ok else FAIL_COLOR, "alpha": 0.85, "pad": 1.5})
+    note.set_in_layout(False)  # the note sits inside the panel; the layout must not make room for it
+    if not ok:
+        for side in ax.spines.values():
+            side.set_visible(True)
+            side.set_edgecolor(FAIL_COLOR)
+            side.set_linewidth(2.0)
+
+
+def paper_intervals(ax, xs, intervals, color="#000000", label="paper's 95% CI") -> None:
+    """The paper's values as interval marks (a vertical line from lo to hi with flat ends, no bar, no midpoint) at
+    ``xs``; ``intervals`` = [(lo, hi) or None]. Draw them on an axis of their own, labelled with the paper's unit."""
+    pts = [(x, lo, hi) for x, iv in zip(xs, intervals) if iv is not None for lo, hi in [iv]]
     if pts:
-        ax.errorbar([p[0] for p in pts], [p[1] for p in pts],
-                    yerr=[[max(0.0, p[1] - p[2]) for p in pts], [max(0.0, p[3] - p[1]) for p in pts]],
-                    fmt="none", ecolor=color, capsize=2.5, elinewidth=1)
+        ax.vlines([p[0] for p in pts], [p[1] for p in pts], [p[2] for p in pts], color=color, lw=2.2, label=label)
+        for cap in (1, 2):
+            ax.plot([p[0] for p in pts], [p[cap] for p in pts], ls="none", marker="_", ms=12, mew=2.2, color=color)
+
+
+def seed_points(ax, x, values, color="#000000", width=0.0) -> None:
+    """Every seed's value as a point at ``x`` (spread over ``width`` so equal values stay visible)."""
+    vals = [v for v in values if v is not None]
+    if vals:
+        n = len(vals)
+        offs = [width * (i / (n - 1) - 0.5) if n > 1 else 0.0 for i in range(n)]
+        ax.scatter([x + o for o in offs], vals, s=12, color=color, edgecolor="white", linewidth=0.5, zorder=5)
+
+
+def ordered_colors(n: int, cmap: str = "viridis") -> list:
+    """``n`` colours of a sequential map for ordered things (layers, seeds, ranks): never a categorical colour."""
+    from matplotlib import colormaps
+
+    m = colormaps[cmap]
+    return [m(0.05 + 0.85 * i / max(1, n - 1)) for i in range(n)]
 
 
 def save(fig, figdir: Path, name: str) -> bytes:

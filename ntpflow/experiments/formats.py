@@ -40,6 +40,18 @@ def mismatch_summary(paper: list[dict], centred: list[dict] | None, records: lis
                                  for key in sorted({key for key, _ in cell})], "centred_recorded": bool(centred)}
 
 
+def residual_share(records) -> dict | None:
+    """The exact account's check over ``records`` (attribution summary rows with ``residual`` = Σ_t (full influence −
+    exact change) and ``R0_eval`` = R_H(θ_0)): ``{"worst": the largest |residual| / R_H(θ_0), "n": rows, "zero_R0":
+    rows with R_H(θ_0) = 0 and a non-zero residual}``; None when no row has a residual (the paper's reading)."""
+    rows = [r for r in records if r.get("residual") is not None and r.get("R0_eval") is not None]
+    if not rows:
+        return None
+    ratios = [abs(r["residual"]) / r["R0_eval"] for r in rows if r["R0_eval"] > 0]
+    return {"worst": max(ratios, default=None), "n": len(rows),
+            "zero_R0": sum(1 for r in rows if r["R0_eval"] <= 0 and r["residual"] != 0)}
+
+
 def fmt(x, digits=3) -> str:
     """``x`` with ``digits`` decimals, or "n/a" for None."""
     return "n/a" if x is None else f"{x:.{digits}f}"
@@ -85,11 +97,12 @@ def plain_number(v) -> str:
 
 
 def read_at_settings(data: dict) -> list[dict]:
-    """The setting row "∇R of an influence read at" (none when no replay recorded it: before the record, or no
-    replays)."""
+    """The setting row "influence read" (none when no replay recorded it: before the record, or no replays)."""
     at = data.get("influence_read_at")
-    text = {"start": "each step's start θ_t", "midpoint": "each step's midpoint (docs/balance.md)"}
-    return [{"setting": "∇R of an influence read at", "this_run": text[at], "paper": text["start"]}] if at else []
+    text = {"start": "on each step's batch, ∇R at its start θ_t (the paper's reading)",
+            "midpoint": "on each step's batch, ∇R at its midpoint",
+            "exact": "the exact account: a fixed readout set, each step's change split by a path integral"}
+    return [{"setting": "influence read", "this_run": text[at], "paper": text["start"]}] if at else []
 
 
 def train_settings(train: dict, paper: dict) -> list[dict]:

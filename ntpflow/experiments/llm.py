@@ -81,7 +81,7 @@ class LLMScale:
 
 
 _PROMPTS = ("", "The", "I think that", "Here is")
-_TOY_FEATURES = ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>")
+_TOY_FEATURES = ("is_majority_0", "is_majority_1", "is_majority_2")
 
 SCALES = {
     "smoke": LLMScale(

@@ -14,17 +14,31 @@ from pathlib import Path
 import numpy as np
 
 from ntpflow.experiments.claim_registry import llm_claims
-from ntpflow.experiments.figure_style import BASELINE, SIGN, error_bars, figure, finish
+from ntpflow.experiments.figure_style import (
+    BASELINE,
+    DOMAIN_COLORS,
+    GROUP_COLORS,
+    SIGN,
+    error_bars,
+    figure,
+    finish,
+    ordered_colors,
+)
 from ntpflow.experiments.formats import fmt, fmt_interval
-from ntpflow.experiments.render import draw_figures, report_main, stored_summary, template_blocks, write_documents
+from ntpflow.experiments.render import (
+    canonical,
+    draw_figures,
+    report_main,
+    stored_summary,
+    template_blocks,
+    write_documents,
+)
 from ntpflow.files import json_safe, read_json
 from ntpflow.llm.stages import LLMDir
 from ntpflow.stats import finite, sd_ratio_ci, sigma_ci, stats, welch_ci
 
 MODES = ("reconstruction", "error-preserving")
 DOMAINS = ("stories", "code", "math")
-DOMAIN_COLORS = {"stories": "#0072B2", "code": "#D55E00", "math": "#009E73"}
-GROUP_COLORS = {"formal": "#D55E00", "other": "#0072B2", "high": "#CC79A7", "low": "#56B4E9", "baseline": "#7F7F7F"}
 QVI_KEYS = ("spearman", "spearman_share", "spearman_centred", "spearman_share_centred", "spearman_full_horizon",
             "final_layer", "n_layer", "rows", "n_sequences")
 LENS_KEYS = ("metrics", "ranks", "primary_rank", "d_model", "n_contexts", "site", "target")
@@ -204,10 +218,10 @@ def _fig_lens(s):
     fig, axes = figure(10.0, 4.2, 1, 2)
     ax = axes[0][0]
     ks = [m["k"] for m in ln["metrics"]]
-    ax.plot(ks, [m["top1"] for m in ln["metrics"]], "o-", color="#0072B2", label="lens top-1 (token t+k)")
+    ax.plot(ks, [m["top1"] for m in ln["metrics"]], "o-", color="#000000", label="lens top-1 (token t+k)")
     ax.plot(ks, [m["model_top1"] for m in ln["metrics"]], "s--", color=BASELINE,
             label="model's own top-1 at t+k−1 (reference)")
-    ax.plot(ks, [m["agree"] for m in ln["metrics"]], "^-", color="#009E73", label="lens agrees with model")
+    ax.plot(ks, [m["agree"] for m in ln["metrics"]], "^:", color="#000000", label="lens agrees with model")
     ax.set_xticks(ks)
     ax.set_ylim(0, 1)
     ax.set_xlabel("look-ahead offset k (tokens)")
@@ -215,7 +229,7 @@ def _fig_lens(s):
     ax.set_title(f"look-ahead lenses (n = {ln['n_contexts']} contexts, 20% held out)")
     ax = axes[0][1]
     rows = ln["correlation"].get("reconstruction", [])
-    colors = ["#56B4E9", "#E69F00", "#CC79A7", "#999933"]
+    colors = ordered_colors(len(ln["ranks"]), "cividis")  # ranks are ordered
     n = None
     for i, r in enumerate(ln["ranks"]):
         rr = [x for x in rows if x["r"] == r and x["rho"] is not None]
@@ -225,7 +239,7 @@ def _fig_lens(s):
         xs = [x["k"] + 0.1 * (i - 1) for x in rr]
         ax.errorbar(xs, [x["rho"] for x in rr], yerr=[[x["rho"] - x["lo"] for x in rr],
                                                       [x["hi"] - x["rho"] for x in rr]],
-                    fmt="o", color=colors[i % 4], capsize=2, label=f"projector rank {r} of {ln['d_model']}")
+                    fmt="o", color=colors[i], capsize=2, label=f"projector rank {r} of {ln['d_model']}")
     ax.axhline(0, color="#333333", lw=0.8)
     ax.set_xticks(ks)
     ax.set_ylim(-1, 1)
@@ -241,16 +255,16 @@ def _fig_qvi(s):
     qv = s.get("q_vs_influence")
     if not qv or not qv["rows"]:
         return None
-    layer_colors = {1: "#0072B2", 2: "#D55E00", 3: "#009E73", 4: "#CC79A7"}
     cut = qv.get("n_layer")
     pts = [r for r in qv["rows"] if (cut is None or r["layer"] < cut) and r["q"] is not None and r["q"] > 0
            and r["share"] is not None]
     fig, axes = figure(5.6, 4.6)
     ax = axes[0][0]
-    for layer in sorted({r["layer"] for r in pts}):
+    layers = sorted({r["layer"] for r in pts})
+    for layer, color in zip(layers, ordered_colors(len(layers))):  # layers: the sequential map of every report
         sel = [r for r in pts if r["layer"] == layer]
         ax.scatter([math.log(r["q"]) for r in sel], [r["share"] for r in sel], s=14,
-                   color=layer_colors.get(layer, "#333333"), label=f"probe sites at layer {layer}")
+                   color=color, label=f"probe sites at layer {layer}")
     ax.axhline(0, color="#333333", lw=0.6)
     ax.set_xlabel("ln Q (ablation of the probe direction)")
     ax.set_ylabel("I_pre-cached / (|I_pre-cached| + |I_direct|)")
@@ -276,7 +290,7 @@ def write_report(out: str | Path) -> Path:
     """Write report.md, report.html, summary.json and figures into ``out``; returns ``out/report.html``."""
     out = Path(out)
     if (out / "quality.json").exists():
-        s = summarize(out)
+        s = canonical(summarize(out))
     elif (out / "summary.json").exists():  # re-render the stored numbers (the committed docs/results)
         s = stored_summary(out)
     else:

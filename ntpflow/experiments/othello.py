@@ -163,12 +163,14 @@ class _Timer:
 
 
 def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "auto", progress: bool = True,
-                midpoint: bool = True, replays: bool = True) -> Path:
+                reading: str = "exact", replays: bool = True) -> Path:
     """Run (or resume) every stage of ``scale`` into ``out`` and write the report. Returns ``out``.
 
     ``out/run`` is the run directory; ``out/data.json``, ``out/report.{md,html}``, ``out/summary.json`` and
     ``out/figures/`` the results. A second call with finished stages only regathers and rewrites the report.
-    ``midpoint`` (default): the replay reads each step's ∇R at the step's midpoint; False: at θ_t, as the paper.
+    ``reading``: how the replay reads the influence (``ntpflow.replay.attribution.attribute``; default: the exact
+    account).
+    ``scale.readout`` sets the exact account's readout size (None: attribute's default).
     ``replays=False`` skips the tracked replay (stage 4; the influence claims then read not testable); a later call
     with replays adds it.
     """
@@ -190,7 +192,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
         with timer.stage("attribution", run.attribution().done or not replays):
             if replays:
                 attribute(run.dir, list(scale.sites), list(scale.squares), device=device, progress=progress,
-                          sgd_rows=False, midpoint=midpoint and scale.readout is None, readout=scale.readout)
+                          sgd_rows=False, reading=reading, readout=scale.readout if reading == "exact" else None)
         data = gather(scale, out)
         write_json(out / "data.json", data)
         write_report(out)
@@ -299,7 +301,8 @@ def _held_out_records(att: AttributionDir) -> tuple[list[dict], list[dict]]:
             site = {"layer": p["layer"], "pos": p["pos"], "square": p["feature"]}
             mismatch.append({**site, "mismatch": p.get("mismatch", "paper"),
                              **{k: _num(p.get(k, math.nan), 12)
-                                for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")}})
+                                for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")},
+                             **{k: _num(p[k], 12) for k in ("change", "residual") if k in p}})  # exact account
             if p.get("mismatch", "paper") == "paper":  # the sanity check and figures use the paper's R
                 sanity.append({**site, "R0_minus_RT_eval": _num(p["R0_minus_RT_eval"], 12),
                                "adam_full": _num(p.get("adam_full", math.nan), 12)})

@@ -13,17 +13,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
-from ntpflow.experiments.claim_registry import PAPER_CI, othello_claims
-from ntpflow.experiments.formats import mismatch_summary, plain_number, read_at_settings, select, sites_text
+from ntpflow.experiments.claim_registry import PAPER_CI, account_text, othello_claims, othello_influence_checks
+from ntpflow.experiments.formats import (
+    mismatch_summary,
+    plain_number,
+    read_at_settings,
+    residual_share,
+    select,
+    sites_text,
+)
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
 from ntpflow.stats import finite, mean_of, slope, stat_rows, stats
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-caching", "shared": "shared", "full": "combined"}
-TYPE_COLORS = {"all": "#333333", "useless": "#D55E00", "useful": "#0072B2"}
+TYPE_COLORS = fs.TYPE_COLORS
 PROBE_TYPES = ("all", "useless", "useful")
 METRICS = {"r": "ridge probe Pearson r", "acc": "3-way classifier accuracy"}
-TRAINED_COLOR = "#0072B2"
+TRAINED_COLOR = fs.REGIME_COLORS["vanilla"]  # the Othello model is trained vanilla
 STEP0_LABEL = "step 0 (untrained baseline; right: mean over layers ≥ 1)"
 METRIC_BOUNDS = {"r": (-1.0, 1.0), "acc": (0.0, 1.0)}
 
@@ -104,6 +111,7 @@ def summarize(data: dict) -> dict:
         "probe_grid": _split(grid, False), "gap_by_layer": _split(by_layer, True), "gap_by_pos": _split(by_pos, True),
         "gap_grid": _split(grid, True), "gap_slopes": gap_slopes,
         "influence": table, "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
+        "exact_account": residual_share(r for r in records if r["mismatch"] == "paper"),
         **by_mismatch,
     }
     summary["claims"] = [c.to_dict() for c in othello_claims(summary)]
@@ -179,11 +187,7 @@ def _settings(data: dict) -> list[dict]:
 
 
 def _layer_colors(layers):
-    from matplotlib import colormaps
-
-    cmap = colormaps["viridis"]
-    n = max(1, len(layers) - 1)
-    return {k: cmap(0.05 + 0.85 * i / n) for i, k in enumerate(layers)}
+    return dict(zip(layers, fs.ordered_colors(len(layers))))
 
 
 def _fig_training(summary):
@@ -192,17 +196,17 @@ def _fig_training(summary):
         return None
     fig, axes = fs.figure(10.0, 3.8, 1, 2)
     a, b = axes[0]
-    for ax, key, marker, color, label in ((a, "legal_acc", "o", "#0072B2", "legal-move accuracy"),
-                                          (a, "first_acc", "s", "#E69F00", "first-move accuracy")):
+    for ax, key, marker, color, label in ((a, "legal_acc", "o", "#000000", "legal-move accuracy"),
+                                          (a, "first_acc", "s", fs.BASELINE, "first-move accuracy")):
         pts = [(r["step"], r[key]) for r in ev if finite(r.get(key))]
         ax.plot([x for x, _ in pts], [y for _, y in pts], marker=marker, ms=3, color=color, label=label)
     a.set_ylim(0, 1.02)
     a.set_xlabel("training step")
     a.set_ylabel("accuracy of the argmax (eval games)")
     a.set_title("legal-move accuracy")
-    b.plot([r["step"] for r in tr], [r["loss"] for r in tr], color="#333333", lw=1, label="train loss")
+    b.plot([r["step"] for r in tr], [r["loss"] for r in tr], color=fs.BASELINE, lw=1, label="train loss")
     pts = [(r["step"], r["eval_loss"]) for r in ev if finite(r.get("eval_loss"))]
-    b.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, color="#D55E00", label="eval loss")
+    b.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3, color="#000000", label="eval loss")
     b.set_xlabel("training step")
     b.set_ylabel("cross-entropy (nats/token)")
     b.set_title("loss")
@@ -283,31 +287,34 @@ def _fig_gap(summary):
 
 
 def _fig_influence_bars(summary):
+    """Ours (left): bars per component × square type with 95% t-CI whiskers, stating the account. The paper's
+    (right, its own axis: second-hand 95% CIs of unknown unit): interval marks only, no bars, no midpoints."""
     infl = summary["influence"]
     if not any(infl[f"{c}/{t}"]["n"] for c in COMPONENTS for t in ("useful", "useless")):
         return None
     fig, axes = fs.figure(11.0, 4.6, 1, 2)
+    ours, paper = axes[0]
     width = 0.38
-    for ax, source in zip(axes[0], ("ours", "paper")):
-        for j, t in enumerate(("useful", "useless")):
-            xs, rows = [], []
-            for i, c in enumerate(COMPONENTS):
-                lo, hi = PAPER_CI[(c, t)]
-                r = infl[f"{c}/{t}"] if source == "ours" else {"mean": 0.5 * (lo + hi), "lo": lo, "hi": hi}
-                if r["mean"] is not None:
-                    xs.append(i + (j - 0.5) * width)
-                    rows.append({**r, "lo": r["mean"] if r["lo"] is None else r["lo"],
-                                 "hi": r["mean"] if r["hi"] is None else r["hi"]})
-            ax.bar(xs, [r["mean"] for r in rows], width=width * 0.92, color=TYPE_COLORS[t], label=f"{t} squares",
-                   edgecolor="white", hatch=None if source == "ours" else "//", alpha=1.0 if source == "ours" else 0.55)
-            fs.error_bars(ax, xs, rows)
+    for j, t in enumerate(("useful", "useless")):
+        xs = [i + (j - 0.5) * width for i in range(len(COMPONENTS))]
+        rows = [infl[f"{c}/{t}"] for c in COMPONENTS]
+        ours.bar([x for x, r in zip(xs, rows) if r["mean"] is not None], [r["mean"] for r in rows
+                                                                           if r["mean"] is not None],
+                 width=width * 0.92, color=TYPE_COLORS[t], label=f"{t} squares", edgecolor="white")
+        fs.error_bars(ours, xs, rows)
+        fs.paper_intervals(paper, xs, [PAPER_CI.get((c, t)) for c in COMPONENTS], color=TYPE_COLORS[t],
+                           label=f"{t} squares (paper)")
+    reading, checks = othello_influence_checks(summary)
+    fs.account_note(ours, *account_text(reading, checks))
+    for ax in (ours, paper):
         ax.axhline(0, color="#000000", lw=0.6)
         ax.set_xticks(range(len(COMPONENTS)), [COMPONENT_LABELS[c] for c in COMPONENTS])
         ax.grid(axis="x", visible=False)
-        ax.set_ylabel("integrated Adam influence\n(+ = toward final value)")
-        ax.set_title("this run: mean, 95% t-CI over square × position × layer" if source == "ours" else
-                     "paper (docs/paper.md#numbers): CI midpoint and 95% CI; unit unknown", fontsize=9)
-    fs.finish(fig, f"Integrated influence on the central squares by type (Adam variant).\n{SIGN}", ncol=2)
+    ours.set_ylabel("integrated Adam influence, this run\n(probe units²; + = toward final value)")
+    paper.set_ylabel("the paper's 95% CI\n(second-hand; unit unknown)")
+    ours.set_title("this run: mean, 95% t-CI over square × position × layer", fontsize=9)
+    paper.set_title("paper (docs/paper.md#numbers): 95% CI only, on its own axis", fontsize=9)
+    fs.finish(fig, f"Integrated influence on the central squares by type (Adam variant).\n{SIGN}", ncol=4)
     return fig
 
 
@@ -325,6 +332,7 @@ def _fig_influence_curves(summary):
         ax.set_xlabel("training step")
         ax.set_title(f"{t} squares")
     axes[0][0].set_ylabel("cumulative influence (mean over units)\n+ = toward final value")
+    fs.account_note(axes[0][0], *account_text(*othello_influence_checks(summary)))
     fs.finish(fig, f"Cumulative Adam influence over training.\n{SIGN}", ncol=len(COMPONENTS))
     return fig
 

@@ -6,12 +6,13 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ntpflow.files import resolve_device
 from ntpflow.model.sites import Site
+from ntpflow.progress import progress_of
 from ntpflow.replay.attribution import attribute
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
@@ -21,16 +22,27 @@ from ntpflow.runs.training import train
 
 def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progress: bool = True) -> None:
     """Call ``fn(*job)`` for every job: in order in this process when ``workers == 1``, else in a pool of
-    ``workers`` processes (``fn`` must be a module-level function). A progress bar counts finished jobs; the first
-    job that raises re-raises here."""
+    ``workers`` processes (``fn`` must be a module-level function). A progress bar (stage lines without a terminal)
+    counts finished jobs and names the runs of the last (its result's ``run_dir`` or ``run_dirs``); the first job
+    that raises re-raises here."""
     if workers == 1:
-        for job in tqdm(jobs, disable=not progress, desc=desc):
-            fn(*job)
+        bar = progress_of(jobs, desc=desc, unit="job", enabled=progress)
+        for job in bar:
+            bar.set_postfix_str(finished_runs(fn(*job)))
         return
     with ProcessPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(fn, *job) for job in jobs]
-        for f in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc=desc):
-            f.result()
+        bar = progress_of(as_completed(futures), desc=desc, total=len(futures), unit="job", enabled=progress)
+        for f in bar:
+            bar.set_postfix_str(finished_runs(f.result()))
+
+
+def finished_runs(result) -> str:
+    """``"finished majority-vanilla-s0, majority-vanilla-s1"`` from a job's result naming its ``run_dir`` or
+    ``run_dirs``; empty for any other result."""
+    dirs = (result.get("run_dirs") or [result.get("run_dir")]) if isinstance(result, dict) else []
+    names = [Path(d).name for d in dirs if d]
+    return f"finished {', '.join(names)}" if names else ""
 
 
 def run_threads(device: str, workers: int) -> int:
@@ -41,9 +53,9 @@ def run_threads(device: str, workers: int) -> int:
 
 
 def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
-            threads: int, midpoint: bool = False) -> dict:
+            threads: int, reading: str = "exact") -> dict:
     """The job of one run (for :func:`run_jobs`): train it, probe its final and step-0 weights and, with ``sites``,
-    replay it with influence tracking at ``sites`` × ``features`` (``midpoint``: see ``InfluenceTracker``); each
+    replay it with influence tracking at ``sites`` × ``features`` (``reading``: see ``ntpflow.replay.attribution.attribute``); each
     stage skips itself when done. Runs on ``threads`` torch threads and gives the caller its count back."""
     with on_threads(threads):
         run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=False)
@@ -51,7 +63,7 @@ def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features
         load_or_probe(run, "init", device)
         if sites:
             attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
-                      midpoint=midpoint)
+                      reading=reading)
     return {"run_dir": run_dir}
 
 

@@ -34,11 +34,13 @@ from pathlib import Path
 
 from ntpflow.experiments import figure_style
 from ntpflow.experiments import formats as fm
-from ntpflow.files import atomic_write, read_json
+from ntpflow.experiments.claims import verdict_text
+from ntpflow.files import atomic_write, read_json, stamp_text
 from ntpflow.stats import finite
 
 CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
 TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")  # "| a | b |", optionally " #html_id"
+STAMP = "stamp.json"  # in a results folder: files.stamp() of the command that made its numbers
 
 
 def _environment():
@@ -89,9 +91,11 @@ def _claim_rows(claims, show_experiment: bool) -> tuple[list[str], list[list[str
         label = f"({c['id']}) " if c.get("id") else ""
         context = f" [{c['context']}]" if c.get("context") else ""
         pre = "; ".join(f"{p['name']}: {p['value']}{'' if p['ok'] else ' (fails)'}"
+                        + (f" [fixed {p['fixed']}, against {p['against']}]" if p.get("fixed") else "")
                         for p in c.get("preconditions") or [])
-        rule = c.get("rule", "") + (f" Preconditions: {pre}." if pre else "")
-        row = [f"{label}{c['claim']}{context}", c.get("paper") or "n/a", c.get("measured", ""), c["verdict"], rule]
+        record = f" Rule fixed {c['fixed']}, against {c['against']}." if c.get("fixed") else ""
+        rule = c.get("rule", "") + record + (f" Preconditions: {pre}." if pre else "")
+        row = [f"{label}{c['claim']}{context}", c.get("paper") or "n/a", c.get("measured", ""), verdict_text(c), rule]
         rows.append(([c.get("experiment", "")] if show_experiment else []) + row)
     return header, rows
 
@@ -157,7 +161,7 @@ def _html_table(header, rows, tid) -> str:
     for r in rows:
         cells = []
         for h, c in zip(header, r):
-            cls = f' class="v-{e(str(c).replace(" ", "-"))}"' if h == "verdict" else ""
+            cls = f' class="v-{e(str(c).split(" (")[0].replace(" ", "-"))}"' if h == "verdict" else ""
             cells.append(f"<td{cls}>{e(str(c))}</td>")
         t.append("<tr>" + "".join(cells) + "</tr>")
     t.append("</tbody></table>")
@@ -206,11 +210,16 @@ def figure_list(blocks) -> list[dict]:
 def write_documents(out: str | Path, blocks, pngs: dict[str, bytes], summary: dict) -> Path:
     """Write ``out``/report.md, report.html and summary.json (``summary`` + the blocks' ``figures`` and the
     claims of its claims tables) atomically; a figure without PNG bytes in ``pngs`` becomes the line "not drawn".
-    Returns report.md's path."""
+    The stamp (``files.stamp()``): the summary's own (a re-render keeps it), else ``out``/stamp.json's (written when
+    the numbers were made); the report's last line. Returns report.md's path."""
     out = Path(out)
     blocks = [("p", f"Figure {blk[1]}: not drawn (no data for it).") if blk[0] == "fig" and blk[1] not in pngs
               else blk for blk in blocks]
     summary = dict(summary)
+    if "stamp" not in summary and (out / STAMP).exists():
+        summary["stamp"] = read_json(out / STAMP)
+    if summary.get("stamp"):
+        blocks = [*blocks, ("p", stamp_text(summary["stamp"]))]
     summary["figures"] = figure_list(blocks)
     tables = [blk[1] for blk in blocks if blk[0] == "claims"]
     if tables:
@@ -228,7 +237,7 @@ def write_from_data(out_dir: str | Path, summarize, figures: dict, document) -> 
     ``figures`` (see :func:`draw_figures`), blocks (``document(summary, pngs)``); write summary.json, report.md and
     report.html atomically (``render.write_documents``). Returns report.md's path."""
     out = Path(out_dir)
-    summary = summarize(read_json(out / "data.json")) if (out / "data.json").exists() or not (
+    summary = canonical(summarize(read_json(out / "data.json"))) if (out / "data.json").exists() or not (
         out / "summary.json").exists() else stored_summary(out)
     pngs = draw_figures(summary, out / "figures", figures)
     return write_documents(out, document(summary, pngs), pngs, summary)
@@ -245,6 +254,12 @@ def draw_figures(summary: dict, figdir: Path, figures: dict) -> dict[str, bytes]
         if fig is not None:
             pngs[name] = figure_style.save(fig, figdir, name)
     return pngs
+
+
+def canonical(summary: dict) -> dict:
+    """``summary`` as summary.json stores it (keys sorted, strings as keys), so that a report rendered from fresh
+    numbers and one re-rendered from its summary.json list their rows in one order, byte for byte."""
+    return json.loads(json.dumps(summary, sort_keys=True, allow_nan=False))
 
 
 def stored_summary(out: Path) -> dict:

@@ -17,10 +17,10 @@ from ntpflow.experiments import llm_report, othello_report, stories_report, toy_
 from ntpflow.experiments.figure_style import SIGN
 from ntpflow.experiments.llm import run_llm
 from ntpflow.experiments.othello import run_othello
-from ntpflow.experiments.render import write_documents
+from ntpflow.experiments.render import STAMP, write_documents
 from ntpflow.experiments.stories import run_stories
 from ntpflow.experiments.toy import run_toy
-from ntpflow.files import ensure_writable_dir
+from ntpflow.files import ensure_writable_dir, stamp, write_json
 
 #: experiment name -> (its run function ``run(scale, out, **options)``, its ``write_report(out)``)
 EXPERIMENTS = {
@@ -32,21 +32,34 @@ EXPERIMENTS = {
 
 
 def run_experiment(name: str, scale: str, out: str | Path, **options) -> Path:
-    """Run (or resume) one experiment into ``out`` and write its report; returns the report's path."""
+    """Run (or resume) one experiment into ``out``, stamp it when its numbers changed (``out``/stamp.json:
+    ``files.stamp()``; a rerun that recomputes nothing keeps the stamp, so its report stays byte for byte) and write
+    its report; returns the report's path."""
     if name not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {name!r}; available: {', '.join(EXPERIMENTS)}, all")
     run, write = EXPERIMENTS[name]
     accepted = inspect.signature(run).parameters
+    before = _numbers(out)
     run(scale, out, **{k: v for k, v in options.items() if k in accepted and v is not None})
+    if _numbers(out) != before or not (Path(out) / STAMP).exists():
+        write_json(Path(out) / STAMP, stamp())  # this command made the numbers: the report says so
     return write(out)
 
 
 def run_all(scale: str, out: str | Path, **options) -> Path:
     """Every experiment at ``scale`` into ``out/<name>``, then the combined report; returns ``out/report.html``."""
     out = ensure_writable_dir(out)
+    before = [_numbers(out / name) for name in EXPERIMENTS]
     for name in EXPERIMENTS:
         run_experiment(name, scale, out / name, **options)
+    if [_numbers(out / name) for name in EXPERIMENTS] != before or not (out / STAMP).exists():
+        write_json(out / STAMP, stamp())
     return write_report(out)
+
+
+def _numbers(out: str | Path) -> dict[str, bytes]:
+    """The JSON files an experiment's report is made from (all in ``out`` but summary.json and the stamp)."""
+    return {p.name: p.read_bytes() for p in sorted(Path(out).glob("*.json")) if p.name not in ("summary.json", STAMP)}
 
 
 def write_report(out: str | Path) -> Path:

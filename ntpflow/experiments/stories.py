@@ -44,13 +44,15 @@ from ntpflow.runs.data import make_datasets
 from ntpflow.runs.run import Run, task_for
 from ntpflow.stats import finite_or_none as _finite
 from ntpflow.tasks.stories import FEATURE_GROUPS, FEATURE_NAMES
+from ntpflow.tasks.stories.corpus import sample_dir
 from ntpflow.tasks.stories.tokenizer import META_FILE as TOKENIZER_META
 
 log = logging.getLogger(__name__)
 
 REGIMES = ("vanilla", "myopic")
 CORPUS_HELP = ("pass --corpus PATH (a folder with train.txt and valid.txt, stories separated by <|endoftext|>, or "
-               "JSON lines), --corpus hf (TinyStoriesV2-GPT4 from the hub) or --corpus generated:N; in Python "
+               "JSON lines), --corpus sample (the TinyStories sample in the repository), --corpus hf "
+               "(TinyStoriesV2-GPT4 from the hub) or --corpus generated:N; in Python "
                "run_stories(scale, out, corpus=...)")
 
 
@@ -97,12 +99,12 @@ SCALES = {
                           curve_every=10),
     # this shared 2-core machine in about an hour for both regimes with attribution (two workers of one thread each;
     # a d-64 training step at batch 32 costs ~0.36 CPU-s on an idle core, a replayed step ~2-3x that per tracked
-    # site). The shared TinyStories sample: all 2,315 train windows (every story of >= 64 tokens) and all 1,727 eval
+    # site). The TinyStories sample shipped in data/tinystories-sample (corpus "sample"): all 2,315 train windows (every story of >= 64 tokens) and all 1,727 eval
     # windows, a BPE of 4,096 tokens trained on the train split; 4 layers, d 64, 4 heads, batch 32, 300 steps
     # (~4 epochs) at lr 2e-3 (twice the paper's, to get further in few steps), 3 seeds, and two tracked sites inside
     # the paper's layers 1-4 x positions 30-39, ⟨2, 32⟩ and ⟨3, 36⟩, with all 22 features. Measured: 37 min for
-    # all six runs, sampling and the report (2026-11-30, load ~2; docs/results/stories-small).
-    "small": StoriesScale("small", None, (0, 1, 2), site_grid((2,), (32,)) + site_grid((3,), (36,)),
+    # all six runs, sampling and the report (load ~2; docs/results/stories-small).
+    "small": StoriesScale("small", "sample", (0, 1, 2), site_grid((2,), (32,)) + site_grid((3,), (36,)),
                           {"n_layer": 4, "d_model": 64, "n_head": 4, "batch_size": 32, "steps": 300, "lr": 2e-3,
                            "n_train": 2_315, "n_eval": 1_727, "eval_every": 100, "ckpt_every": 50, "log_every": 10},
                           curve_every=5),
@@ -121,6 +123,9 @@ def check_corpus(corpus: str | None, scale: str = "") -> None:
     if corpus is None:
         raise ValueError(f"the stories {scale} scale needs a corpus of your choice: {CORPUS_HELP}")
     if corpus == "hf" or corpus.startswith(("hf:", "generated")):
+        return
+    if corpus == "sample":
+        sample_dir()  # present, and every file matches its pinned hash
         return
     if not Path(corpus).exists():
         raise FileNotFoundError(f"corpus {corpus} not found: pass corpus=PATH (a folder with train.txt and "
@@ -144,10 +149,11 @@ def _prepare_data(cfg: TrainConfig) -> None:
 
 
 def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
-                progress: bool = True, corpus: str | None = None, midpoint: bool = True) -> Path:
+                progress: bool = True, corpus: str | None = None, reading: str = "exact") -> Path:
     """Run (or resume) every run of ``scale`` into ``out/runs``, sample, gather ``out/data.json`` and write the
-    report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). ``midpoint``
-    (default): the replays read each step's ∇R at the step's midpoint; False: at θ_t, as the paper. Returns ``out``.
+    report. ``corpus`` overrides the scale's corpus source (a path, ``"hf"`` or ``"generated:N"``). ``reading``:
+    how the replays read the influence (``ntpflow.replay.attribution.attribute``; default: the exact account).
+    Returns ``out``.
     """
     scale = resolve_scale(scale, SCALES, StoriesScale)
     corpus = corpus or scale.corpus
@@ -162,7 +168,7 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     threads = run_threads(device, workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
-    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, list(FEATURE_NAMES), device, threads, midpoint)
+    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, list(FEATURE_NAMES), device, threads, reading)
             for c in configs]
     run_jobs(one_run, jobs, workers, f"stories {scale.name}", progress)
     sample_continuations(scale, out, configs, device=device)
@@ -281,7 +287,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
             for p in read_json(att.summary)["probes"]:  # one entry per site x feature x mismatch
                 site = {**key, "layer": p["layer"], "pos": p["pos"], "feature": p["feature"]}
                 mismatch.append({**site, "mismatch": p.get("mismatch", "paper"),
-                                 **{k: _finite(p.get(k)) for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")}})
+                                 **{k: _finite(p.get(k)) for k in ("R0_eval", "R0_minus_RT_eval", "offset_share_R0")},
+                                 **{k: _finite(p[k]) for k in ("change", "residual") if k in p}})  # exact account
                 if p.get("mismatch", "paper") != "paper":  # the influence rows above are the paper's R
                     continue
                 influence.append({**site, "group": group_of.get(p["feature"], "other"),

@@ -17,12 +17,13 @@ from collections import defaultdict
 from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
-from ntpflow.experiments.claim_registry import PAPER_LOSS, stories_claims
+from ntpflow.experiments.claim_registry import PAPER_LOSS, account_text, stories_claims, stories_influence_checks
 from ntpflow.experiments.formats import (
     COMPONENT_LABELS,
     COMPONENTS,
     mismatch_summary,
     read_at_settings,
+    residual_share,
     select,
     sites_text,
     train_settings,
@@ -36,7 +37,7 @@ PLOT_GROUPS = ("tags", "deps", "position")
 GROUP_LABELS = {"tags": "POS tags (10)", "deps": "dependency labels (10)", "position": "story position (2)",
                 "syntax": "syntax: tags + deps (20)"}
 ALL_COMPONENTS = COMPONENTS + ("full",)
-REGIME_COLORS = {"vanilla": "#0072B2", "myopic": "#D55E00", "init": "#7F7F7F"}
+REGIME_COLORS = {**{r: fs.REGIME_COLORS[r] for r in REGIMES}, "init": fs.BASELINE}
 INFLUENCE_UNIT = "squared probe units (first-order reduction of the batch-mean squared probe mismatch)"
 PAPER_SETTINGS = {"corpus": "TinyStoriesV2-GPT4 (hub)", "tokenizer": "TinyStories-1M (GPT-Neo BPE, 50,257)",
                   "seeds": "10", "steps": "1000", "batch_size": "256", "lr": "0.001", "n_layer": "4",
@@ -102,6 +103,9 @@ def summarize(data: dict) -> dict:
         "probe_per_feature": _probe_per_feature(probes, groups, regimes, seeds, layers),
         "probe_profiles": profile_rows, "influence": _influence(influence, groups, regimes, seeds),
         "influence_curves": curve_rows, **by_mismatch, "samples": data.get("samples") or None,
+        "exact_account": {g: residual_share(r for r in mismatch if r.get("regime") == "vanilla"
+                                            and r["mismatch"] == "paper" and r["feature"] in members)
+                          for g, members in groups.items()},
     }
     summary["claims"] = [c.to_dict() for c in stories_claims(summary)]
     return summary
@@ -232,29 +236,35 @@ def _influence(influence: list[dict], groups: dict, regimes, seeds) -> dict:
 
 
 def _fig_loss(summary):
+    """Ours (left): bars of the mean with every seed as a dot and ± sd whiskers. The paper's (right, its own axis:
+    second-hand mean ± sd of another tokenizer and corpus size): interval marks only."""
     if not (per := summary["loss"]["per_regime"]):
         return None
     regimes = [rg for rg in REGIMES if rg in per]
-    fig, axes = fs.figure(6.2, 4.2)
-    ax, w = axes[0][0], 0.36
+    fig, axes = fs.figure(8.4, 4.2, 1, 2)
+    ours, paper = axes[0]
     for i, rg in enumerate(regimes):
         s = per[rg]["eval_loss"]
         if s["mean"] is not None:
-            ax.bar(i - w / 2, s["mean"], w, color=REGIME_COLORS[rg], label="this run (mean ± sd)")
+            ours.bar(i, s["mean"], 0.6, color=REGIME_COLORS[rg], alpha=0.75)
             if s["sd"] is not None:
-                ax.errorbar([i - w / 2], [s["mean"]], yerr=[s["sd"]], fmt="none", ecolor="#000000", capsize=3)
-            xs = [i - w / 2] * len(per[rg]["per_seed"])
-            ax.scatter(xs, [r["eval_loss"] for r in per[rg]["per_seed"]], s=10, color="#000000", zorder=3)
-            ax.text(i - w / 2, s["mean"] / 2, f"{s['mean']:.2f}", ha="center", color="white", fontsize=9)
-        pm, psd = PAPER_LOSS[rg]
-        ax.bar(i + w / 2, pm, w, color=REGIME_COLORS[rg], alpha=0.35, hatch="//", label="paper (mean ± sd)")
-        ax.errorbar([i + w / 2], [pm], yerr=[psd], fmt="none", ecolor="#000000", capsize=3)
-        ax.text(i + w / 2, pm / 2, f"{pm:.2f}", ha="center", fontsize=9,
-                bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5})
-    ax.set_xticks(range(len(regimes)), regimes)
-    ax.set_ylabel("held-out loss (nats/token)")
-    ax.grid(axis="x", visible=False)
-    fs.finish(fig, "Held-out loss: this run (solid, dots = seeds) vs the paper (hatched)", ncol=2)
+                ours.errorbar([i], [s["mean"]], yerr=[s["sd"]], fmt="none", ecolor="#000000", capsize=3)
+            fs.seed_points(ours, i, [r["eval_loss"] for r in per[rg]["per_seed"]], width=0.3)
+            ours.text(i, s["mean"] / 2, f"{s['mean']:.2f}", ha="center", color="white", fontsize=9)
+    pm = [PAPER_LOSS[rg] for rg in regimes]
+    for i, rg in enumerate(regimes):
+        fs.paper_intervals(paper, [i], [(pm[i][0] - pm[i][1], pm[i][0] + pm[i][1])], color=REGIME_COLORS[rg],
+                           label=None)
+        paper.text(i + 0.08, pm[i][0], f"{pm[i][0]:.2f} ± {pm[i][1]:.2f}", va="center", fontsize=9)
+    for ax in (ours, paper):
+        ax.set_xticks(range(len(regimes)), regimes)
+        ax.set_xlim(-0.6, len(regimes) - 0.4)
+        ax.grid(axis="x", visible=False)
+    ours.set_ylabel("held-out loss, this run (nats/token)")
+    paper.set_ylabel("the paper's held-out loss (nats/token;\nits tokenizer and corpus; second-hand)")
+    ours.set_title("this run: mean (bar), seeds (dots), ± sd", fontsize=9)
+    paper.set_title("paper: mean ± sd (presumably), 10 seeds", fontsize=9)
+    fs.finish(fig, "Held-out loss: this run (left) and the paper (right, on its own axis)")
     return fig
 
 
@@ -298,10 +308,19 @@ def _fig_influence_shares(summary):
                                      for g in groups]) for c in COMPONENTS])
         ax.set_xticks(range(len(groups)), [GROUP_LABELS[g].split(" (")[0] for g in groups])
         ax.set_title(rg)
+        if rg == "vanilla":  # the claims (c, d) rest on the vanilla runs' decomposition
+            _account_notes(ax, summary)
     axes[0][0].set_ylabel("influence share\ncomponent / (|direct| + |pre-cached| + |shared|)")
     fs.finish(fig, "Integrated Adam influence per component at the tracked sites (whiskers: "
                    f"{fs.ci_label(summary['n_seeds'], 'seeds')}, clipped to [−1, 1])\n{fs.SIGN}", ncol=len(COMPONENTS))
     return fig
+
+
+def _account_notes(ax, summary, groups=("syntax", "position")):
+    """The account of the claims' decompositions (c: syntax, d: position) in one note on ``ax``."""
+    parts = [(g, *account_text(*stories_influence_checks(summary, g))) for g in groups]
+    fs.account_note(ax, "\n".join(f"{g}: {text}{'' if ok else ' (fails)'}" for g, text, ok in parts),
+                    all(ok for _, _, ok in parts))
 
 
 def _panels(groups, columns, width, extra_height, xlabel, ylabel):
@@ -356,6 +375,8 @@ def _fig_influence_curves(summary):
                           "cumulative influence\n(squared probe units;\n+ = toward final value)")
     for ax, g, rg in panels:
         ax.axhline(0, color="#000000", lw=0.6)
+        if rg == "vanilla" and g in ("tags", "deps", "position"):
+            _account_notes(ax, summary, ("syntax",) if g != "position" else ("position",))
         for c in ALL_COMPONENTS:
             fs.mean_line(ax, select(rows, "step", group=g, regime=rg, component=c), "step", fs.COMPONENT_COLORS[c],
                          band=c != "full", lw=1.1 if c == "full" else 1.6, ls="--" if c == "full" else "-",

@@ -25,17 +25,28 @@ from collections import defaultdict
 from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
-from ntpflow.experiments.claim_registry import CLAIM_LAYERS, CLAIM_POSITIONS, GATE_ACC, GATE_GAP, toy_claims
+from ntpflow.experiments.claim_registry import (
+    B_MARGIN,
+    CLAIM_LAYERS,
+    CLAIM_POSITIONS,
+    GATE_ACC,
+    GATE_GAP,
+    account_text,
+    toy_claims,
+    toy_influence_checks,
+)
 from ntpflow.experiments.formats import (
     COMPONENT_LABELS,
     COMPONENTS,
     plain_number,
     read_at_settings,
+    residual_share,
     select,
     sites_text,
     train_settings,
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.model.sites import feature_name
 from ntpflow.runs.config import REGIMES
 from ntpflow.stats import mean_of, paired, r_stats, stat_rows, stats
 
@@ -43,9 +54,9 @@ TASK_ORDER = ("majority", "cond_majority")
 TASK_TITLES = {"majority": "majority", "cond_majority": "conditioned majority"}
 MISMATCHES = ("centred", "paper")
 MISMATCH_LABELS = {"centred": "R_c = var(d), centred", "paper": "R = mean(d²), paper"}
-REGIME_COLORS = dict(zip(REGIMES, (fs.OKABE_ITO[c] for c in ("blue", "vermillion", "green", "purple"))))
-PROBE_FEATURES = {"majority": ("is_majority_<0>", "is_majority_<1>", "is_majority_<2>"),
-                  "cond_majority": ("prev_is_<0>",)}
+REGIME_COLORS = fs.REGIME_COLORS
+PROBE_FEATURES = {"majority": ("is_majority_0", "is_majority_1", "is_majority_2"),
+                  "cond_majority": ("prev_is_0",)}
 PAPER_SETTINGS = {"seeds": "10", "steps": "3000", "batch_size": "256", "lr": "0.001", "n_layer": "2",
                   "d_model": "128", "n_head": "4", "n_train": "102400", "n_eval": "10240"}
 INFLUENCE_UNIT = "probe units² (first-order change of the mismatch)"
@@ -74,7 +85,9 @@ def summarize(data: dict) -> dict:
                "probe_layers": layers, "probe_profiles": profiles,
                "probe_gain": probe_gain, "influence": _influence(influence, tasks, n_layer), "offset_share": offset_rows,
                "balance": balance_rows, "sites_detail": site_rows,
-               "influence_curves": _influence_curves(data.get("curves") or [], n_layer)}
+               "influence_curves": _influence_curves(data.get("curves") or [], n_layer),
+               "exact_account": {t: residual_share(r for r in mismatch if r["task"] == t and r["mismatch"] == "centred"
+                                                   and _useless(r, n_layer)) for t in tasks}}
     summary["claims"] = [c.to_dict() for c in toy_claims(summary)]
     return summary
 
@@ -125,8 +138,8 @@ def _learning(eval_curves: list[dict], tasks: list[str], seeds: list[int]) -> di
 
 def _probe_r(probes: list[dict]):
     """``r_of(task, regime, seed, weights, layer, pos)``: the probe r there, mean over the task's probed features."""
-    r_at = {(p["task"], p["regime"], p["seed"], p["weights"], p["layer"], p["pos"], p["feature"]): p["r"]
-            for p in probes}
+    r_at = {(p["task"], p["regime"], p["seed"], p["weights"], p["layer"], p["pos"], feature_name(p["feature"])): p["r"]
+            for p in probes}  # data.json of results written before 0.2 spells is_majority_<0>
     return lambda t, g, s, w, k, i: mean_of(r_at.get((t, g, s, w, k, i, f)) for f in PROBE_FEATURES[t])
 
 
@@ -163,7 +176,7 @@ def _probe_gain(probes: list[dict], tasks, regimes, seeds) -> dict:
         probe_gain[t] = {
             "per_regime": {g: {"final": r_stats(f for f, _ in per[g].values()),
                                "init": r_stats(i for _, i in per[g].values()),
-                               "gain": stats(gain[g].values()),
+                               "gain": stats(gain[g].values()), "gain_per_seed": list(gain[g].values()),
                                "min_final": min((f for f, _ in per[g].values() if f is not None), default=None)}
                            for g in regimes},
             "vs_vanilla": {g: paired(gain[g], gain["vanilla"]) for g in regimes
@@ -191,7 +204,7 @@ def _influence(influence: list[dict], tasks, n_layer: int) -> dict:
             if not tracked_seeds:
                 continue
             per = {c: {s: mean_of(acc.get((t, m, s, c), ())) for s in tracked_seeds} for c in (*COMPONENTS, "full")}
-            row = {c: stats(per[c].values()) for c in per}
+            row = {c: {**stats(per[c].values()), "per_seed": list(per[c].values())} for c in per}
             row["pre_cached+shared"] = stats(per["pre_cached"][s] + per["shared"][s] for s in tracked_seeds)
             infl.setdefault(t, {})[m] = row
     return infl
@@ -319,23 +332,24 @@ def _fig_learning(summary):
     learning = summary.get("learning") or {}
     if not (tasks := [t for t in summary["tasks"] if t in learning]):
         return None
-    colors = [c for name, c in fs.OKABE_ITO.items() if name != "yellow"]
     fig, axes = fs.figure(7.5, 3.0 * len(tasks), len(tasks), 2)
     for row, t in zip(axes, tasks):
         for ax, metric, label, gate in ((row[0], "loss_gap", "eval loss − exact optimum (nats)", GATE_GAP),
                                         (row[1], "first_acc", "first-output accuracy", GATE_ACC)):
-            for i, sd in enumerate(sorted({e["seed"] for e in learning[t]["curves"]})):
+            seeds = sorted({e["seed"] for e in learning[t]["curves"]})
+            for sd, color in zip(seeds, fs.ordered_colors(len(seeds), "cividis")):
                 ev = select(learning[t]["curves"], "step", seed=sd)
-                ax.plot([e["step"] for e in ev], [e[metric] for e in ev], lw=1.2, label=f"seed {sd}",
-                        color=colors[i % len(colors)])
+                ax.plot([e["step"] for e in ev], [e[metric] for e in ev], lw=1.2, label=f"seed {sd}", color=color)
             ax.axhline(gate, color=fs.BASELINE, ls="--", lw=1)
-            if metric == "loss_gap":  # symlog: a gap can be slightly negative on held-out data
-                ax.set_yscale("symlog", linthresh=1e-3)
-                ax.set_ylim(bottom=min(0.0, *(e["loss_gap"] for e in learning[t]["curves"])))
+            if metric == "loss_gap":  # linear, zoomed on the gate: early (large) gaps are marked off scale
+                ev = learning[t]["curves"]
+                fs.mark_off_axis(ax, [e["step"] for e in ev], [e["loss_gap"] for e in ev],
+                                 lo=min(0.0, *(e["loss_gap"] for e in ev)) - gate, hi=5 * gate)
             ax.set_xlabel("training step")
             ax.set_ylabel(label)
             ax.set_title(f"{TASK_TITLES[t]} (gate {gate})")
-    fs.finish(fig, "Learning curves of the vanilla runs: every evaluation on held-out data, one line per seed", ncol=5)
+    fs.finish(fig, "Learning curves of the vanilla runs: every evaluation on held-out data, one line per seed; "
+                   "loss gap on a linear axis zoomed on the gate (▲: evaluations above it)", ncol=5)
     return fig
 
 
@@ -353,7 +367,10 @@ def _fig_influence(summary, kind):
                     ax.set_visible(False)
                     continue
                 xs = range(len(COMPONENTS))
-                ax.bar(xs, [v[c]["mean"] or 0 for c in COMPONENTS], color=[fs.COMPONENT_COLORS[c] for c in COMPONENTS])
+                ax.bar(xs, [v[c]["mean"] or 0 for c in COMPONENTS], color=[fs.COMPONENT_COLORS[c] for c in COMPONENTS],
+                       alpha=0.75)
+                for x, c in zip(xs, COMPONENTS):
+                    fs.seed_points(ax, x, v[c].get("per_seed") or [], width=0.3)
                 fs.error_bars(ax, list(xs), [v[c] for c in COMPONENTS])
                 ax.set_xticks(list(xs), [COMPONENT_LABELS[c] for c in COMPONENTS])
                 ax.set_ylabel("integrated influence\n(probe units²)")
@@ -362,16 +379,48 @@ def _fig_influence(summary, kind):
                     fs.mean_line(ax, select(rows, task=t, mismatch=m, component=c), "step", fs.COMPONENT_COLORS[c],
                                  band=True, lw=1.4, ls=":" if c == "full" else "-", label=COMPONENT_LABELS[c])
                 ax.set_xlabel("training step")
-                ax.set_ylabel("cumulative influence (probe units²)")
+                ax.set_ylabel("cumulative influence\n(probe units²)")
             ax.axhline(0, color="#000000", lw=0.8)
             ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
+            if m == "centred":  # the mismatch claim c is decided on carries its precondition
+                fs.account_note(ax, *account_text(*toy_influence_checks(summary, t)))
     if kind == "bars":
         n = min(v[c]["n"] for by in summary["influence"].values() for v in by.values() for c in COMPONENTS)
         fs.finish(fig, f"Which component built the NTP-useless feature? Vanilla, useless sites below the last layer; "
-                       f"bars: mean, whiskers: {fs.ci_label(n, 'seeds')}.\n{fs.SIGN}")
+                       f"bars: mean, dots: seeds, whiskers: {fs.ci_label(n, 'seeds')}.\n{fs.SIGN}")
     else:
         fs.finish(fig, f"Cumulative influence at NTP-useless sites, vanilla; bands: "
                        f"{fs.ci_label(len(summary['tracked_seeds']), 'seeds')}. {fs.SIGN}", ncol=4)
+    return fig
+
+
+def _fig_gain(summary):
+    """Claims a and b: every seed's gain of the window probe r over step 0, per task and regime, with mean and CI;
+    on conditioned majority the equivalence margin of claim b."""
+    pg = summary["probe_gain"]
+    if not (tasks := [t for t in summary["tasks"] if t in pg]):
+        return None
+    fig, axes = fs.figure(max(6.0, 3.8 * len(tasks)), 3.6, 1, len(tasks))
+    for ax, t in zip(axes[0], tasks):
+        per = pg[t]["per_regime"]
+        regimes = [g for g in summary["regimes"] if g in per]
+        for x, g in enumerate(regimes):
+            fs.seed_points(ax, x, per[g].get("gain_per_seed") or [], color=REGIME_COLORS.get(g), width=0.3)
+            ax.plot([x - 0.2, x + 0.2], [per[g]["gain"]["mean"]] * 2, color="#000000", lw=1.5)
+            fs.error_bars(ax, [x + 0.25], [per[g]["gain"]])
+        ax.axhline(0, color="#000000", lw=0.6)
+        if t == "cond_majority":  # claim b's one-sided margin: the whole interval at most B_MARGIN
+            bottom, top = ax.get_ylim()
+            ax.axhspan(bottom, B_MARGIN, color=fs.BASELINE, alpha=0.2, lw=0,
+                       label=f"claim b's margin: a myopic regime's whole CI at most {B_MARGIN:g}")
+            ax.set_ylim(bottom, max(top, B_MARGIN))
+        ax.set_xticks(range(len(regimes)), regimes, rotation=15)
+        ax.set_ylabel("gain of probe r over step 0\n(final − init, same seed)")
+        ax.set_title(f"{TASK_TITLES[t]}: {', '.join(PROBE_FEATURES[t])}")
+    seeded = any(v.get("gain_per_seed") for t in tasks for v in pg[t]["per_regime"].values())
+    fs.finish(fig, f"Probe gain in the claims' window (layers 1–2, input positions 2–9). "
+                   f"{'Dots: seeds; ' if seeded else 'Seeds not stored in this summary; '}line: mean; whisker: "
+                   f"{fs.ci_label(summary['n_seeds'], 'seeds')}")
     return fig
 
 
@@ -396,7 +445,7 @@ def _fig_offset(summary):
 
 
 FIGURES = {"probe_majority": _fig_probe("majority"), "probe_cond_majority": _fig_probe("cond_majority"),
-           "task_success": _fig_task_success, "learning_curves": _fig_learning, "influence_bars": lambda s: _fig_influence(s, "bars"),
+           "probe_gain": _fig_gain, "task_success": _fig_task_success, "learning_curves": _fig_learning, "influence_bars": lambda s: _fig_influence(s, "bars"),
            "influence_curves": lambda s: _fig_influence(s, "curves"), "offset_share": _fig_offset}
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import json
 import os
 import re
 from collections.abc import Callable
@@ -433,12 +434,106 @@ def tiny_gpt2(seed: int = 0, device: str | torch.device = "cpu", n_ctx: int = 12
 
 
 MODELS = ("smollm2", "tiny")
+TL_CONFIG, TL_WEIGHTS = "tl_config.json", "model.safetensors"  # a HookedTransformer saved by save_hooked_transformer
 
 
 def load_model(name: str, device: str | torch.device = "cpu", seed: int = 0) -> LoadedModel:
-    """``"smollm2"`` (offline SmolLM2-135M-Instruct, :func:`load_smollm2`) or ``"tiny"`` (:func:`tiny_gpt2`)."""
+    """``"smollm2"`` (offline SmolLM2-135M-Instruct, :func:`load_smollm2`), ``"tiny"`` (:func:`tiny_gpt2`), a local
+    folder (:func:`load_local`), or a model name: a TransformerLens official name (``HookedTransformer
+    .from_pretrained``) or else a Hugging Face hub name (``AutoModelForCausalLM``); names need the hub or its
+    cache. Errors are one line (ValueError, FileNotFoundError)."""
     if name == "smollm2":
         return load_smollm2(device)
     if name == "tiny":
         return tiny_gpt2(seed, device)
-    raise ValueError(f"unknown model {name!r}; choose one of {MODELS}")
+    if os.path.exists(name):
+        return load_local(name, device)
+    if os.sep in name and not re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) or name.startswith((".", "~")):
+        raise FileNotFoundError(f"model folder {name} does not exist")
+    try:
+        from transformer_lens.loading_from_pretrained import OFFICIAL_MODEL_NAMES
+    except ImportError:
+        OFFICIAL_MODEL_NAMES = ()
+    try:
+        if name in OFFICIAL_MODEL_NAMES:
+            from transformer_lens import HookedTransformer
+
+            model = HookedTransformer.from_pretrained(name, device=str(device))
+            return _loaded(TLAdapter(model), model.tokenizer, int(model.cfg.n_layers), name)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(name).to(device).eval()
+        tok = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, RuntimeError) as e:  # offline, unknown name, gated model, ...
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load model {name!r} (a TransformerLens or Hugging Face name needs the hub or its "
+                         f"cache; offline, give a local folder): {msg}") from None
+    return _loaded(HFAdapter(model), tok, len(_decoder_layers(model)[2]), name)
+
+
+def _loaded(adapter: Any, tokenizer: Any, n_layers: int, name: str) -> LoadedModel:
+    """A :class:`LoadedModel` with BOS from the tokenizer (0 without one) and the middle layer's
+    ``blocks.{n_layers // 2}.hook_resid_post`` as the default site."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return LoadedModel(adapter, tokenizer, int(bos if bos is not None else 0),
+                       f"blocks.{n_layers // 2}.hook_resid_post", name)
+
+
+def save_hooked_transformer(model: Any, path: str | os.PathLike) -> None:
+    """Save a TransformerLens ``HookedTransformer`` into the folder ``path`` so that :func:`load_local` (and
+    ``ntpflow qscan --model PATH``) reads it offline: ``tl_config.json`` (its ``HookedTransformerConfig``'s own
+    arguments) and ``model.safetensors`` (its state dict); its tokenizer, if it has one, with ``save_pretrained``."""
+    import dataclasses
+    import json
+
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    init = {f.name for f in dataclasses.fields(model.cfg) if f.init}
+    cfg = {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v)
+           for k, v in model.cfg.to_dict().items() if k in init and k != "device"}
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
+              os.path.join(path, TL_WEIGHTS))
+    if model.tokenizer is not None:
+        model.tokenizer.save_pretrained(path)
+    with open(os.path.join(path, TL_CONFIG), "w", encoding="utf-8") as fh:  # last: marks the folder complete
+        json.dump(cfg, fh, indent=1, default=str)
+
+
+def _local_tokenizer(path: str | os.PathLike, d_vocab: int) -> Any:
+    """The Hugging Face tokenizer saved in ``path``, or without one :class:`ByteTokenizer` (bytes as ids 3..258,
+    which needs a vocabulary of at least 259)."""
+    if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    if d_vocab < ByteTokenizer.vocab_size:
+        raise ValueError(f"{path} holds no tokenizer, and its vocabulary ({d_vocab}) is too small for bytes (259): "
+                         "save the model's tokenizer into the folder (tokenizer.save_pretrained)")
+    return ByteTokenizer()
+
+
+def load_local(path: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedModel:
+    """A model in the folder ``path``, offline: a HookedTransformer saved by :func:`save_hooked_transformer`
+    (``tl_config.json``) or a Hugging Face causal LM (``config.json``, as ``save_pretrained`` writes it, e.g.
+    ``ntpflow.GPT.save_pretrained``); its tokenizer from the folder, else bytes (:func:`_local_tokenizer`)."""
+    if os.path.exists(os.path.join(path, TL_CONFIG)):
+        from safetensors.torch import load_file
+        from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+        with open(os.path.join(path, TL_CONFIG), encoding="utf-8") as fh:
+            cfg = json.load(fh)
+        if isinstance(cfg.get("dtype"), str):
+            cfg["dtype"] = getattr(torch, cfg["dtype"])
+        tok = _local_tokenizer(path, int(cfg["d_vocab"]))
+        model = HookedTransformer(HookedTransformerConfig(**cfg, device=str(device)))
+        model.load_state_dict(load_file(os.path.join(path, TL_WEIGHTS)))
+        return _loaded(TLAdapter(model.to(device)), tok, int(model.cfg.n_layers), os.path.basename(os.path.normpath(path)))
+    if os.path.exists(os.path.join(path, "config.json")):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path)).to(device).eval()
+        tok = _local_tokenizer(path, int(model.get_input_embeddings().weight.shape[0]))
+        return _loaded(HFAdapter(model), tok, len(_decoder_layers(model)[2]), os.path.basename(os.path.normpath(path)))
+    raise FileNotFoundError(f"{path} holds no model: expected {TL_CONFIG} (save_hooked_transformer) or a Hugging "
+                            "Face config.json (save_pretrained)")

@@ -5,13 +5,16 @@
 * code: Python source of the installed standard library, cut into pieces at line boundaries;
 * math: generated arithmetic and algebra text.
 
-Everything is seeded; nothing is downloaded.
+Everything is seeded; nothing is downloaded. Domains of one's own (:func:`user_documents`) replace these three:
+``{label: a text file (documents separated by blank lines) or a folder of .txt files (one document each)}``, with
+the labels that count as formal given by the user (:class:`Contexts` keeps both).
 """
 
 from __future__ import annotations
 
 import os
 import random
+import re
 import sysconfig
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -27,7 +30,7 @@ FORMAL_DOMAINS = ("code", "math")
 
 @dataclass(frozen=True)
 class Document:
-    """A text with its domain (one of :data:`DOMAINS`)."""
+    """A text with its domain (one of :data:`DOMAINS`, or a label of one's own)."""
 
     text: str
     domain: str
@@ -158,6 +161,32 @@ def math_documents(n: int, seed: int, items: int = 8) -> list[Document]:
 # ------------------------------------------------------------------------------------------------------------ corpus
 
 
+def user_documents(domains: dict[str, str], n: int, seed: int) -> list[Document]:
+    """Up to ``n`` documents per label of ``domains`` ({label: path}), a seeded sample in file order: a file holds
+    documents separated by blank lines (or by lines holding ``<|endoftext|>``), a folder one document per ``.txt``
+    file. FileNotFoundError / ValueError (one line) on a missing path or a domain without text."""
+    rng, docs = random.Random(seed), []
+    for label, path in domains.items():
+        if os.path.isdir(path):
+            texts = []
+            for name in sorted(os.listdir(path)):
+                if name.endswith(".txt"):
+                    with open(os.path.join(path, name), encoding="utf-8") as fh:
+                        texts.append(fh.read().strip())
+        elif os.path.isfile(path):
+            with open(path, encoding="utf-8") as fh:
+                raw = fh.read().replace("\r\n", "\n")
+            texts = [t.strip() for chunk in raw.split("<|endoftext|>") for t in re.split(r"\n\s*\n", chunk)]
+        else:
+            raise FileNotFoundError(f"domain {label!r}: {path} does not exist")
+        texts = [t for t in texts if t]
+        if not texts:
+            raise ValueError(f"domain {label!r}: {path} holds no text")
+        picks = sorted(rng.sample(range(len(texts)), min(n, len(texts))))
+        docs += [Document(texts[i], label) for i in picks]
+    return docs
+
+
 def build_corpus(n_per_domain: int, seed: int, stories_path: str | None = None) -> list[Document]:
     """``n_per_domain`` documents of each domain (stories, code, math), in that order."""
     return (story_documents(n_per_domain, seed, stories_path) + code_documents(n_per_domain, seed + 1)
@@ -172,35 +201,55 @@ class Contexts:
         tokens: ``[N, L]`` int64; column 0 is the BOS id.
         domains: domain name of each row (length N).
         doc_index: index of the source document of each row (length N).
+        domain_names: every domain, in order (default: :data:`DOMAINS` when the rows use only those, else the
+            labels in order of first appearance).
+        formal: the domains that count as formal (default :data:`FORMAL_DOMAINS`, those present).
     """
 
     tokens: torch.Tensor
     domains: list[str]
     doc_index: list[int]
+    domain_names: tuple[str, ...] | None = None
+    formal: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.domain_names is None:
+            self.domain_names = DOMAINS if set(self.domains) <= set(DOMAINS) else tuple(dict.fromkeys(self.domains))
+        self.domain_names = tuple(self.domain_names)
+        if self.formal is None:
+            self.formal = tuple(d for d in FORMAL_DOMAINS if d in self.domain_names)
+        self.formal = tuple(self.formal)
+        unknown = sorted((set(self.domains) | set(self.formal)) - set(self.domain_names))
+        if unknown:
+            raise ValueError(f"domain(s) {unknown} are not among the corpus's domains {list(self.domain_names)}")
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
     def domain_ids(self) -> torch.Tensor:
-        """``[N]`` int64 index into :data:`DOMAINS`."""
-        return torch.tensor([DOMAINS.index(d) for d in self.domains], dtype=torch.long)
+        """``[N]`` int64 index into :attr:`domain_names`."""
+        return torch.tensor([self.domain_names.index(d) for d in self.domains], dtype=torch.long)
 
     def save(self, path: str | Path) -> None:
         """Save to ``path`` (``.safetensors``: ``tokens`` ``[N, L]``, ``domain`` ``[N]`` (index into
-        :data:`DOMAINS`), ``doc_index`` ``[N]``) and its JSON sidecar (the domain names and the file's checksum)."""
+        :attr:`domain_names`), ``doc_index`` ``[N]``) and its JSON sidecar (the domain names, the formal ones and
+        the file's checksum)."""
         save_tensors(path, {"tokens": self.tokens, "domain": self.domain_ids(),
-                            "doc_index": torch.tensor(self.doc_index, dtype=torch.long)}, {"domains": list(DOMAINS)})
+                            "doc_index": torch.tensor(self.doc_index, dtype=torch.long)},
+                     {"domains": list(self.domain_names), "formal": list(self.formal)})
 
     @classmethod
     def load(cls, path: str | Path) -> Contexts:
         """The windows saved by :meth:`save` (checked against the sidecar's checksum)."""
         t = load_tensors(path)
-        names = read_json(sidecar(path))["domains"]
-        return cls(t["tokens"], [names[i] for i in t["domain"].tolist()], t["doc_index"].tolist())
+        meta = read_json(sidecar(path))
+        names = meta["domains"]
+        return cls(t["tokens"], [names[i] for i in t["domain"].tolist()], t["doc_index"].tolist(), tuple(names),
+                   tuple(meta.get("formal", [d for d in FORMAL_DOMAINS if d in names])))
 
 
 def tokenize_corpus(docs: Sequence[Document], encode: Callable[[str], list[int]], ctx_len: int, bos_id: int,
-                    max_windows_per_doc: int = 2) -> Contexts:
+                    max_windows_per_doc: int = 2, formal: Sequence[str] | None = None) -> Contexts:
     """Cut each document into non-overlapping windows of ``ctx_len - 1`` tokens and prepend ``bos_id``.
 
     Args:
@@ -209,6 +258,7 @@ def tokenize_corpus(docs: Sequence[Document], encode: Callable[[str], list[int]]
         ctx_len: window length including BOS.
         bos_id: the id put in column 0.
         max_windows_per_doc: at most this many windows per document (shorter tails are dropped).
+        formal: the domains that count as formal (default: those of :data:`FORMAL_DOMAINS`).
 
     Returns:
         :class:`Contexts` with ``tokens`` ``[N, ctx_len]``.
@@ -223,7 +273,13 @@ def tokenize_corpus(docs: Sequence[Document], encode: Callable[[str], list[int]]
             index.append(i)
     if not rows:
         raise ValueError(f"no document has {w} tokens")
-    return Contexts(torch.tensor(rows, dtype=torch.long), domains, index)
+    names = tuple(dict.fromkeys(d.domain for d in docs))
+    names = DOMAINS if set(names) <= set(DOMAINS) else names
+    missing = [n for n in names if n not in domains] if names != DOMAINS else []
+    if missing:
+        raise ValueError(f"no document of domain(s) {missing} has {w} tokens (--ctx-len {ctx_len} is too long)")
+    return Contexts(torch.tensor(rows, dtype=torch.long), domains, index, names,
+                    None if formal is None else tuple(formal))
 
 
 def hf_encoder(tokenizer) -> Callable[[str], list[int]]:

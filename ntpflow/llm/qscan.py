@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ntpflow.llm.corpus import DOMAINS, FORMAL_DOMAINS, Contexts
+from ntpflow.llm.corpus import DOMAINS, Contexts
 from ntpflow.llm.sae import as_sae
+from ntpflow.progress import progress_of
 from ntpflow.stats import sigma_ci
 
 MODES = ("reconstruction", "error-preserving")
@@ -192,8 +193,8 @@ def _kl(clean_logits: torch.Tensor, abl_logits: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents: torch.Tensor,
                 contexts: torch.Tensor, positions: torch.Tensor, mode: str | Sequence[str] = "reconstruction",
-                horizon: int = 10, contexts_per_batch: int = 16, pairs_per_batch: int = 32, use_prefix_cache: bool = True
-                ) -> torch.Tensor:
+                horizon: int = 10, contexts_per_batch: int = 16, pairs_per_batch: int = 32, use_prefix_cache: bool = True,
+                progress: bool = False) -> torch.Tensor:
     """Batched ``d_m`` for many (latent, context, position) pairs.
 
     Args:
@@ -212,6 +213,7 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
             reuse the clean run's keys/values for positions < p and compute only positions p .. p+H-1 (exact: the
             ablation cannot change earlier positions), and, where the model allows it, only the layers above the
             site, starting from the clean site activations. Otherwise each ablated row is a full forward up to p+H.
+        progress: a bar over the batches of contexts (stage lines on stderr without a terminal).
 
     Returns:
         ``[P, H]`` float64: ``d[i, m-1] = KL(clean || ablated)`` of the prediction at position
@@ -227,7 +229,8 @@ def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents
     P = latents.numel()
     out = {m: torch.zeros(P, horizon, dtype=torch.float64) for m in modes}
     uniq = torch.unique(contexts)
-    for ci in range(0, uniq.numel(), contexts_per_batch):
+    for ci in progress_of(range(0, uniq.numel(), contexts_per_batch), desc="Q scan ablations", unit="context batch",
+                          enabled=progress):
         chunk = uniq[ci:ci + contexts_per_batch]
         sel = torch.nonzero(torch.isin(contexts, chunk)).flatten()
         T = int(positions[sel].max()) + horizon
@@ -386,10 +389,12 @@ class QScanResult:
         n_examples: examples used per latent.
         included: ``total_kl > kl_cutoff`` (and at least one example).
         d_mean: mean ``d_m`` profile per latent, ``[S][H]``.
-        domain_share: share of the latent's examples in each of :data:`~ntpflow.llm.corpus.DOMAINS`, ``[S][3]``.
+        domain_share: share of the latent's examples in each of ``domains``, ``[S][len(domains)]``.
         domain: the domain with the largest share per latent.
-        is_formal: whether code + math hold more than half of the latent's examples.
+        is_formal: whether the formal domains (code + math, or the user's) hold more than half of its examples.
         kl_cutoff: the cutoff used.
+        domains: the corpus's domains (:attr:`~ntpflow.llm.corpus.Contexts.domain_names`; default
+            :data:`~ntpflow.llm.corpus.DOMAINS`, for results saved before they were stored).
     """
 
     mode: str
@@ -404,6 +409,7 @@ class QScanResult:
     is_formal: list[bool]
     kl_cutoff: float
     extra: dict = field(default_factory=dict)
+    domains: list[str] = field(default_factory=lambda: list(DOMAINS))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -416,7 +422,7 @@ class QScanResult:
 
 
 def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Sequence[int] | None = None,
-           cfg: QScanConfig | None = None) -> dict[str, QScanResult]:
+           cfg: QScanConfig | None = None, progress: bool = False) -> dict[str, QScanResult]:
     """Full Q scan: top activations, de-duplication, batched ablation KL in each mode, Q, the KL filter and a
     domain label per latent.
 
@@ -427,6 +433,7 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
         hook: the site.
         latents: latent ids to score (default: all).
         cfg: settings.
+        progress: as in :func:`ablation_kl`.
 
     Returns:
         ``{mode: QScanResult}``.
@@ -448,19 +455,20 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
             pp.append(e.position)
             owner.append(s)
     dom = contexts.domain_ids()
-    share = torch.zeros(len(lat_list), len(DOMAINS))
+    names = list(contexts.domain_names)
+    share = torch.zeros(len(lat_list), len(names))
     owner_t = torch.tensor(owner, dtype=torch.long)
     if owner:
         share.index_put_((owner_t, dom[torch.tensor(pc)]), torch.ones(len(owner)), accumulate=True)
     counts = torch.bincount(owner_t, minlength=len(lat_list)) if owner else torch.zeros(len(lat_list))
     share = share / counts.clamp(min=1)[:, None]
-    formal = sum(share[:, DOMAINS.index(d)] for d in FORMAL_DOMAINS) > 0.5
+    formal = share[:, [names.index(d) for d in contexts.formal]].sum(1) > 0.5
     results = {}
     modes = list(cfg.modes)
     d_all = ablation_kl(adapter, sae, tokens, hook, torch.tensor(pl, dtype=torch.long),
                         torch.tensor(pc, dtype=torch.long), torch.tensor(pp, dtype=torch.long), mode=modes,
                         horizon=cfg.horizon, contexts_per_batch=cfg.contexts_per_batch,
-                        pairs_per_batch=cfg.pairs_per_batch) if pl else {m: torch.zeros(0, cfg.horizon) for m in modes}
+                        pairs_per_batch=cfg.pairs_per_batch, progress=progress) if pl else {m: torch.zeros(0, cfg.horizon) for m in modes}
     for mode in modes:
         d = d_all[mode]
         q, tot, dm = [], [], []
@@ -474,8 +482,8 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
         results[mode] = QScanResult(
             mode=mode, latents=lat_list, q=q, total_kl=tot, n_examples=n_ex,
             included=[n > 0 and t > cfg.kl_cutoff for n, t in zip(n_ex, tot)], d_mean=dm,
-            domain_share=share.tolist(), domain=[DOMAINS[int(i)] for i in share.argmax(1)],
-            is_formal=formal.tolist(), kl_cutoff=cfg.kl_cutoff)
+            domain_share=share.tolist(), domain=[names[int(i)] for i in share.argmax(1)],
+            is_formal=formal.tolist(), kl_cutoff=cfg.kl_cutoff, domains=names)
     return results
 
 
@@ -483,8 +491,8 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
 
 
 def q_statistics(result: QScanResult, tail: float = 0.1) -> dict:
-    """The paper's statistics on the included latents: sigma(ln Q) with 95% CIs for formal (code/math) and other
-    latents, and the domain make-up of the lowest and highest ``tail`` share of Q."""
+    """The paper's statistics on the included latents: sigma(ln Q) with 95% CIs for formal (code/math, or the
+    user's formal domains) and other latents, and the domain make-up of the lowest and highest ``tail`` share of Q."""
     q, formal, doms = result.included_q()
     ok = q > 0
     lq, formal, doms = np.log(q[ok]), formal[ok], [d for d, k in zip(doms, ok) if k]
@@ -496,8 +504,8 @@ def q_statistics(result: QScanResult, tail: float = 0.1) -> dict:
     order = np.argsort(lq)
     n_tail = max(1, round(tail * len(lq))) if len(lq) else 0
     for name, idx in (("low_tail", order[:n_tail]), ("high_tail", order[len(order) - n_tail:])):
-        out[name] = {d: (sum(doms[i] == d for i in idx) / max(1, len(idx))) for d in DOMAINS}
-    out["all"] = {d: (sum(x == d for x in doms) / max(1, len(doms))) for d in DOMAINS}
+        out[name] = {d: (sum(doms[i] == d for i in idx) / max(1, len(idx))) for d in result.domains}
+    out["all"] = {d: (sum(x == d for x in doms) / max(1, len(doms))) for d in result.domains}
     if len(lq):
         out["median_q"] = float(np.exp(np.median(lq)))
     return out

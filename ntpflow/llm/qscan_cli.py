@@ -17,6 +17,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 from ntpflow.files import ensure_writable_dir, resolve_device
 from ntpflow.llm.adapters import MODELS, load_model
@@ -62,12 +63,21 @@ def _parser(step: str | None) -> argparse.ArgumentParser:
     """The options of ``ntpflow qscan`` (``step`` None), ``ntpflow qscan train`` or ``ntpflow qscan scan``."""
     ap = argparse.ArgumentParser(prog="ntpflow qscan" + (f" {step}" if step else ""), description=STEPS[step],
                                  epilog=EPILOG, formatter_class=_Formatter)
-    ap.add_argument("--model", choices=MODELS, default="smollm2",
-                    help="smollm2: SmolLM2-135M-Instruct offline; tiny: a random 2-layer GPT-2 over bytes (tests)")
+    ap.add_argument("--model", default="smollm2",
+                    help=f"{' | '.join(MODELS)} (smollm2: SmolLM2-135M-Instruct offline; tiny: a random 2-layer "
+                         "GPT-2 over bytes, for tests) | a local folder (a HookedTransformer saved by "
+                         "ntpflow.llm.adapters.save_hooked_transformer, or a Hugging Face model's save_pretrained) | "
+                         "a TransformerLens or Hugging Face model name (needs the hub or its cache)")
+    ap.add_argument("--hook", help="the site scanned, a hook name (default: the SAE's own hook_name from its "
+                    "cfg.json, else the model's middle blocks.N.hook_resid_post)")
     if step is None:
         src = ap.add_mutually_exclusive_group(required=True)
-        src.add_argument("--sae", metavar="DIR", help="an SAE folder (sae_weights.safetensors + cfg.json)")
+        src.add_argument("--sae", metavar="DIR", help="an SAE folder (SAELens layout: sae_weights.safetensors + "
+                         "cfg.json)")
+        src.add_argument("--sae-release", metavar="RELEASE", help="an SAELens pretrained release (with --sae-id; "
+                         "needs the hub or its cache)")
         src.add_argument("--train-sae", action="store_true", help="train an SAE on the corpus first")
+        ap.add_argument("--sae-id", help="the SAE's id within --sae-release")
     ap.add_argument("--out", required=True, help="output folder" + (" (holding `qscan train`'s corpus and SAE)"
                                                                    if step == "scan" else ""))
     if step != "scan":
@@ -81,7 +91,11 @@ def _parser(step: str | None) -> argparse.ArgumentParser:
 
 
 def _corpus_options(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--docs", type=int, default=100, help="documents per domain (stories, code, math)")
+    ap.add_argument("--docs", type=int, default=100, help="documents per domain (stories, code, math, or --domains)")
+    ap.add_argument("--domains", metavar="LABEL:PATH,...",
+                    help="your own domains instead of stories, code and math: each a text file (documents separated "
+                         "by blank lines) or a folder of .txt files, e.g. news:news.txt,legal:legal/")
+    ap.add_argument("--formal", metavar="LABEL,...", help="which of --domains count as formal (default: none)")
     ap.add_argument("--stories", metavar="DIR", default=None,
                     help="a folder of TinyStories .txt files for the stories domain (default: generated stories)")
     ap.add_argument("--ctx-len", type=int, default=64, help="tokens per context window")
@@ -139,10 +153,76 @@ def _check(args: argparse.Namespace) -> None:
     resolve_device(args.device)  # an unknown or unavailable device fails here
     if getattr(args, "sae", None) and not Path(args.sae).is_dir():
         raise FileNotFoundError(f"SAE folder {args.sae} does not exist")
+    if bool(getattr(args, "sae_release", None)) != bool(getattr(args, "sae_id", None)):
+        raise ValueError("--sae-release and --sae-id go together")
+    if getattr(args, "domains", None) is not None or getattr(args, "formal", None):
+        _domains(args)
     d = LLMDir(args.out)
     if args.step == "scan" and not (d.has_contexts() and d.sae_dir.is_dir()):
         raise FileNotFoundError(f"{args.out} holds no corpus and SAE; run `ntpflow qscan train --out {args.out}` "
                                 "first")
+
+
+def _domains(args: argparse.Namespace) -> tuple[dict[str, str] | None, tuple[str, ...] | None]:
+    """``--domains`` as {label: path} and ``--formal`` as labels (None, None without --domains); ValueError /
+    FileNotFoundError (one line) on a bad list, a missing path or a formal label that is not a domain."""
+    if not getattr(args, "domains", None):
+        if getattr(args, "formal", None):
+            raise ValueError("--formal names some of --domains; give --domains too")
+        return None, None
+    out: dict[str, str] = {}
+    for part in args.domains.split(","):
+        label, colon, path = part.partition(":")
+        if not colon or not label or not path:
+            raise ValueError(f"--domains takes LABEL:PATH,..., got {part!r}")
+        if label in out:
+            raise ValueError(f"--domains names {label!r} twice")
+        if not Path(path).exists():
+            raise FileNotFoundError(f"domain {label!r}: {path} does not exist")
+        out[label] = path
+    formal = tuple(f for f in (args.formal or "").split(",") if f)
+    unknown = [f for f in formal if f not in out]
+    if unknown:
+        raise ValueError(f"--formal {','.join(unknown)}: not among --domains ({', '.join(out)})")
+    return out, formal
+
+
+def _given_sae(args: argparse.Namespace, device) -> Any:
+    """The SAE of ``--sae DIR`` or ``--sae-release/--sae-id`` (SAELens; the hub or its cache), on ``device``."""
+    if args.sae:
+        return load_sae(args.sae, device)
+    try:
+        from sae_lens import SAE
+
+        sae = SAE.from_pretrained(release=args.sae_release, sae_id=args.sae_id, device=str(device))
+    except ImportError:
+        raise
+    except Exception as e:  # noqa: BLE001 - offline, unknown release or id: sae-lens and the hub raise many types
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"cannot load SAE {args.sae_release}/{args.sae_id} (needs the hub or its cache; offline, "
+                         f"give --sae DIR): {msg}") from None
+    return sae[0] if isinstance(sae, tuple) else sae
+
+
+def _sae_hook(sae: Any) -> str | None:
+    """The hook an SAE reads, as its SAELens config names it (``hook_name``, or ``metadata.hook_name``)."""
+    cfg = getattr(sae, "cfg", None)
+    for obj in (cfg, getattr(cfg, "metadata", None)):
+        hook = getattr(obj, "hook_name", None) if obj is not None else None
+        if isinstance(hook, str) and hook:
+            return hook
+    return None
+
+
+def _site(lm: Any, args: argparse.Namespace, sae: Any = None) -> None:
+    """Set the scanned hook (``--hook``, else the SAE's own, else the model's default), checked against the model;
+    an SAE must read the model's width there."""
+    hook = getattr(args, "hook", None) or (_sae_hook(sae) if sae is not None else None) or lm.default_hook
+    lm.adapter.check_hook(hook)
+    lm.default_hook = hook
+    if sae is not None and int(sae.W_dec.shape[1]) != lm.adapter.d_model:
+        raise ValueError(f"the SAE reads width {int(sae.W_dec.shape[1])}, but the model's d_model is "
+                         f"{lm.adapter.d_model}: it does not match the model")
 
 
 def _modes(args: argparse.Namespace) -> tuple[str, ...]:
@@ -160,22 +240,30 @@ def run(args: argparse.Namespace) -> dict:
     """The stages that parsed ``args`` ask for (``args.step``: None for all, ``"train"`` or ``"scan"``); returns
     the SAE quality (train) or the statistics written to ``stats.json``."""
     _check(args)
-    d = LLMDir(ensure_writable_dir(args.out))
+    d = LLMDir(args.out)
     _say(f"loading {args.model}")
     lm = load_model(args.model, resolve_device(args.device), seed=args.seed)
+    given = None
     if args.step == "scan":
-        ctx, sae = d.contexts(), d.sae(lm.adapter.device)
+        given = d.sae(lm.adapter.device)
+    elif not (args.step == "train" or args.train_sae):
+        given = _given_sae(args, lm.adapter.device)
+    _site(lm, args, given)  # before anything is written
+    ensure_writable_dir(args.out)
+    if args.step == "scan":
+        ctx, sae = d.contexts(), given
     else:
-        ctx = make_contexts(lm, args.docs, args.ctx_len, args.seed, args.stories, args.windows)
+        domains, formal = _domains(args)
+        ctx = make_contexts(lm, args.docs, args.ctx_len, args.seed, args.stories, args.windows, domains, formal)
         ctx.save(d.contexts_path)
-        _say(f"corpus: {len(ctx)} windows of {args.ctx_len} tokens")
+        _say(f"corpus: {len(ctx)} windows of {args.ctx_len} tokens ({', '.join(ctx.domain_names)})")
         if args.step == "train" or args.train_sae:
             sae, quality = fit_sae(lm, ctx, _sae_spec(args), args.seed, say=_say)
             save_sae_stage(d, sae, quality)
             if args.step == "train":
                 return quality
         else:
-            sae = load_sae(args.sae, lm.adapter.device)
+            sae = given
     res, stats = scan(lm, sae, ctx, args.latents, QScanConfig(
         n_candidates=args.candidates, n_examples=args.examples, modes=_modes(args), kl_cutoff=args.kl_cutoff),
         args.seed, say=_say)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ntpflow.files import load_tensors, read_json, save_tensors, write_json
+from ntpflow.progress import progress_of
 
 
 class SimpleSAE(torch.nn.Module):
@@ -260,13 +261,15 @@ def _make_training_sae(cfg: TrainSAEConfig, d_in: int) -> Any:
     raise ValueError(f"architecture must be 'topk' or 'standard', got {cfg.architecture!r}")
 
 
-def train_sae(acts: torch.Tensor, cfg: TrainSAEConfig | None = None, log_every: int = 0) -> tuple[Any, dict]:
+def train_sae(acts: torch.Tensor, cfg: TrainSAEConfig | None = None, log_every: int = 0,
+              progress: bool = False) -> tuple[Any, dict]:
     """Train an sae-lens SAE on activations with a short loop of our own.
 
     Args:
         acts: training activations ``[N, d_in]``.
         cfg: settings (:class:`TrainSAEConfig`).
         log_every: print the losses to stderr every this many steps (0: silent).
+        progress: a bar over the steps (stage lines on stderr without a terminal).
 
     Returns:
         ``(sae, info)``: the sae-lens training SAE (in eval mode; ``encode``/``decode``/``W_dec`` work on raw
@@ -291,7 +294,7 @@ def train_sae(acts: torch.Tensor, cfg: TrainSAEConfig | None = None, log_every: 
     since_fired = torch.zeros(cfg.d_sae, dtype=torch.long)
     losses: dict[str, float] = {}
     sae.train()
-    for step in range(cfg.steps):
+    for step in progress_of(range(cfg.steps), desc="SAE training", enabled=progress):
         idx = torch.randint(0, n, (cfg.batch_size,), generator=gen)
         x = acts[idx] * scale
         lr_frac = min(1.0, (cfg.steps - step) / max(1, cfg.steps // 5))  # linear decay over the last 20%
@@ -322,11 +325,12 @@ def train_sae(acts: torch.Tensor, cfg: TrainSAEConfig | None = None, log_every: 
 
 
 def train_simple_sae(acts: torch.Tensor, d_sae: int, k: int = 8, steps: int = 300, batch_size: int = 256,
-                     lr: float = 3e-3, seed: int = 0) -> tuple[SimpleSAE, dict]:
+                     lr: float = 3e-3, seed: int = 0, progress: bool = False) -> tuple[SimpleSAE, dict]:
     """Train a TopK :class:`SimpleSAE` on ``acts`` ``[N, d_in]`` with Adam on the MSE (no sae-lens).
 
     Decoder rows are renormalised to unit norm after every step; ``b_dec`` starts at the data mean. Returns
-    ``(sae, info)`` with the final loss. Seeded (initialisation and batch order).
+    ``(sae, info)`` with the final loss. Seeded (initialisation and batch order). ``progress``: as in
+    :func:`train_sae`.
     """
     acts = acts.float()
     n, d_in = acts.shape
@@ -336,7 +340,7 @@ def train_simple_sae(acts: torch.Tensor, d_sae: int, k: int = 8, steps: int = 30
     opt = torch.optim.Adam(sae.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
     loss = torch.tensor(float("nan"))
-    for _ in range(steps):
+    for _ in progress_of(range(steps), desc="SAE training", enabled=progress):
         x = acts[torch.randint(0, n, (min(batch_size, n),), generator=gen)]
         loss = ((sae(x) - x) ** 2).sum(-1).mean()
         opt.zero_grad(set_to_none=True)

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ntpflow.files import InFolder, json_safe, read_json, sidecar, write_json
-from ntpflow.llm.corpus import Contexts, build_corpus, hf_encoder, tokenize_corpus
+from ntpflow.files import InFolder, json_safe, read_json, sidecar, stamp, write_json
+from ntpflow.llm.corpus import Contexts, build_corpus, hf_encoder, tokenize_corpus, user_documents
 from ntpflow.llm.qscan import QScanConfig, QScanResult, q_scan, q_statistics
 from ntpflow.llm.sae import (
     TrainSAEConfig,
@@ -87,24 +87,30 @@ def _quiet(msg: str) -> None:
 
 
 def make_contexts(lm: Any, docs_per_domain: int, ctx_len: int, seed: int, stories: str | None = None,
-                  windows_per_doc: int = 2) -> Contexts:
+                  windows_per_doc: int = 2, domains: dict[str, str] | None = None,
+                  formal: tuple[str, ...] | None = None) -> Contexts:
     """Stage 1: the seeded corpus (``docs_per_domain`` documents of each domain; stories from the TinyStories
-    folder ``stories`` or generated) cut into windows of ``ctx_len`` tokens of ``lm``'s tokenizer, BOS first."""
-    docs = build_corpus(docs_per_domain, seed=seed, stories_path=stories)
-    return tokenize_corpus(docs, hf_encoder(lm.tokenizer), ctx_len, lm.bos_id, max_windows_per_doc=windows_per_doc)
+    folder ``stories`` or generated) cut into windows of ``ctx_len`` tokens of ``lm``'s tokenizer, BOS first.
+    ``domains`` ({label: text file or folder}, :func:`~ntpflow.llm.corpus.user_documents`) replaces stories, code
+    and math by the user's, with ``formal`` the labels that count as formal."""
+    docs = (user_documents(domains, docs_per_domain, seed) if domains
+            else build_corpus(docs_per_domain, seed=seed, stories_path=stories))
+    return tokenize_corpus(docs, hf_encoder(lm.tokenizer), ctx_len, lm.bos_id, max_windows_per_doc=windows_per_doc,
+                           formal=formal if domains else None)
 
 
-def train_sae_of_kind(acts: torch.Tensor, spec: dict, seed: int) -> tuple[Any, dict]:
+def train_sae_of_kind(acts: torch.Tensor, spec: dict, seed: int, progress: bool = False) -> tuple[Any, dict]:
     """An SAE trained on ``acts`` ``[N, d_in]`` as ``spec`` says: ``{"kind": one of SAE_KINDS, "d_sae", "k",
-    "steps", "batch_size", "lr"}``; returns ``(sae, info)``."""
+    "steps", "batch_size", "lr"}``; returns ``(sae, info)``. ``progress``: a bar over the steps (stage lines
+    without a terminal)."""
     kind = spec["kind"]
     if kind == "simple":
         return train_simple_sae(acts, spec["d_sae"], spec["k"], spec["steps"], spec["batch_size"], spec["lr"],
-                                seed=seed)
+                                seed=seed, progress=progress)
     if kind in ("topk", "standard"):
         return train_sae(acts, TrainSAEConfig(d_sae=spec["d_sae"], architecture=kind, k=spec["k"],
                                               steps=spec["steps"], batch_size=spec["batch_size"], lr=spec["lr"],
-                                              seed=seed))
+                                              seed=seed), progress=progress)
     raise ValueError(f"SAE kind must be one of {SAE_KINDS}, got {kind!r}")
 
 
@@ -129,7 +135,7 @@ def fit_sae(lm: Any, ctx: Contexts, spec: dict | None, seed: int, given: tuple[A
     t1 = time.perf_counter()
     if given is None:
         say(f"training a {spec['kind']} SAE ({spec['d_sae']} latents, k={spec['k']}, {spec['steps']} steps)")
-        sae, info = train_sae_of_kind(acts_tr, spec, seed)
+        sae, info = train_sae_of_kind(acts_tr, spec, seed, progress=say is not _quiet)
         sae = sae.to(dev)
     else:
         sae, info = given
@@ -169,7 +175,7 @@ def scan(lm: Any, sae: Any, ctx: Contexts, n_latents: int, cfg: QScanConfig, see
     latents = pick_latents(int(sae.W_dec.shape[0]), n_latents, seed)
     say(f"Q scan of {len(latents)} latents over {len(ctx)} contexts in {len(cfg.modes)} mode(s)")
     t0 = time.perf_counter()
-    res = q_scan(lm.adapter, sae, ctx, lm.default_hook, latents, cfg)
+    res = q_scan(lm.adapter, sae, ctx, lm.default_hook, latents, cfg, progress=say is not _quiet)
     stats: dict = {"seconds": time.perf_counter() - t0}
     for mode, r in res.items():
         stats[mode] = {**q_statistics(r), "excluded_because": exclusions(r)}
@@ -180,7 +186,7 @@ def save_scan(d: LLMDir, res: dict[str, QScanResult], stats: dict) -> None:
     """Write ``q_<mode>.json`` per mode and ``stats.json`` into ``d`` (standard JSON)."""
     for mode, r in res.items():
         write_json(d.q_path(mode), json_safe(r.to_dict()))
-    write_json(d.stats_path, json_safe(stats))
+    write_json(d.stats_path, json_safe({**stats, "stamp": stamp()}))
 
 
 def save_sae_stage(d: LLMDir, sae: Any, quality: dict, weights: bool = True) -> None:
@@ -188,4 +194,4 @@ def save_sae_stage(d: LLMDir, sae: Any, quality: dict, weights: bool = True) -> 
     last: it marks the stage done)."""
     if weights:
         save_sae(sae, d.sae_dir)
-    write_json(d.quality_path, json_safe(quality))
+    write_json(d.quality_path, json_safe({**quality, "stamp": stamp()}))

@@ -11,6 +11,7 @@ Output folder (default ``RUN_DIR/attribution``)::
                         ntpflow.engine.influence); the schema of every column: docs/outputs.md
     summary.json        per probe and mismatch: integrated influence per component vs the mismatch removed,
                         R(θ_0) − R(θ_T) on held-out data, and the offset share of R(θ_0), mean² / R
+    matrices.safetensors  (``matrices=True``) every site's influence matrices (``ntpflow.replay.matrices``)
 
 **Positive influence means the component moved the feature toward its final value.**
 """
@@ -25,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from tqdm.auto import tqdm
 
 from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe, mismatch_value
 from ntpflow.engine.run_axis import RunAxisTracker
@@ -35,9 +35,13 @@ from ntpflow.files import (
     fault_point,
     read_json,
     resolve_device,
+    stamp,
     write_json,
 )
-from ntpflow.model.sites import Site, checked_sites
+from ntpflow.model.sites import Site, checked_sites, feature_name
+from ntpflow.progress import progress_of
+from ntpflow.replay.directions import direction_probes, direction_records
+from ntpflow.replay.matrices import save_matrices
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
 from ntpflow.runs.probe import load_or_probe
@@ -54,7 +58,7 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
     probes = load_or_probe(run, "final", device)
     if probes.metadata.get("config_hash") != run.cfg.hash():
         raise ValueError(f"the probes in {run.probes_dir('final')} were fitted on another run")
-    names = list(features) if features else list(probes.feature_names)
+    names = [feature_name(f) for f in features] if features else list(probes.feature_names)
     unknown = [n for n in names if n not in probes.feature_names]
     if unknown:
         raise ValueError(f"unknown feature(s) {unknown}; the task has {list(probes.feature_names)}")
@@ -70,44 +74,67 @@ def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None,
 def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str] | None = None, *,
               out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
               progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-              midpoint: bool = False, readout: int | None = None) -> Path:
+              reading: str = "exact", readout: int | None = None, directions: dict | None = None,
+              matrices: bool = False) -> Path:
     """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
     its last saved state when interrupted. ``block`` (default: the run's ``ckpt_every``) is the number of steps
     between saved states. ``force_unlock`` takes over a lock left by a process on another host. ``sgd_rows=False``
     writes the Adam rows only (about 30 % less tracking work at the toy load; what the experiments read).
-    ``midpoint=True`` reads each step's ∇R at the midpoint of the step taken (``InfluenceTracker``; docs/balance.md).
-    ``readout=N`` gives the exact account instead: R and R_c read on the first N evaluation sequences, each step's
-    exact change of them measured, and each component's share of it a path integral along the step (adaptive
-    Gauss–Legendre, ``InfluenceTracker.use_readout``); summary.json then gives every row's residual.
+    ``reading`` says what the influence splits (docs/balance.md): ``"exact"`` (the default) is the exact account:
+    R and R_c read on a fixed readout set, the first ``readout`` evaluation sequences (default
+    ``min(256, n_eval)``), each step's exact change of them measured, and each component's share of it a path
+    integral along the step (adaptive Gauss–Legendre, ``InfluenceTracker.use_readout``); summary.json gives every
+    row's residual. ``"paper"`` is the paper's reading: R on each step's batch, ∇R at the step's start θ_t;
+    ``"midpoint"`` the same batch, ∇R at the step's midpoint.
+    ``directions`` {name: (Site, tensor, array or path)}: directions of one's own, tracked as features named
+    ``name`` beside the task's (``ntpflow.replay.directions``; with empty ``sites``, instead of them).
+    ``matrices=True`` (the exact account only) also saves every site's influence matrices, from which any
+    direction's influence can be read afterwards (``ntpflow.replay.matrices.direction_influence``,
+    ``ntpflow discover``).
     """
     run = Run.open(run_dir)
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
-    check_readout(readout, cfg.n_eval, midpoint)
+    readout = readout_size(reading, readout, cfg.n_eval)
+    if matrices and readout is None:
+        raise ValueError("--matrices needs the exact account (not --paper or --midpoint)")
     dev = resolve_device(device if device != "auto" else cfg.device)
-    sites = run_sites(run, sites)
+    sites = run_sites(run, sites) if sites or not directions else []
+    mc = run.model_config()
+    extra = direction_probes(directions or {}, mc.n_layer, run.task.seq_len, mc.d_model, run.task.feature_names)
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
-        return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, midpoint, readout)
+        return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, reading == "midpoint",
+                       readout, extra, matrices)
 
 
-def check_readout(readout: int | None, n_eval: int, midpoint: bool) -> None:
-    """Raise ValueError (one line) unless ``readout`` is None or 2..n_eval, and not combined with ``midpoint``."""
+READINGS = ("exact", "paper", "midpoint")
+DEFAULT_READOUT = 256  # sequences of the readout set of the exact account, unless the run has fewer
+
+
+def readout_size(reading: str, readout: int | None, n_eval: int) -> int | None:
+    """The readout set's size for ``reading`` (None for the paper's batch readings); ValueError (one line) for an
+    unknown reading, a size outside 2..n_eval, or a size given to a batch reading."""
+    if reading not in READINGS:
+        raise ValueError(f"unknown reading {reading!r}; choose one of {', '.join(READINGS)}")
+    if reading != "exact":
+        if readout is not None:
+            raise ValueError(f"--readout sets the exact account's readout set; it does not combine with --{reading}")
+        return None
     if readout is None:
-        return
-    if midpoint:
-        raise ValueError("--readout integrates each step exactly; it does not combine with --midpoint")
+        return min(DEFAULT_READOUT, n_eval)
     if not 2 <= readout <= n_eval:
         raise ValueError(f"--readout takes 2..{n_eval} (the run's evaluation sequences), got {readout}")
+    return readout
 
 
 def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], features: Sequence[str] | None = None, *,
                     out_dirs: Sequence[str | Path | None] | None = None, device: str = "auto", block: int | None = None,
                     progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-                    midpoint: bool = False, run_axis: bool = True) -> list[Path]:
+                    reading: str = "exact", readout: int | None = None, run_axis: bool = True) -> list[Path]:
     """Replay members of one run group together, tracking each at ``sites`` × ``features``; returns the output dirs.
 
     One pass over the steps: before each step the members are tracked, then the group takes the step once for all
@@ -117,7 +144,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     point). Without it, each member's tracker runs on its own model and Adam, one after another, and each folder
     comes out bit for bit as :func:`attribute` writes it; members resume from their own last saved state. Each
     member writes to its own folder (``out_dirs``, default ``RUN_DIR/attribution``); members already finished are
-    skipped. Other arguments as in :func:`attribute`.
+    skipped. Other arguments as in :func:`attribute` (the exact account by default, with each member's own readout
+    set).
     """
     runs = [Run.open(d) for d in run_dirs]
     if not runs:
@@ -129,6 +157,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     outs = list(out_dirs) if out_dirs is not None else [None] * len(runs)
     if len(outs) != len(runs):
         raise ValueError("give one output folder per run dir")
+    readout = readout_size(reading, readout, min(run.cfg.n_eval for run in runs))
     sites = run_sites(runs[0], sites)
     outs = [ensure_writable_dir(run.attribution(o).dir) for o, run in zip(outs, runs)]
     if len({o.resolve() for o in outs}) < len(outs):
@@ -139,7 +168,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
         for o in outs:  # one writer per attribution folder
             locks.enter_context(DirLock(o, force=force_unlock))
         todo = [(r, m) for r, m in zip(index, (_Tracked(run, o, sites, features, dev, device, block, sgd_rows,
-                                                        midpoint, run_axis) for run, o in zip(runs, outs)))
+                                                        reading == "midpoint", run_axis, readout)
+                                               for run, o in zip(runs, outs)))
                 if not m.done]
         if todo:
             group = GroupReplay(runs[0], dev, runs)
@@ -153,8 +183,8 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
                 axis = RunAxisTracker([m.tracker for _, m in todo])
             first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
             threads_at = locks.enter_context(follow_threads(runs[0].dir, dev))  # the group trained as one
-            for step in tqdm(range(first, steps), initial=first, total=steps, disable=not progress,
-                             desc=f"attribute the group of {runs[0].dir.name} ({len(todo)} runs)", leave=False):
+            for step in progress_of(range(first, steps), initial=first, total=steps, enabled=progress,
+                                    desc=f"attribute the group of {runs[0].dir.name} ({len(todo)} runs)"):
                 threads_at(step)
                 active = [(r, m) for r, m in todo if m.start <= step]  # a member resumed later joins at its state
                 for r, m in active:
@@ -181,14 +211,20 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
 
 
 def influence_read_at(attribution_dirs: Sequence[str | Path]) -> str | None:
-    """Where the finished attributions in ``attribution_dirs`` read each step's ∇R: "midpoint" (``midpoint=True``)
-    or "start" (θ_t, the paper's); None for no folders. Raises ValueError if they differ: one report reads one kind."""
-    kinds = {"midpoint" if read_json(AttributionDir(Path(d)).spec).get("midpoint") else "start" for d in attribution_dirs}
+    """How the finished attributions in ``attribution_dirs`` read the influence: "exact" (the exact account on a
+    readout set), "midpoint" (each step's batch, ∇R at its midpoint) or "start" (each step's batch, ∇R at θ_t: the
+    paper's); None for no folders. Raises ValueError if they differ: one report reads one kind."""
+    kinds = {spec_reading(read_json(AttributionDir(Path(d)).spec)) for d in attribution_dirs}
     if len(kinds) > 1:
-        raise ValueError("these runs were replayed both at each step's start and at its midpoint: "
+        raise ValueError(f"these runs were replayed in different readings ({', '.join(sorted(kinds))}): "
                          + ", ".join(str(d) for d in attribution_dirs) + "; replay them all one way "
-                         "(remove the attribution folders of the other kind)")
+                         "(remove the attribution folders of the other kinds)")
     return next(iter(kinds), None)
+
+
+def spec_reading(spec: dict) -> str:
+    """An attribution's reading from its spec.json: "exact", "midpoint" or "start"."""
+    return "exact" if spec.get("readout") else "midpoint" if spec.get("midpoint") else "start"
 
 
 def run_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
@@ -200,15 +236,16 @@ def run_sites(run: Run, sites: Sequence[Site]) -> list[Site]:
 
 
 def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block, progress, sgd_rows,
-            midpoint, readout=None) -> Path:
-    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint, readout=readout)
+            midpoint, readout=None, extra=(), matrices=False) -> Path:
+    m = _Tracked(run, out, sites, features, dev, device, block, sgd_rows, midpoint, readout=readout, extra=extra,
+                 matrices=matrices)
     if m.done:
         return out
     advance = replay_stepper(run, m.model, m.opt, dev)  # a run group's member steps with its group
     alone = not run.in_group  # then track()'s backward is train_step's, bit for bit
     with follow_threads(run.dir, dev) as threads_at:
-        for step in tqdm(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps, disable=not progress,
-                         desc=f"attribute {run.dir.name}", leave=False):
+        for step in progress_of(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps,
+                                enabled=progress, desc=f"attribute {run.dir.name}"):
             threads_at(step)
             tokens, mask = m.track(step)
             if alone:
@@ -226,17 +263,22 @@ class _Tracked:
     it; ``finish()`` at the end. ``done``: the folder already holds a finished attribution (nothing else is set)."""
 
     def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool,
-                 midpoint: bool, run_axis: bool = False, readout: int | None = None):
+                 midpoint: bool, run_axis: bool = False, readout: int | None = None, extra: Sequence[Probe] = (),
+                 matrices: bool = False):
         cfg = run.cfg
         self.run, self.out, self.dev = run, out, dev
         self.annotate = _batch_types(run, readout)
-        self.probes = make_probes(run, sites, features, device)
-        spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in self.probes}),
+        task_probes = make_probes(run, sites, features, device) if sites else []  # none: the directions only
+        self.probes = task_probes + list(extra)
+        spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in task_probes}),
                 "config_hash": cfg.hash(), "sgd_rows": sgd_rows, "midpoint": midpoint, "run_axis": run_axis,
-                "readout": readout}
+                "readout": readout, "directions": direction_records(extra), "matrices": matrices}
         folder = AttributionDir(out)
-        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, "readout": None, **read_json(folder.spec)} if (
+        old = {"sgd_rows": True, "midpoint": False, "run_axis": False, "readout": None, "directions": [],
+               "matrices": False,
+               **read_json(folder.spec)} if (
             folder.spec.exists()) else spec  # keys missing in specs written before they existed
+        old["features"] = sorted(feature_name(f) for f in old["features"])  # toy names before 0.2
         self.done = folder.done
         if self.done and {**old, "run_axis": run_axis} == spec:
             spec = old  # finished either way: the spec keeps saying how
@@ -246,9 +288,13 @@ class _Tracked:
             elif {**old, "readout": readout} == spec:
                 what = (f"with the exact account on a readout of {old['readout']}" if old["readout"]
                         else "read on each step's batch (without --readout)")
+            elif {**old, "matrices": matrices} == spec:
+                what = "with influence matrices" if old["matrices"] else "without influence matrices (--matrices)"
             elif {**old, "run_axis": run_axis} == spec:
                 what = ("tracked over its group's run axis (resume it with attribute --group)" if old["run_axis"]
                         else "tracked one member at a time (resume it with attribute RUN_DIR, without --group)")
+            elif {**old, "directions": spec["directions"]} == spec:
+                what = "of other directions (names, sites or vectors: spec.json records each one's sha256)"
             else:
                 what = "with other sites/features/rows"
             raise ValueError(f"{out} holds an attribution {what}; write to another folder (attribute --out) or "
@@ -275,7 +321,7 @@ class _Tracked:
             types = None if self.eval_set.feature_types is None else {
                 n: torch.as_tensor(self.eval_set.feature_types[:readout, :, task.feature_names.index(n)],
                                    device=dev).long() for n in spec["features"]}
-            self.tracker.use_readout(held, types)
+            self.tracker.use_readout(held, types, matrices=matrices)
         self.block = block or cfg.ckpt_every
         self.order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
         self.rewind(cfg.steps)
@@ -327,11 +373,14 @@ class _Tracked:
     def finish(self) -> None:
         """Check the final weights against the run's (bit for bit) and write influence.parquet and summary.json."""
         check_replay(self.run, self.model)
+        if self.tracker.matrices is not None:  # before influence.parquet, which marks the folder done
+            save_matrices(self.out, self.tracker, {"readout": self.readout, "steps": self.run.cfg.steps,
+                                                   "config_hash": self.run.cfg.hash(), "optimizer": "adam"})
         _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev, self.readout)
 
 
 def _batch_types(run: Run, readout: int | None):
-    """How a replay without a readout labels each step's batch when the run's training set holds tokens only (its
+    """How a replay in a batch reading (no readout) labels each step's batch when the run's training set holds tokens only (its
     feature types kept on the evaluation set, as Othello's): the task's ``annotate`` (tokens [n, T] -> Batch); None
     when the training set has its types or a readout reads the types of its own set. ValueError (one line) for a
     task that cannot annotate."""
@@ -340,7 +389,7 @@ def _batch_types(run: Run, readout: int | None):
         return None
     if not callable(getattr(run.task, "annotate", None)):
         raise ValueError(f"{run.dir}'s training set holds tokens only, its feature types are on the evaluation set: "
-                         f"per-type rows need the readout (attribute --readout N, N in 2..{run.cfg.n_eval})")
+                         "per-type rows need the exact account's readout (attribute's default reading)")
     return run.task.annotate
 
 
@@ -438,34 +487,38 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
                 f"|residual| > {tracker.readout.rtol:g} |change| + {tracker.readout.floor:g} R_H(θ_0)",
         "exact": "R0_eval = R_H(θ_0) and R0_minus_RT_eval on the readout set; change = Σ_t R_H(θ_t) − R_H(θ_t+1); "
                  "residual = Σ_t (full influence − change)"}
-    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra,
+    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra, "stamp": stamp(),
                                       "sign": "positive = the component moved the feature toward its final value"})
     tmp.replace(folder.influence)
-    log.info(_summary_line(probes, summary, run.cfg.steps))
-    if readout is not None:
-        log.info(residual_line(summary, run.cfg.steps, tracker.refined))
+    what = (f"{run.dir.name}: attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
+            f"{run.cfg.steps} steps")
+    if readout is None:
+        log.info(f"{what}; {_balance_text(summary)}")
+        return
+    log.info(f"{what} with the exact account on a readout of {readout}; {tracker.refined}/{run.cfg.steps} steps "
+             "refined")
+    for line in residual_lines(summary):
+        log.info(f"{run.dir.name}: {line}")
 
 
-def residual_line(summary: list[dict], steps: int, refined: int, limit: float = 0.01) -> str:
-    """One line per mismatch of an exact account: the largest |residual| / R_H(θ_0) over the rows and PASS/FAIL
-    against ``limit`` (the influence claims' precondition), and the share of refined steps."""
-    parts = []
+def residual_lines(summary: list[dict], limit: float = 0.01) -> list[str]:
+    """One line per mismatch of an exact account: the largest |residual| / R_H(θ_0) over its rows and PASS/FAIL
+    against ``limit`` (the influence claims' precondition)."""
+    lines = []
     for mismatch in MISMATCHES:
         worst = max((abs(e["residual"]) / e["R0_eval"] if e["R0_eval"] else float("inf")
                      for e in summary if e["mismatch"] == mismatch and "residual" in e), default=None)
         if worst is not None:
-            parts.append(f"{mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} "
+            lines.append(f"exact account, {mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} "
                          f"{'PASS' if worst <= limit else 'FAIL'} (≤ {limit:g})")
-    return "exact account: " + "; ".join(parts) + f"; {refined}/{steps} steps refined"
+    return lines
 
 
-def _summary_line(probes, summary: list[dict], steps: int) -> str:
-    """One line on what an attribution did: sites, features, steps, and the balance check (integrated full Adam
-    influence against the mismatch removed on held-out data, R(θ_0) − R(θ_T); equal to first order)."""
+def _balance_text(summary: list[dict]) -> str:
+    """The paper's reading's balance check: integrated full Adam influence against the mismatch removed on held-out
+    data, R(θ_0) − R(θ_T) (equal to first order only), as a median over the probes."""
     ratios = sorted(e["adam_full"] / e["R0_minus_RT_eval"] for e in summary
                     if e["mismatch"] == "paper" and "adam_full" in e and e["R0_minus_RT_eval"] != 0)
-    balance = (f"integrated full influence / (R(θ_0) − R(θ_T)) on held-out data: median "
-               f"{ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes (1 = balanced to first order)"
-               if ratios else "balance check: no probe with a nonzero mismatch removed")
-    return (f"attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
-            f"{steps} steps; {balance}")
+    return (f"integrated full influence / (R(θ_0) − R(θ_T)) on held-out data: median "
+            f"{ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes (1 = balanced to first order)"
+            if ratios else "balance check: no probe with a nonzero mismatch removed")

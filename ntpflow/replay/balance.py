@@ -27,13 +27,13 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ntpflow.engine.forward_mode import Primals, all_tangents
 from ntpflow.engine.influence import MISMATCHES, Probe, mismatch_value
-from ntpflow.files import DirLock, ensure_writable_dir, read_json, resolve_device, write_json
+from ntpflow.files import DirLock, ensure_writable_dir, read_json, resolve_device, stamp, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
+from ntpflow.progress import progress_of
 from ntpflow.replay.attribution import check_replay, make_probes, resume_points, run_sites, save_resume_point
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import replay_stepper
@@ -134,8 +134,8 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
             log.info("resuming the audit in %s from step %d", out, start)
         advance, order = replay_stepper(run, model, opt, dev), DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
         threads_at = locks.enter_context(follow_threads(run.dir, dev))
-        for step in tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress,
-                         desc=f"audit {run.dir.name}", leave=False):
+        for step in progress_of(range(start, cfg.steps), initial=start, total=cfg.steps, enabled=progress,
+                                desc=f"balance {run.dir.name}"):
             threads_at(step)
             i = order(step).to(dev)
             tokens, mask = data["tokens"][i], data["loss_mask"][i]
@@ -156,7 +156,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
                 curve.append(torch.cat([sums, removed[:, None]], 1))
                 save_resume_point(out, model, opt, step + 1, {"sums": sums, "curve": torch.stack(curve)})
         check_replay(run, model)
-        write_json(folder.summary, _summary(probes, curve, block, cfg.steps))
+        write_json(folder.summary, {**_summary(probes, curve, block, cfg.steps), "stamp": stamp()})
     return out
 
 

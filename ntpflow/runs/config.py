@@ -27,7 +27,7 @@ class TrainConfig:
     """
 
     task: str = "majority"
-    corpus: str = ""  # the stories task's corpus: a path, "generated[:N]" or "hf"; unused by the synthetic tasks
+    corpus: str = ""  # the stories task's corpus: a path, "sample", "generated[:N]" or "hf"; unused by the synthetic tasks
     vocab_size: int = 4096  # the stories task's BPE vocabulary (when the hub tokenizer is unreachable)
     regime: Literal["vanilla", "myopic", "untied", "myopic-untied"] = "vanilla"
     myopic_mode: Literal["kv", "resid"] = "kv"

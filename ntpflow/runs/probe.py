@@ -1,12 +1,14 @@
 """Probing a trained run: residuals of its eval set, ridge probes per (layer, position), saved in the run dir."""
 
 import logging
+import time
 
 import torch
 
 from ntpflow.files import resolve_device
 from ntpflow.model.gpt import GPT
 from ntpflow.probes import ProbeSet, fit_probes
+from ntpflow.progress import duration
 from ntpflow.runs.run import Run
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,8 @@ def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train
     positions 1..T-1. Saved to ``RUN_DIR/probes`` (final) or ``RUN_DIR/probes_<which>``."""
     model = run.load_model(which, resolve_device(device))
     _, eval_set = run.datasets()
+    start = time.monotonic()
+    log.info("%s: probing the %s weights on %d eval sequences", run.dir.name, which, len(eval_set.tokens))
     resid = collect_resid(model, torch.as_tensor(eval_set.tokens))
     ft = None if eval_set.feature_types is None else torch.as_tensor(eval_set.feature_types).long()
     probes = fit_probes(resid, torch.as_tensor(eval_set.features), alpha=alpha, train_frac=train_frac,
@@ -41,6 +45,7 @@ def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train
     out = run.probes_dir(which)
     out.mkdir(exist_ok=True)
     probes.save(out)
+    log.info("%s: probed the %s weights in %s", run.dir.name, which, duration(time.monotonic() - start))
     return probes
 
 

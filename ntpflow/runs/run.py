@@ -34,6 +34,7 @@ class AttributionDir:
     """The folder an attribution writes (``RUN_DIR/attribution`` by default, or ``attribute --out``); its files::
 
         spec.json   parts/part_*.parquet   state/step_NNNNNN.safetensors(+.json)   influence.parquet   summary.json
+        matrices.safetensors(+.json)   (``--matrices``)   discover/SITE/   (``ntpflow discover``)
     """
 
     dir: Path
@@ -43,6 +44,8 @@ class AttributionDir:
     states = InFolder("state")
     influence = InFolder("influence.parquet")
     summary = InFolder("summary.json")
+    matrices = InFolder("matrices.safetensors")
+    discoveries = InFolder("discover")
 
     def part(self, start: int) -> Path:
         """The rows of the block of steps that begins at ``start``."""

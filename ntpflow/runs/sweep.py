@@ -37,10 +37,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from tqdm.auto import tqdm
 
 from ntpflow.files import atomic_write, ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.probes import ProbeSet
+from ntpflow.progress import progress_of
 from ntpflow.runs.config import TrainConfig, _check_type
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import RunPaths
@@ -202,7 +202,8 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, *, executor: str = 
         launch = launcher or _subprocess_launch
         with ThreadPoolExecutor(max_workers=workers) as pool:
             futures = {pool.submit(_with_retries, launch, d, spec.retries): d for d in pending}
-            for f in tqdm(as_completed(futures), total=len(futures), disable=not progress, desc=f"sweep {spec.name}"):
+            for f in progress_of(as_completed(futures), total=len(futures), enabled=progress, desc=f"sweep {spec.name}",
+                                 unit="run"):
                 f.result()
     else:
         _submitit(spec, pending, executor, workers, out)

@@ -19,7 +19,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from ntpflow.files import (
     DirLock,
@@ -35,6 +34,7 @@ from ntpflow.files import (
 )
 from ntpflow.model.gpt import GPT
 from ntpflow.model.loss import lm_loss
+from ntpflow.progress import progress_of
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets, to_torch
 from ntpflow.runs.metrics import MetricsLog, check_sinks, make_sinks
@@ -246,8 +246,7 @@ def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: b
     logs = [MetricsLog(run.metrics_path, make_sinks(track, run.dir, run.cfg.to_dict())) for run in runs]
     try:
         desc = runs[0].dir.name if len(runs) == 1 else f"group of {len(runs)}: {runs[0].dir.name}"
-        bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not progress, desc=desc,
-                   leave=False)
+        bar = progress_of(range(start, cfg.steps), initial=start, total=cfg.steps, enabled=progress, desc=desc)
         finite = torch.ones(len(runs), dtype=torch.bool, device=device)  # each member's losses so far (no sync)
         checked = start  # the last step known good
         for step in bar:

@@ -162,7 +162,7 @@ class Majority(_SymbolTask):
     Counts cover the inputs and all earlier outputs, so after the first output
     the remaining outputs repeat it.
 
-    Features (``F = n_symbols``): ``is_majority_<v>`` at position ``t`` is 1 iff
+    Features (``F = n_symbols``): ``is_majority_v`` at position ``t`` is 1 iff
     the count of ``<v>`` among tokens ``1..t`` equals the maximum count
     (multi-hot on ties; all 1 at ``<bos>``). For ``n_inputs <= p < T - 1``,
     ``legal[:, p, 2:]`` equals the feature row at ``p``.
@@ -172,8 +172,9 @@ class Majority(_SymbolTask):
 
     @property
     def feature_names(self) -> tuple[str, ...]:
-        """``is_majority_<v>`` for each symbol v."""
-        return tuple(f"is_majority_<{v}>" for v in range(self.n_symbols))
+        """``is_majority_v`` for each symbol v (``is_majority_<v>`` before 0.2: still read, see
+        ``ntpflow.model.sites.feature_name``)."""
+        return tuple(f"is_majority_{v}" for v in range(self.n_symbols))
 
     def _features_and_sets(self, symbols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         n, S, n_in = symbols.shape[0], self.n_symbols, self.n_inputs
@@ -215,7 +216,7 @@ class CondMajority(_SymbolTask):
     counts, which is not updated during the output; with no counted input all
     symbols tie.
 
-    Features (``F = n_symbols``): ``prev_is_<v>`` at position ``t`` is the one-hot
+    Features (``F = n_symbols``): ``prev_is_v`` at position ``t`` is the one-hot
     of token ``t - 1`` (all 0 at ``t = 0`` and ``t = 1``, where ``t - 1`` is
     ``<bos>``). For ``n_inputs <= p < T - 1``, ``legal[:, p, 2:]`` is the
     conditioned set.
@@ -231,8 +232,8 @@ class CondMajority(_SymbolTask):
 
     @property
     def feature_names(self) -> tuple[str, ...]:
-        """``prev_is_<v>`` for each symbol v."""
-        return tuple(f"prev_is_<{v}>" for v in range(self.n_symbols))
+        """``prev_is_v`` for each symbol v (``prev_is_<v>`` before 0.2: still read)."""
+        return tuple(f"prev_is_{v}" for v in range(self.n_symbols))
 
     def _cond_set(self, inputs: np.ndarray) -> np.ndarray:
         """Conditioned-majority set bool ``[n, S]`` from input symbols ``[n, n_inputs]``."""

@@ -37,6 +37,11 @@ __all__ = [
 
 EOT = "<|endoftext|>"
 HF_DATASET = "roneneldan/TinyStories"
+# The TinyStories sample shipped in the repository (data/tinystories-sample: README with its source and licence,
+# CDLA-Sharing-1.0) and the SHA-256 of each of its files, checked at every load.
+SAMPLE_DIR = Path(__file__).resolve().parents[3] / "data" / "tinystories-sample"
+SAMPLE_SHA256 = {"train.txt": "bdd6f40c699165c043e2d26cfb1198cb9ea17680f17c02c7b11be20f54819db8",
+                 "valid.txt": "0aedb4f4a44a4aed1fc1fd9da75678052cd092195dd8f647248ce2aa184650c1"}
 HF_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
 _JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 _TRAIN_NAMES = ("train.txt", "train.jsonl", "train.json", "train.ndjson")
@@ -214,6 +219,7 @@ def load_corpus(
             * ``"hf"`` or ``"hf:<dataset repo>"``: the TinyStories files on the Hugging Face hub
               (:func:`load_hf_corpus`);
             * ``"generated"`` or ``"generated:<n stories>"``: the project's story grammar, seeded by ``seed``;
+            * ``"sample"``: the TinyStories sample shipped in the repository (:func:`sample_dir`, hash-checked);
             * a folder holding ``train.txt`` (or ``.jsonl``) and optionally ``valid.txt`` / ``validation`` /
               ``eval`` / ``test`` (any of those suffixes);
             * a single file (split by story with ``eval_fraction`` and ``seed``).
@@ -232,7 +238,7 @@ def load_corpus(
             n = min(n, max_stories)
         n_eval = max(1, round(eval_fraction * n))
         return generate_corpus(n - n_eval, n_eval, seed=seed)
-    path = Path(src)
+    path = sample_dir() if src == "sample" else Path(src)
     if not path.exists():
         raise FileNotFoundError(f"corpus path {path} does not exist")
     if path.is_dir():
@@ -247,6 +253,26 @@ def load_corpus(
         path = train_file
     train, held = split_stories(read_stories(path, max_stories), eval_fraction, seed)
     return Corpus(str(path), train, held)
+
+
+def sample_dir(folder: Path | None = None, hashes: dict[str, str] = SAMPLE_SHA256) -> Path:
+    """The shipped TinyStories sample's folder (``folder``, default :data:`SAMPLE_DIR`), after checking each file
+    against its pinned SHA-256; a missing folder (an installed package without the repository) or a changed file is
+    a one-line error."""
+    folder = SAMPLE_DIR if folder is None else folder
+    if not folder.is_dir():
+        raise FileNotFoundError(f"the TinyStories sample ships in the ntpflow repository (data/tinystories-sample), "
+                                f"not found at {folder}; clone the repository, or pass a corpus: a folder, 'hf' or "
+                                "'generated:N'")
+    for name, want in hashes.items():
+        try:
+            got = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"the TinyStories sample {folder} lacks {name}") from None
+        if got != want:
+            raise ValueError(f"the TinyStories sample {folder / name} does not match its SHA-256 ({got[:12]}…, "
+                             f"expected {want[:12]}…): restore it from the repository (git checkout -- {name})")
+    return folder
 
 
 def load_hf_corpus(

@@ -34,9 +34,9 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from ntpflow.files import atomic_write
+from ntpflow.progress import progress_of
 from ntpflow.tasks.stories.corpus import stories_digest
 
 __all__ = [
@@ -211,14 +211,14 @@ class Featurizer:
         Args:
             stories: ``S`` story texts.
             spans: ``S`` int64 ``[L_i, 2]`` character spans of the BPE tokens of each story.
-            progress: show a tqdm bar (stories).
+            progress: show progress (a bar; stage lines on stderr without a terminal).
         Returns:
             ``S`` uint32 ``[L_i]`` arrays.
         """
         out = []
         docs = self.nlp.pipe(stories, batch_size=self.batch_size, n_process=self.n_process, disable=self.disabled)
         if progress:
-            docs = tqdm(docs, total=len(stories), desc="spaCy", unit="story")
+            docs = progress_of(docs, total=len(stories), desc="spaCy", unit="story")
         for doc, sp in zip(docs, spans):
             start, end, bits = self._doc_bits(doc)
             out.append(align_syntax(start, end, bits, sp))

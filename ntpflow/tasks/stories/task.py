@@ -40,7 +40,7 @@ class Stories(Task):
     def __init__(self, corpus: str = "generated", vocab_size: int = 4096, seq_len: int = 64,
                  cache_dir: str | os.PathLike | None = None):
         if not corpus:
-            raise ValueError("the stories task needs a corpus (set corpus=PATH, 'generated[:N]' or 'hf')")
+            raise ValueError("the stories task needs a corpus (set corpus=PATH, 'sample', 'generated[:N]' or 'hf')")
         self.corpus_source, self.vocab_size_requested, self.seq_len = str(corpus), int(vocab_size), int(seq_len)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.feature_names = tuple(FEATURE_NAMES)

@@ -1,0 +1,165 @@
+"""Probe-free discovery (``ntpflow discover RUN --site K:I``): the directions whose mismatch each component removed
+most, from the influence matrices of an exact-account replay (``attribute --readout N --matrices``).
+
+For a component c at a site, the generalized eigenproblem M_c v = λ S_0 v (symmetric-definite once S_0 is restricted
+to its active subspace) gives directions v whose ratio λ = vᵀ M_c v / vᵀ S_0 v is stationary: λ is the fraction of
+the direction's initial mismatch R_H(θ_0; v) that component c removed (1 = all of it; the components' λ on one
+direction add up to the full's, ≈ 1). The top directions are those with the largest λ.
+
+**Regularisation.** S_0 = U Λ Uᵀ is restricted to its active subspace, the eigenvectors with λ_j > ``rcond`` · λ_max
+(default 1e-4: matrices from a float32 run carry a relative rounding of ~1e-7 of their scale, which a whitening by
+Λ^{-1/2} amplifies by 1/λ_j; below 1e-4 · λ_max that noise would reach ~1e-3 of λ). With W = U_a Λ_a^{-1/2} the
+problem is the ordinary one of Wᵀ M_c W = Q diag(λ) Qᵀ and v_j = W q_j (vᵀ S_0 v = 1), reported at unit norm.
+Every direction lies in the active subspace. The ``share`` of direction j is λ_j |S_0 v_j|² / tr(U_aᵀ M_c U_a):
+the shares add up to 1 and split what the component removed in the active subspace summed over any orthonormal basis.
+
+**Comparison with known features.** The cosine of each direction with each ground-truth feature's ridge probe
+direction (the run's final probes) at the site, and the overlap of the top-m directions' span with the features'
+span, ‖P_F Q_m‖²_F / min(m, f) ∈ [0, 1] (the mean squared cosine of the principal angles). The null: the same overlap
+(and the largest |cosine|) for uniformly random m-dimensional subspaces (directions) of the active subspace, from a
+seeded generator; reported as the null's mean, its 95 % quantile and the share of draws at least as large.
+"""
+
+from pathlib import Path
+
+import torch
+
+from ntpflow.files import atomic_write, write_json
+from ntpflow.model.sites import Site
+from ntpflow.replay.matrices import COMPONENTS, load_matrices
+from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import Run
+
+MISMATCH_NAMES = ("paper", "centred")
+
+
+def generalized_eig(M: torch.Tensor, S0: torch.Tensor, rcond: float = 1e-4) -> dict:
+    """M v = λ S_0 v on S_0's active subspace (eigenvalues > ``rcond`` · max), M and S_0 [d, d] symmetric, S_0 ≥ 0.
+
+    Returns {values [a] descending, vectors [a, d] unit norm (sign: largest entry positive), shares [a],
+    active a, trace_active tr(U_aᵀ M U_a), basis U_a [d, a]}."""
+    lam0, U = torch.linalg.eigh(S0)
+    if lam0[-1] <= 0:
+        raise ValueError("S_0 is zero at this site: there is no initial mismatch to split")
+    keep = lam0 > rcond * lam0[-1]
+    Ua, la = U[:, keep], lam0[keep]
+    W = Ua / la.sqrt()
+    A = W.T @ M @ W
+    vals, Q = torch.linalg.eigh((A + A.T) / 2)
+    vals, Q = vals.flip(0), Q.flip(1)
+    V = W @ Q  # [d, a], S_0-orthonormal
+    images = (la[:, None] * Q.pow(2)).sum(0)  # |S_0 v_j|² = Σ_k λ_k q_jk²
+    trace_active = torch.trace(Ua.T @ M @ Ua)
+    vectors = (V / V.norm(dim=0)).T
+    sign = torch.sign(vectors.gather(1, vectors.abs().argmax(1, keepdim=True)))
+    shares = vals * images / trace_active if trace_active != 0 else torch.zeros_like(vals)  # c moved nothing here
+    return {"values": vals, "vectors": vectors * sign, "shares": shares,
+            "active": int(keep.sum()), "trace_active": trace_active.item(), "basis": Ua}
+
+
+def _span(x: torch.Tensor, tol: float = 1e-8) -> torch.Tensor:
+    """An orthonormal basis [d, r] of the columns of ``x`` [d, k] (rank-revealing: singular values > tol · max)."""
+    u, s, _ = torch.linalg.svd(x, full_matrices=False)
+    return u[:, s > tol * s[0]]
+
+
+def overlap(Q: torch.Tensor, F: torch.Tensor) -> float:
+    """‖Fᵀ Q‖²_F / min(m, f) for orthonormal bases Q [d, m] and F [d, f]: 1 when one span contains the other."""
+    return ((F.T @ Q).pow(2).sum() / min(Q.shape[1], F.shape[1])).item()
+
+
+def _null(basis: torch.Tensor, F: torch.Tensor, feats: torch.Tensor, m: int, draws: int, seed: int) -> tuple:
+    """Overlaps [draws] of random m-dim subspaces of span(basis) [d, a] with F, and the largest |cos| [draws] of
+    random unit directions there with the features ``feats`` [f, d] (unit rows)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(draws, basis.shape[1], m, generator=g, dtype=basis.dtype)
+    Qs = torch.linalg.qr(basis @ z).Q  # [draws, d, m]
+    ov = (F.T @ Qs).pow(2).sum((1, 2)) / min(m, F.shape[1])
+    dirs = Qs[:, :, 0]  # the first column of each: a uniform direction
+    cos = (dirs @ feats.T).abs().amax(1)
+    return ov, cos
+
+
+def _summary(x: torch.Tensor, observed: float) -> dict:
+    return {"mean": x.mean().item(), "q95": torch.quantile(x, 0.95).item(),
+            "p_at_least_observed": ((x >= observed).sum().item() + 1) / (len(x) + 1), "draws": len(x)}
+
+
+def discover(run_dir: str | Path, site: Site, *, attribution_dir: str | Path | None = None,
+             out_dir: str | Path | None = None, top: int = 3, null_draws: int = 1000, seed: int = 0,
+             rcond: float = 1e-4) -> Path:
+    """Find each component's top directions at ``site`` and compare them with the run's final probe directions;
+    write ``discover.json`` and ``discover.md`` to ``out_dir`` (default ATTRIBUTION_DIR/discover/K_I) and return
+    it. Bad input (no matrices, a site they lack, top < 1, null_draws < 1) raises ValueError before anything is
+    written."""
+    run = Run.open(run_dir)
+    folder = run.attribution(attribution_dir)
+    mats = load_matrices(folder.dir)
+    mats.check_site(site)
+    if mats.meta.get("config_hash") != run.cfg.hash():
+        raise ValueError(f"the matrices in {folder.dir} come from another run than {run.dir}")
+    if top < 1 or null_draws < 1 or not 0 < rcond < 1:
+        raise ValueError(f"discover needs top ≥ 1, null draws ≥ 1 and 0 < rcond < 1 (got {top}, {null_draws}, {rcond})")
+    probes = load_or_probe(run, "final")
+    names = list(probes.feature_names)
+    feats = torch.stack([probes.direction(site.layer, site.pos, n) for n in names]).to(torch.float64)
+    feats = feats / feats.norm(dim=1, keepdim=True).clamp_min(1e-300)
+    F = _span(feats.T)
+    report = {"run": str(run.dir), "site": [site.layer, site.pos], "attribution": str(folder.dir),
+              "readout": mats.meta.get("readout"), "steps": mats.meta.get("steps"), "rcond": rcond, "top": top,
+              "features": names, "null": {"draws": null_draws, "seed": seed}, "mismatches": []}
+    for mismatch in MISMATCH_NAMES:
+        S0 = mats.S0(site, mismatch)
+        M = {c: mats.M(site, mismatch, c) for c in COMPONENTS}
+        entry = {"mismatch": mismatch, "components": []}
+        for c in COMPONENTS:
+            eig = generalized_eig(M[c], S0, rcond)
+            m = min(top, eig["active"])
+            ov_null, cos_null = _null(eig["basis"], F, feats, m, null_draws, seed)
+            vecs = eig["vectors"][:m]
+            observed = overlap(_span(vecs.T), F)
+            dirs = []
+            for j, v in enumerate(vecs):
+                cos = feats @ v
+                ratios = {c2: ((v @ M[c2] @ v) / (v @ S0 @ v)).item() for c2 in COMPONENTS}
+                dirs.append({"rank": j + 1, "eigenvalue": eig["values"][j].item(), "share": eig["shares"][j].item(),
+                             "R0": (v @ S0 @ v).item(), "ratios": ratios,
+                             "cosines": dict(zip(names, cos.tolist())),
+                             "best_feature": names[int(cos.abs().argmax())], "best_abs_cos": cos.abs().max().item(),
+                             "vector": v.tolist()})
+            entry["components"].append({
+                "component": c, "active": eig["active"], "d": len(S0), "trace_active": eig["trace_active"],
+                "directions": dirs,
+                "overlap": {"m": m, "observed": observed, "null": _summary(ov_null, observed)},
+                "abs_cos_null": _summary(cos_null, max(d["best_abs_cos"] for d in dirs))})
+        report["mismatches"].append(entry)
+    out = Path(out_dir) if out_dir is not None else folder.discoveries / f"{site.layer}_{site.pos}"
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "discover.json", report)
+    atomic_write(out / "discover.md", markdown(report))
+    return out
+
+
+def markdown(report: dict) -> str:
+    """The short markdown of a :func:`discover` report."""
+    k, i = report["site"]
+    lines = [f"# discover {report['run']} at site {k}:{i}", "",
+             f"Influence matrices from `{report['attribution']}` (readout {report['readout']}, {report['steps']} "
+             f"steps). λ = vᵀM_c v / vᵀS_0 v: the fraction of direction v's initial mismatch that the component "
+             f"removed; share: of the component's total on the active subspace (rcond {report['rcond']:g}). Overlap "
+             f"of the top-{report['top']} span with the features' span ({', '.join(report['features'])}) against "
+             f"{report['null']['draws']} random subspaces of the active dimensions (seed {report['null']['seed']}).",
+             ""]
+    for entry in report["mismatches"]:
+        lines += [f"## {entry['mismatch']} mismatch", "",
+                  "| component | active / d | λ (top) | share (top) | best feature (abs cos) of the top direction | "
+                  "overlap | null mean | null q95 | p |", "|---|---|---|---|---|---:|---:|---:|---:|"]
+        for comp in entry["components"]:
+            dirs, ov = comp["directions"], comp["overlap"]
+            lines.append(f"| {comp['component']} | {comp['active']} / {comp['d']} | "
+                         f"{', '.join(format(d['eigenvalue'], '.3g') for d in dirs)} | "
+                         f"{', '.join(format(d['share'], '.2f') for d in dirs)} | "
+                         f"{dirs[0]['best_feature']} ({dirs[0]['best_abs_cos']:.2f}) | {ov['observed']:.3f} | "
+                         f"{ov['null']['mean']:.3f} | {ov['null']['q95']:.3f} | {ov['null']['p_at_least_observed']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
