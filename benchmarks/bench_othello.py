@@ -7,6 +7,7 @@ order rotating each round, medians over rounds:
     fast_moves    othello_engine.random_moves(n)         moves only
     fast_full     othello_engine.random_games(n)         moves + boards + legal masks + square types
     task_sample   Othello().sample(n)                    fast_full plus the Batch (tokens, legal [n,61,67], float32 features)
+    task_tokens   Othello().sample_tokens(n)             the token-only Batch of a training set (issue 32)
     base_moves    othello_baseline.play_games(n, states=False)  plain per-game Python, moves only
     base_full     othello_baseline.play_games(n)          plain per-game Python, boards + legal + types
 
@@ -54,6 +55,12 @@ def check_agreement(n: int = 3, seed: int = 123) -> None:
         sys.exit("baseline and fast engine disagree")
 
 
+def _bytes_per_game(task: Othello) -> float:
+    """Bytes of one game in a full Batch (tokens, loss mask, legal, features, feature types)."""
+    b = task.sample(64, np.random.default_rng(0))
+    return sum(x.nbytes for x in (b.tokens, b.loss_mask, b.legal, b.features, b.feature_types)) / 64
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -87,6 +94,7 @@ def main() -> None:
         "fast_moves": (args.fast_n, lambda n: random_moves(n, next(seeds))),
         "fast_full": (args.full_n, lambda n: random_games(n, next(seeds))),
         "task_sample": (args.task_n, lambda n: task.sample(n, np.random.default_rng(next(seeds)))),
+        "task_tokens": (args.fast_n, lambda n: task.sample_tokens(n, np.random.default_rng(next(seeds)))),
         "base_moves": (args.base_n, lambda n: base.play_games(n, next(seeds), with_states=False)),
         "base_full": (args.base_full_n, lambda n: base.play_games(n, next(seeds))),
     }
@@ -114,6 +122,8 @@ def main() -> None:
     print(f"  fast_moves / base_moves   {med['fast_moves'] / med['base_moves']:>10,.0f}x")
     print(f"  fast_full  / base_full    {med['fast_full'] / med['base_full']:>10,.0f}x")
     print(f"  task_sample / fast_full   {med['task_sample'] / med['fast_full']:>10,.2f}x  (info)")
+    print(f"  task_tokens / task_sample {med['task_tokens'] / med['task_sample']:>10,.1f}x  (a training set's games, "
+          f"549 B each against {_bytes_per_game(task):,.0f} B)")
     print("\ntargets (one core):")
     for name, bound in TARGETS:
         verdict = "PASS" if med[name] >= bound else "FAIL"

@@ -267,6 +267,7 @@ class _Tracked:
                  matrices: bool = False):
         cfg = run.cfg
         self.run, self.out, self.dev = run, out, dev
+        self.annotate = _batch_types(run, readout)
         task_probes = make_probes(run, sites, features, device) if sites else []  # none: the directions only
         self.probes = task_probes + list(extra)
         spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in task_probes}),
@@ -306,10 +307,10 @@ class _Tracked:
         train_set, self.eval_set = run.datasets()
         self.data = to_torch(train_set, dev)
         self.types = None
+        self.type_index = {n: task.feature_names.index(n) for n in spec["features"]}
         if train_set.feature_types is not None:
-            idx = {n: i for i, n in enumerate(task.feature_names)}
-            self.types = {n: torch.as_tensor(train_set.feature_types[..., idx[n]], device=dev).long()
-                          for n in spec["features"]}
+            self.types = {n: torch.as_tensor(train_set.feature_types[..., i], device=dev).long()
+                          for n, i in self.type_index.items()}
         self.tracker = InfluenceTracker(run.load_model("final", dev),
                                         [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes], sgd_rows=sgd_rows,
                                         midpoint=midpoint)
@@ -317,7 +318,7 @@ class _Tracked:
         self.readout = readout
         if readout is not None:
             held = torch.as_tensor(self.eval_set.tokens[:readout], device=dev)
-            types = None if self.types is None else {
+            types = None if self.eval_set.feature_types is None else {
                 n: torch.as_tensor(self.eval_set.feature_types[:readout, :, task.feature_names.index(n)],
                                    device=dev).long() for n in spec["features"]}
             self.tracker.use_readout(held, types, matrices=matrices)
@@ -343,6 +344,9 @@ class _Tracked:
         """Track ``step`` (before its update); returns its batch: tokens, loss_mask [batch, pos]."""
         tokens, mask, i = self.batch(step)
         types = None if self.types is None else {k: v[i] for k, v in self.types.items()}
+        if self.annotate is not None:  # a token-only training set: the batch's types from its tokens
+            ft = torch.as_tensor(self.annotate(tokens.cpu().numpy()).feature_types, device=self.dev).long()
+            types = {n: ft[..., j] for n, j in self.type_index.items()}
         self.record(self.tracker.track(self.model, self.opt, tokens, mask, types, example_ids=i))
         return tokens, mask
 
@@ -373,6 +377,20 @@ class _Tracked:
             save_matrices(self.out, self.tracker, {"readout": self.readout, "steps": self.run.cfg.steps,
                                                    "config_hash": self.run.cfg.hash(), "optimizer": "adam"})
         _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev, self.readout)
+
+
+def _batch_types(run: Run, readout: int | None):
+    """How a replay in a batch reading (no readout) labels each step's batch when the run's training set holds tokens only (its
+    feature types kept on the evaluation set, as Othello's): the task's ``annotate`` (tokens [n, T] -> Batch); None
+    when the training set has its types or a readout reads the types of its own set. ValueError (one line) for a
+    task that cannot annotate."""
+    train_set, eval_set = run.datasets()
+    if readout is not None or train_set.feature_types is not None or eval_set.feature_types is None:
+        return None
+    if not callable(getattr(run.task, "annotate", None)):
+        raise ValueError(f"{run.dir}'s training set holds tokens only, its feature types are on the evaluation set: "
+                         "per-type rows need the exact account's readout (attribute's default reading)")
+    return run.task.annotate
 
 
 def resume_points(out: Path) -> Checkpoints:

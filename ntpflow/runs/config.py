@@ -13,6 +13,7 @@ from typing import Literal
 from ntpflow.tasks import task_class
 
 REGIMES = ("vanilla", "myopic", "untied", "myopic-untied")
+_SCHEDULE = ("warmup", "decay", "final_lr_frac")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     adam_eps: float = 1e-8
+    warmup: int = 0  # learning-rate schedule (off by default): linear warmup over the first ``warmup`` steps,
+    decay: Literal["none", "linear", "cosine"] = "none"  # then this decay to ``lr * final_lr_frac`` at the last step
+    final_lr_frac: float = 0.1
     n_train: int = 102_400
     n_eval: int = 10_240
     seed: int = 0
@@ -50,7 +54,7 @@ class TrainConfig:
     device: str = "auto"
 
     def __post_init__(self):
-        for name in ("lr", "beta1", "beta2", "adam_eps"):  # 1 and 1.0 must hash alike
+        for name in ("lr", "beta1", "beta2", "adam_eps", "final_lr_frac"):  # 1 and 1.0 must hash alike
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.task.startswith("file:"):  # a task file: its absolute path, so that any working directory reopens it
             object.__setattr__(self, "task", "file:" + str(Path(self.task.removeprefix("file:")).resolve()))
@@ -74,9 +78,31 @@ class TrainConfig:
         for name in ("n_layer", "n_head", "d_model"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.decay not in ("none", "linear", "cosine"):
+            raise ValueError(f"unknown decay {self.decay!r}; choose 'none', 'linear' or 'cosine'")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if not 0 <= self.final_lr_frac <= 1:
+            raise ValueError(f"final_lr_frac must lie in [0, 1], got {self.final_lr_frac}")
         for name in ("seed", "data_seed", "split_at"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the learning rate follows a schedule (``warmup`` or ``decay``), not the constant ``lr``."""
+        return self.warmup > 0 or self.decay != "none"
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of step ``step`` (0-based): ``lr`` times the warmup ramp ``min(1, (step + 1) /
+        warmup)`` times the decay factor, which falls from 1 after the warmup to ``final_lr_frac`` at the last step
+        (linearly or along a half cosine)."""
+        ramp = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
+        if self.decay == "none":
+            return self.lr * ramp
+        x = min(1.0, max(0.0, (step - self.warmup) / max(1, self.steps - 1 - self.warmup)))
+        shape = 1 - x if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * x))
+        return self.lr * ramp * (self.final_lr_frac + (1 - self.final_lr_frac) * shape)
 
     @property
     def myopic(self) -> str:
@@ -114,6 +140,9 @@ class TrainConfig:
     def hash(self) -> str:
         """SHA-256 of the canonical JSON of the fields that change results (not ``device`` or logging)."""
         d = {k: v for k, v in self.to_dict().items() if k not in ("device", "log_every")}
+        if not self.scheduled:  # the schedule's fields are off: runs from before they existed keep their hash
+            for k in _SCHEDULE:
+                d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 

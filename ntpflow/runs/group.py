@@ -102,6 +102,8 @@ def check_group(cfgs: Sequence[TrainConfig]) -> None:
     """ValueError unless the configs differ only in ``seed`` and ``data_seed`` (one regime, one schedule)."""
     if not cfgs:
         raise ValueError("a run group needs at least one run")
+    if cfgs[0].scheduled:
+        raise ValueError("a run group has no learning-rate schedule (warmup/decay): train such runs alone")
     base = {k: v for k, v in cfgs[0].to_dict().items() if k not in PER_RUN}
     for c in cfgs[1:]:
         diff = sorted(k for k, v in c.to_dict().items() if k not in PER_RUN and base[k] != v)

@@ -119,7 +119,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     A loss or weights becoming non-finite raise :class:`TrainingDiverged` (the checkpoints before stay; no DONE).
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
-    no weight decay, no schedule.
+    no weight decay; a constant learning rate, or the schedule of ``cfg.warmup``/``cfg.decay`` (:class:`ScheduledAdam`).
     """
     run = Run(Path(run_dir), cfg)
     check_sinks(track)  # missing packages or credentials fail before anything is written
@@ -134,7 +134,11 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
 
 
 def _check_extension(run: Run) -> None:
-    """Refuse to extend a run whose final weights have been replayed: the attribution would describe other weights."""
+    """Refuse to extend a run whose final weights have been replayed: the attribution would describe other weights;
+    or one with a learning-rate schedule, whose rates depend on the number of steps."""
+    if run.cfg.scheduled:
+        raise ValueError(f"{run.dir} follows a learning-rate schedule over its {run.cfg.steps} steps; a longer run "
+                         "has other rates, so it cannot be extended: train it into another directory")
     taken = [p.name for p in run.attributions()]
     if taken:
         raise ValueError(f"{run.dir} has an attribution of its {run.cfg.steps}-step weights ({', '.join(taken)}); "
@@ -144,7 +148,7 @@ def _check_extension(run: Run) -> None:
 def _extend(run: Run, cfg: TrainConfig) -> None:
     """Turn the finished (or unfinished) ``run`` into a run of ``cfg.steps`` steps that resumes where it stopped.
 
-    Training has no schedule, so steps 0..T of a longer run are exactly the shorter run: its final state becomes
+    A run without a schedule (one with a schedule is refused) has no step-dependent setting, so steps 0..T of a longer run are exactly the shorter run: its final state becomes
     the checkpoint ``ckpt/step_T`` and its final probes ``probes_T``. Every intermediate state of this function is
     a valid run directory (a kill leaves the old run, unfinished, or the new one), so rerunning completes it."""
     old_steps = run.cfg.steps
@@ -314,10 +318,42 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor, los
 
 
 def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Adam:
-    """Adam without weight decay; the fused kernel on CPU and CUDA (one pass over an untied model's many copies)."""
+    """Adam without weight decay; the fused kernel on CPU and CUDA (one pass over an untied model's many copies).
+    With a learning-rate schedule (``cfg.scheduled``) a :class:`ScheduledAdam`."""
     fused = next(model.parameters()).device.type in ("cpu", "cuda")
-    return torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.adam_eps,
-                            fused=fused)
+    kw = {"betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps, "fused": fused}
+    if cfg.scheduled:
+        return ScheduledAdam(model.parameters(), cfg, **kw)
+    return torch.optim.Adam(model.parameters(), lr=cfg.lr, **kw)
+
+
+class ScheduledAdam(torch.optim.Adam):
+    """Adam whose learning rate follows ``cfg.lr_at``: its groups' ``lr`` is always that of the step it takes next
+    (counted by Adam's own step count, restored by ``load_state_dict``), so a checkpoint, a resumed run and a replay
+    that reads ``lr`` before the step all see the step's rate. Not for a run group (its stacked Adam is rebuilt by
+    hand, ``runs.group``), which refuses a schedule."""
+
+    def __init__(self, params, cfg: TrainConfig, **kw):
+        super().__init__(params, lr=cfg.lr_at(0), **kw)
+        self._lr_at, self._next = cfg.lr_at, 0
+
+    def _set(self, step: int) -> None:
+        self._next = step
+        for group in self.param_groups:
+            group["lr"] = self._lr_at(step)
+
+    def step(self, closure=None):
+        """Adam's step at the rate of step ``_next``; then the rate of the following step."""
+        self._set(self._next)
+        loss = super().step(closure)
+        self._set(self._next + 1)
+        return loss
+
+    def load_state_dict(self, state_dict) -> None:
+        """Adam's ``load_state_dict``, then the rate of the next step from the loaded step count."""
+        super().load_state_dict(state_dict)
+        taken = [int(st["step"]) for st in self.state.values() if "step" in st]
+        self._set(taken[0] if taken else 0)
 
 
 def _truncate_metrics(path: Path, step: int):

@@ -40,7 +40,8 @@ class Batch:
         legal: bool ``[n, T, V]`` or None; ``legal[:, p, v]`` says whether ``v`` is a
             legal value of token ``p + 1``. Row ``T - 1`` is all False. None for natural
             text, where legality is undefined (and ``[n, T, V]`` would not fit in memory).
-        features: float32 ``[n, T, F]`` ground-truth feature values at each position.
+        features: float32 ``[n, T, F]`` ground-truth feature values at each position, or None in a token-only
+            training set (a task whose ground truth is costly keeps it for the evaluation set only, e.g. Othello).
         feature_types: optional int8 ``[n, T, F]`` per-example feature type
             (task specific, e.g. empty / NTP-useless / NTP-useful), or None.
     """
@@ -48,7 +49,7 @@ class Batch:
     tokens: np.ndarray
     loss_mask: np.ndarray
     legal: np.ndarray | None
-    features: np.ndarray
+    features: np.ndarray | None
     feature_types: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -57,7 +58,10 @@ class Batch:
             raise ValueError(f"loss_mask shape {self.loss_mask.shape} != {(n, T)}")
         if self.legal is not None and (self.legal.ndim != 3 or self.legal.shape[:2] != (n, T)):
             raise ValueError(f"legal shape {self.legal.shape} != {(n, T)} + (V,)")
-        if self.features.ndim != 3 or self.features.shape[:2] != (n, T):
+        if self.features is None:
+            if self.feature_types is not None:
+                raise ValueError("a token-only batch (features None) cannot hold feature_types")
+        elif self.features.ndim != 3 or self.features.shape[:2] != (n, T):
             raise ValueError(f"features shape {self.features.shape} != {(n, T)} + (F,)")
         if self.feature_types is not None and self.feature_types.shape != self.features.shape:
             raise ValueError(
@@ -87,7 +91,7 @@ class Batch:
             tokens=self.tokens[idx],
             loss_mask=self.loss_mask[idx],
             legal=None if self.legal is None else self.legal[idx],
-            features=self.features[idx],
+            features=None if self.features is None else self.features[idx],
             feature_types=None if self.feature_types is None else self.feature_types[idx],
         )
 
@@ -97,6 +101,9 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     batches = list(batches)
     if not batches:
         raise ValueError("concat_batches needs at least one batch")
+    has_features = [b.features is not None for b in batches]
+    if any(has_features) and not all(has_features):
+        raise ValueError("cannot concatenate token-only batches with batches that hold features")
     has_types = [b.feature_types is not None for b in batches]
     if any(has_types) and not all(has_types):
         raise ValueError("cannot concatenate batches with and without feature_types")
@@ -107,7 +114,7 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
         tokens=np.concatenate([b.tokens for b in batches], axis=0),
         loss_mask=np.concatenate([b.loss_mask for b in batches], axis=0),
         legal=np.concatenate([b.legal for b in batches], axis=0) if all(has_legal) else None,
-        features=np.concatenate([b.features for b in batches], axis=0),
+        features=np.concatenate([b.features for b in batches], axis=0) if all(has_features) else None,
         feature_types=(
             np.concatenate([b.feature_types for b in batches], axis=0) if all(has_types) else None
         ),

@@ -44,6 +44,7 @@ from ntpflow.tasks.othello_engine import (
     legal_moves,
     play_moves,
     random_games,
+    random_moves,
     square_types,
 )
 
@@ -104,6 +105,24 @@ class Othello(Task):
             raise ValueError(f"rng must be a numpy Generator, got {type(rng).__name__}")  # noqa: TRY004
         return self._batch(random_games(n, rng))
 
+    def sample_tokens(self, n: int, rng: np.random.Generator) -> Batch:
+        """The tokens and loss mask of ``sample(n, rng)`` only (a token-only :class:`Batch`: ``legal``, ``features``
+        and ``feature_types`` None): 6-16x faster (benchmarks/bench_othello.py) and 549 bytes a game instead of
+        24,156."""
+        if not isinstance(rng, np.random.Generator):
+            raise ValueError(f"rng must be a numpy Generator, got {type(rng).__name__}")  # noqa: TRY004
+        return Batch(tokens=self._tokens(random_moves(n, rng)), loss_mask=self._loss_mask(n), legal=None,
+                     features=None)
+
+    def make_datasets(self, n_train: int, n_eval: int, seed: int) -> tuple[Batch, Batch]:
+        """A token-only training set (:meth:`sample_tokens`, the same games as ``sample`` would draw) and a full
+        evaluation set (boards, legal moves and square types) from the base task's streams ``[seed, 0]`` and
+        ``[seed, 1]``. Training reads tokens only; probes, the legal-move accuracy and the exact account's readout
+        read the evaluation set."""
+        train = self.sample_tokens(n_train, np.random.default_rng([seed, 0]))
+        evals = self.sample(n_eval, np.random.default_rng([seed, 1]))
+        return train, evals
+
     def annotate(self, tokens: np.ndarray) -> Batch:
         """Build the :class:`Batch` of given token sequences int ``[n, 61]`` (``<bos>`` + 60 legal game tokens).
 
@@ -119,13 +138,23 @@ class Othello(Task):
         moves = np.where(body == PASS_ID, PASS, body - SQUARE_OFFSET)
         return self._batch(play_moves(moves))
 
+    def _tokens(self, moves: np.ndarray) -> np.ndarray:
+        """int64 ``[n, 61]`` token sequences of moves int8 ``[n, 60]`` (in blocks of rows: no full-size temporary)."""
+        tokens = np.empty((len(moves), self.seq_len), dtype=np.int64)
+        tokens[:, 0] = BOS_ID
+        for lo in range(0, len(moves), 65536):
+            m = moves[lo:lo + 65536]
+            tokens[lo:lo + 65536, 1:] = np.where(m == PASS, PASS_ID, m.astype(np.int64) + SQUARE_OFFSET)
+        return tokens
+
+    def _loss_mask(self, n: int) -> np.ndarray:
+        loss_mask = np.ones((n, self.seq_len), dtype=bool)
+        loss_mask[:, -1] = False
+        return loss_mask
+
     def _batch(self, games: OthelloGames) -> Batch:
         n, T, V = len(games), self.seq_len, self.vocab_size
-        tokens = np.empty((n, T), dtype=np.int64)
-        tokens[:, 0] = BOS_ID
-        tokens[:, 1:] = np.where(games.moves == PASS, PASS_ID, games.moves.astype(np.int64) + SQUARE_OFFSET)
-        loss_mask = np.ones((n, T), dtype=bool)
-        loss_mask[:, T - 1] = False
+        tokens, loss_mask = self._tokens(games.moves), self._loss_mask(n)
 
         start_legal = bitboard_to_mask(legal_moves(START_OWN, START_OPP))  # [64]
         legal = np.zeros((n, T, V), dtype=bool)

@@ -56,6 +56,7 @@ __all__ = [
     "bitboard_to_mask",
     "legal_moves",
     "mask_to_bitboard",
+    "play",
     "play_moves",
     "random_games",
     "random_moves",
@@ -163,6 +164,26 @@ def _flips(own: np.ndarray, opp: np.ndarray, move: np.ndarray) -> np.ndarray:
         capped = (_sh(run, k) & own & _DST[k]) != 0  # an own stone right after the run
         out |= np.where(capped, run, _ZERO)
     return out
+
+
+def play(own, opp, square) -> tuple[np.ndarray, np.ndarray]:
+    """Play ``square`` (int ``[...]``, 0..63, or :data:`PASS`) for the player owning ``own``.
+
+    Returns the ``(own, opp)`` uint64 bitboards ``[...]`` after the move, seen by the player to move next (the
+    opponent). Raises ``ValueError`` on an illegal move, or a pass while a move is legal.
+    """
+    own, opp = _as_bitboards(own, opp)
+    square = np.asarray(square)
+    if square.shape != own.shape or not np.issubdtype(square.dtype, np.integer):
+        raise ValueError(f"square must be an integer array of the bitboards' shape {own.shape}")
+    if square.size and (square.min() < 0 or square.max() > PASS):
+        raise ValueError(f"squares must be 0..63 or PASS ({PASS})")
+    legal = _legal(own, opp)
+    move = _square_bits(square)
+    if np.any(np.where(square == PASS, legal != 0, (move & legal) == 0)):
+        raise ValueError("illegal move (or a pass while a move is legal)")
+    flips = _flips(own, opp, move)
+    return opp & ~flips, own | flips | move
 
 
 def useful_squares(own, opp) -> np.ndarray:

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The paper's OthelloGPT on one GPU (issue 32): 6 layers, d 256, 4 heads, batch 1024, 5000 steps, lr 1e-3, one epoch
+# of fresh random games (5.12 M, token-only in memory: 549 B a game); ridge probes and 3-way classifiers of the 64
+# squares for the final and the step-0 weights on 20,480 evaluation games; the report (scale "paper-gpu" of
+# ntpflow/experiments/othello.py). With replays: the tracked replay with the exact account (a readout of 256
+# evaluation games, per-type risks) at 6 of the paper's 84 sites, layers 3-4 x positions 20, 28, 36, the 16 central
+# squares. Work files go to results/othello-paper-gpu (resumable: rerun to continue); the report is copied to
+# docs/results/othello-paper/.
+#
+# Cost (benchmarks/othello_gpu_flops.py: matmul FLOPs by torch's dispatch formulas, counted at batch 8/16 and scaled):
+# a plain step is 1.77 TFLOP at batch 1024, so training is 5000 x 1.77e12 = 8.9e15 FLOPs: about 3.7 min at 40 TFLOP/s
+# (float32 without TF32 on an H200, whose float32 peak is about 67 TFLOP/s), 5 min at 30; the probes add well under a
+# minute. So `--no-replays` is the one call that fits well inside 10 minutes. The replay does not: a tracked step at
+# these 6 sites is 6.1 plain steps for the batch plus 3.7 per 128 readout games (7.5 at 256), 13.6 in all, 1.2e17
+# FLOPs over 5000 steps (about 50-70 min at 30-40 TFLOP/s; the paper's 84 sites several times that). Run it as
+# further calls without --no-replays: each resumes from the replay's last resume point (every 500 steps), so cut
+# calls (timeout) lose at most one block.
+#
+#   scripts/othello_gpu.sh --no-replays [WORK_DIR]   training, probes, report: the 10-minute call
+#   scripts/othello_gpu.sh [WORK_DIR]                the same plus the tracked replays (resumes; about an hour in all)
+#   scripts/othello_gpu.sh --smoke [...]             the same code path at smoke size on the CPU (minutes); no copy
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+scale=paper-gpu device=auto extra=()
+while [[ "${1:-}" == --* ]]; do
+  case "$1" in
+    --smoke) scale=paper-gpu-smoke device=cpu; export CUDA_VISIBLE_DEVICES="" ;;
+    --no-replays) extra+=(--no-replays) ;;
+    *) echo "othello_gpu.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+work=${1:-results/othello-$scale}
+start=$(date +%s)
+HF_HUB_OFFLINE=1 "$PYTHON" -m ntpflow -q reproduce othello --scale "$scale" --out "$work" --device "$device" "${extra[@]}"
+if [[ "$scale" == paper-gpu ]]; then
+  mkdir -p docs/results/othello-paper/figures
+  cp "$work"/report.md "$work"/summary.json "$work"/data.json "$work"/timings.json docs/results/othello-paper/
+  cp "$work"/figures/*.png "$work"/figures/*.svg docs/results/othello-paper/figures/ 2>/dev/null || true
+fi
+echo "othello ($scale) finished in $(( $(date +%s) - start )) s; report: $work/report.md"
