@@ -133,7 +133,7 @@ def cmd_attribute(args) -> int:
         if len(dirs) != 1:
             raise ValueError("--group takes one run dir, a member of the group")
         dirs = group_dirs(Run.open(dirs[0]))
-    reading = "paper" if args.paper else "midpoint" if args.midpoint else "exact"
+    reading = _reading(args)
     if len(dirs) == 1 and not args.group:
         outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
                           progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
@@ -194,8 +194,8 @@ def _int_list(text: str, option: str) -> tuple[int, ...]:
 def cmd_reproduce(args) -> int:
     """``ntpflow reproduce``: run one experiment (or all) at a scale and print the report's path."""
     check_extras(args.experiment)  # before hours of training, not after
-    reading = "paper" if args.paper else "midpoint" if args.midpoint else None
-    if reading and args.experiment == "llm":
+    reading = _reading(args)
+    if reading != "exact" and args.experiment == "llm":
         raise ValueError(f"--{reading} applies to the experiments with replays: toy, othello, stories, all")
     if args.device:
         resolve_device(args.device)
@@ -204,7 +204,7 @@ def cmd_reproduce(args) -> int:
                "corpus": args.corpus, "tasks": tuple(args.tasks.split(",")) if args.tasks else None,
                "regimes": tuple(args.regimes.split(",")) if args.regimes else None,
                "seeds": _int_list(args.seeds, "--seeds") if args.seeds else None,
-               "replays": False if args.no_replays else None, "reading": reading}
+               "replays": False if args.no_replays else None, "reading": None if reading == "exact" else reading}
     if args.experiment == "all":
         print(run_all(args.scale, out, **options))
     else:
@@ -360,13 +360,7 @@ def _add_attribute(sub) -> None:
     a.add_argument("--out", help="output folder (default RUN_DIR/attribution)")
     a.add_argument("--adam-only", action="store_true",
                    help="write the Adam rows only, not the SGD variant's (about 30%% less tracking work)")
-    how = a.add_mutually_exclusive_group()
-    how.add_argument("--paper", action="store_true",
-                     help="the paper's reading instead of the exact account: R on each step's training batch, its "
-                          "gradient at the step's start θ_t (the components then split R's change to first order "
-                          "only; docs/balance.md)")
-    how.add_argument("--midpoint", action="store_true",
-                     help="as --paper, with the gradient read at the midpoint of the step taken (second order)")
+    _add_reading(a)
     a.add_argument("--readout", type=int, metavar="N",
                    help="the exact account (the default): R and R_c read on the first N evaluation sequences "
                         "(default 256, or all of them if fewer), each step's change of them measured and split by "
@@ -420,6 +414,22 @@ def _add_discover(sub) -> None:
     d.set_defaults(fn=cmd_discover)
 
 
+def _add_reading(parser) -> None:
+    """``--paper`` / ``--midpoint``: how replays read the influence, instead of the exact account (the default)."""
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--paper", action="store_true",
+                     help="the paper's reading instead of the exact account: R on each step's training batch, its "
+                          "gradient at the step's start θ_t (the components then split R's change to first order "
+                          "only; docs/balance.md). An attribution folder holds one reading")
+    how.add_argument("--midpoint", action="store_true",
+                     help="as --paper, with the gradient read at the midpoint of the step taken (second order)")
+
+
+def _reading(args) -> str:
+    """The reading that ``--paper`` / ``--midpoint`` ask for: "paper", "midpoint" or "exact"."""
+    return "paper" if args.paper else "midpoint" if args.midpoint else "exact"
+
+
 def _add_balance(sub) -> None:
     """The ``ntpflow balance`` subcommand."""
     b = sub.add_parser("balance", help="replay a finished run and split the gap between its integrated full "
@@ -460,13 +470,7 @@ def _add_reproduce(sub) -> None:
                     "(default: all four)")
     rp.add_argument("--seeds", help="toy only: comma-separated subset of the scale's seeds, for every regime "
                     "(default: all)")
-    how = rp.add_mutually_exclusive_group()
-    how.add_argument("--paper", action="store_true",
-                     help="replay with the paper's reading (R on each step's batch, read at θ_t) instead of the exact "
-                          "account (the default, which the influence claims need; docs/balance.md). A folder holds "
-                          "one kind")
-    how.add_argument("--midpoint", action="store_true",
-                     help="replay with R on each step's batch, read at each step's midpoint (docs/balance.md)")
+    _add_reading(rp)
     rp.add_argument("--no-replays", action="store_true",
                     help="toy only: train and probe, skip the tracked replays (hours at medium scale); the influence "
                     "claims are then not testable. Rerun without it to add them")
