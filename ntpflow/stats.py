@@ -1,6 +1,6 @@
 """Every statistic of the project: Student-t intervals over seeds, Fisher-z intervals of correlations, paired
-differences, least-squares slopes, Welch and sigma-ratio intervals, the chi-square interval of a standard deviation
-and Spearman's rho. Pure functions of numbers (sequences of floats in, floats and dicts out); scipy (the ``llm``
+differences, least-squares slopes, Welch and sigma-ratio intervals, the chi-square interval of a standard deviation,
+Spearman's rho, Wilson intervals of proportions and percentile bootstrap intervals. Pure functions of numbers (sequences of floats in, floats and dicts out); scipy (the ``llm``
 extra) is imported only by the functions that need its distributions.
 
 A *stats dict* is ``{"mean", "sd", "lo", "hi", "n"}`` (None where undefined), as :func:`stats` makes it.
@@ -185,4 +185,32 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> dict:
     p = float(res.pvalue if hasattr(res, "pvalue") else res[1])
     z, se = math.atanh(max(-0.999999, min(0.999999, rho))), 1.03 / math.sqrt(n - 3)
     out.update(rho=rho, lo=math.tanh(z - 1.96 * se), hi=math.tanh(z + 1.96 * se), p=p)
+    return out
+
+
+def wilson_ci(k: int, n: int) -> dict:
+    """The share ``k / n`` with its 95% Wilson score interval: ``{"mean", "lo", "hi", "n"}`` (None with n = 0)."""
+    if n <= 0:
+        return {"mean": None, "lo": None, "hi": None, "n": 0}
+    z, p = 1.959963984540054, k / n
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (
+        1 + z * z / n)
+    return {"mean": p, "lo": max(0.0, centre - half), "hi": min(1.0, centre + half), "n": n}
+
+
+def bootstrap_ci(statistic, sizes: Sequence[int], *, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Percentile bootstrap 95% interval of ``statistic(*indices)``: each of the samples (``sizes[i]`` units) is
+    resampled with replacement, independently of the others (a paired design is one sample whose indices the
+    statistic applies to several arrays). ``{"mean": the statistic on the full samples, "lo", "hi", "n_boot"}``;
+    lo and hi None when a sample has fewer than 2 units or the statistic is not finite on 1% of the resamples or
+    more (the finite ones are used otherwise). Seeded by ``seed``."""
+    full = statistic(*(np.arange(n) for n in sizes))
+    out = {"mean": float(full) if finite(full) else None, "lo": None, "hi": None, "n_boot": n_boot}
+    if min(sizes, default=0) < 2 or out["mean"] is None:
+        return out
+    rng = np.random.default_rng(seed)
+    draws = np.array([statistic(*(rng.integers(0, n, n) for n in sizes)) for _ in range(n_boot)], dtype=float)
+    draws = draws[np.isfinite(draws)]
+    if len(draws) >= 0.99 * n_boot:
+        out["lo"], out["hi"] = (float(x) for x in np.percentile(draws, [2.5, 97.5]))
     return out

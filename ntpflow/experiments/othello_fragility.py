@@ -26,17 +26,19 @@ Measured per layer at position ``t`` (:func:`measure`), for each kind of pair:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ntpflow.files import atomic_write, ensure_writable_dir, write_json
+from ntpflow.files import atomic_write, ensure_writable_dir, json_safe, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.probes import ProbeSet
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
+from ntpflow.stats import bootstrap_ci, wilson_ci
 from ntpflow.tasks.base import BOS_ID
 from ntpflow.tasks.othello import PASS_ID, SQUARE_OFFSET
 from ntpflow.tasks.othello_engine import (
@@ -143,32 +145,38 @@ def pair_resid(model: GPT, pairs: Pairs) -> torch.Tensor:
     return torch.stack([r[:, pairs.t] for r in resid]).double().cpu().reshape(len(resid), len(pairs), 2, -1)
 
 
-def _which_board(z: torch.Tensor, y: torch.Tensor, alpha: float) -> float:
-    """Held-out share of pairs told apart by a ridge map z [n, d] -> y [n, 64] fitted on the first half (NaN with
-    fewer than 4 pairs). Both orientations of the training pairs are used, so the map needs no intercept."""
+def _told_apart(z: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
+    """bool ``[n - n // 2]``: the held-out pairs (the second half) told apart by a ridge map z [n, d] -> y [n, 64]
+    fitted on the first half (empty with fewer than 4 pairs). Both orientations of the training pairs are used, so
+    the map needs no intercept."""
     n = len(z)
     if n < 4:
-        return float("nan")
+        return torch.zeros(0, dtype=torch.bool)
     h = n // 2
     x, t = torch.cat([z[:h], -z[:h]]), torch.cat([y[:h], -y[:h]])
     w = torch.linalg.solve(x.T @ x + alpha * torch.eye(x.shape[1], dtype=x.dtype), x.T @ t)
-    pred = z[h:] @ w
-    return float(((pred * y[h:]).sum(1) > 0).double().mean())
+    return (z[h:] @ w * y[h:]).sum(1) > 0
 
 
-def measure(model: GPT, probes: ProbeSet, pairs: Pairs, *, alpha: float = 1.0, seed: int = 0) -> list[dict]:
-    """Per layer and kind of pair: ``probe_acc``, ``which_acc``, ``distance`` (module docstring) and the counts.
+def _which_board(z: torch.Tensor, y: torch.Tensor, alpha: float) -> float:
+    """Held-out share of pairs told apart (:func:`_told_apart`; NaN with fewer than 4 pairs)."""
+    told = _told_apart(z, y, alpha)
+    return float(told.double().mean()) if len(told) else float("nan")
 
-    ``probes``: ridge board probes of the model (``sq_A1`` .. ``sq_H8`` in square order) fitted at position
-    ``pairs.t``. The pairs are shuffled with ``seed`` before the decoder's halves are cut. Returns one dict per
-    (layer, kind) with ``n_pairs`` and ``n_stones`` (differing stones over both boards)."""
+
+def pair_values(model: GPT, probes: ProbeSet, pairs: Pairs, *, alpha: float = 1.0, seed: int = 0) -> dict:
+    """The per-pair numbers behind :func:`measure`, ``{kind: {name: float64 array}}`` with ``right`` and ``stones``
+    ``[L+1, m]`` (differing stones signed right by the probes, over both boards; differing stones), ``distance``
+    ``[L+1, m]`` (``|r_A − r_B|`` over the layer's random-pair scale) and ``told`` ``[L+1, m − m // 2]`` (held-out
+    pairs told apart, 1/0). The ``m`` pairs of a kind are in the order of the ``seed``'s shuffle, the same for every
+    model, so the arrays of two models on the same pairs are paired."""
     if pairs.t not in probes.positions:
         raise ValueError(f"the probes were not fitted at position {pairs.t} (have {probes.positions})")
     resid = pair_resid(model, pairs)  # [L+1, n, 2, d]
     perm = torch.as_tensor(np.random.default_rng(seed).permutation(len(pairs)))
     boards = torch.as_tensor(pairs.boards).double()
     diff = torch.as_tensor(pairs.differ)
-    out = []
+    out = {kind: {"right": [], "stones": [], "distance": [], "told": []} for kind in KINDS}
     for layer in range(resid.shape[0]):
         w, b = probes.weights[layer, pairs.t].double(), probes.bias[layer, pairs.t].double()  # [d, 64], [64]
         pred = resid[layer] @ w + b  # [n, 2, 64]
@@ -181,14 +189,108 @@ def measure(model: GPT, probes: ProbeSet, pairs: Pairs, *, alpha: float = 1.0, s
             rows = perm[sel[perm]]
             d = diff[rows]  # [m, 64]
             stones = d[:, None, :].expand(-1, 2, -1)
-            right = (torch.sign(pred[rows]) == boards[rows])[stones]
+            right = ((torch.sign(pred[rows]) == boards[rows]) & stones).sum((1, 2))
             z = resid[layer, rows, 0] - resid[layer, rows, 1]
             y = (boards[rows, 0] - boards[rows, 1]) * d
-            out.append({"layer": layer, "kind": kind, "n_pairs": int(len(rows)), "n_stones": int(stones.sum()),
-                        "probe_acc": float(right.double().mean()) if right.numel() else float("nan"),
-                        "which_acc": _which_board(z, y, alpha),
-                        "distance": float(z.norm(dim=1).mean() / scale) if len(rows) else float("nan")})
+            v = out[kind]
+            v["right"].append(right.double()), v["stones"].append(stones.sum((1, 2)).double())
+            v["distance"].append(z.norm(dim=1) / scale), v["told"].append(_told_apart(z, y, alpha).double())
+    return {kind: {k: torch.stack(a).numpy() for k, a in v.items()} for kind, v in out.items()}
+
+
+METRICS = ("probe_acc", "which_acc", "distance")
+
+
+def _metric(v: dict, metric: str, idx: np.ndarray, layers) -> float:
+    """``metric`` of one kind's per-pair arrays ``v`` on the pairs ``idx`` (held-out pairs for which_acc), mean over
+    ``layers``: probe_acc pools the stones, the others average the pairs."""
+    layers = list(layers)
+    if metric == "probe_acc":
+        stones = v["stones"][layers][:, idx].sum(1)
+        vals = v["right"][layers][:, idx].sum(1) / np.where(stones > 0, stones, np.nan)
+    else:
+        x = v["told" if metric == "which_acc" else "distance"][layers][:, idx]
+        vals = x.mean(1) if x.shape[1] else np.full(len(layers), np.nan)
+    return float(vals.mean())
+
+
+def _n_units(v: dict, metric: str) -> int:
+    return v["told" if metric == "which_acc" else "distance"].shape[1]
+
+
+def measure(model: GPT, probes: ProbeSet, pairs: Pairs, *, alpha: float = 1.0, seed: int = 0,
+            n_boot: int = 1000) -> list[dict]:
+    """Per layer and kind of pair: ``probe_acc``, ``which_acc``, ``distance`` (module docstring) with their 95%
+    intervals (``<metric>_lo``, ``<metric>_hi``: a percentile bootstrap over the pairs for probe_acc and distance,
+    Wilson over the held-out pairs for which_acc; None where undefined) and the counts.
+
+    ``probes``: ridge board probes of the model (``sq_A1`` .. ``sq_H8`` in square order) fitted at position
+    ``pairs.t``. The pairs are shuffled with ``seed`` before the decoder's halves are cut. Returns one dict per
+    (layer, kind) with ``n_pairs``, ``n_stones`` (differing stones over both boards) and ``n_held_out``."""
+    return rows_of(pair_values(model, probes, pairs, alpha=alpha, seed=seed), seed=seed, n_boot=n_boot)
+
+
+def rows_of(values: dict, *, seed: int = 0, n_boot: int = 1000) -> list[dict]:
+    """:func:`measure`'s rows from :func:`pair_values`' arrays."""
+    out = []
+    for layer in range(values[KINDS[0]]["right"].shape[0]):
+        for kind in KINDS:
+            v = values[kind]
+            row = {"layer": layer, "kind": kind, "n_pairs": _n_units(v, "probe_acc"),
+                   "n_stones": int(v["stones"][layer].sum()), "n_held_out": _n_units(v, "which_acc")}
+            for metric in METRICS:
+                if metric == "which_acc":
+                    told = v["told"][layer]
+                    ci = wilson_ci(int(told.sum()), len(told))
+                else:
+                    ci = bootstrap_ci(lambda i, m=metric: _metric(v, m, i, [layer]), [_n_units(v, metric)],
+                                      n_boot=n_boot, seed=seed)
+                mean = _metric(v, metric, np.arange(_n_units(v, metric)), [layer])
+                row |= {metric: mean, f"{metric}_lo": ci["lo"], f"{metric}_hi": ci["hi"]}
+            out.append(row)
     return out
+
+
+def gap_ci(values: dict, metric: str, layers, *, against: dict | None = None, seed: int = 0,
+           n_boot: int = 1000) -> dict:
+    """useful − useless of ``metric`` (mean over ``layers``) with its percentile bootstrap 95% interval over the pairs
+    (the useful and the useless pairs resampled independently); with ``against`` (another model's
+    :func:`pair_values` on the same pairs), the difference of the two gaps, ``gap(values) − gap(against)``, with the
+    same resampled pairs for both models (paired). ``{"mean", "lo", "hi", "n_boot", "n_useful", "n_useless"}``."""
+    def gap(v, iu, il):
+        return _metric(v["useful"], metric, iu, layers) - _metric(v["useless"], metric, il, layers)
+
+    def stat(iu, il):
+        return gap(values, iu, il) - (gap(against, iu, il) if against is not None else 0.0)
+
+    sizes = [_n_units(values[k], metric) for k in ("useful", "useless")]
+    return {**bootstrap_ci(stat, sizes, n_boot=n_boot, seed=seed), "n_useful": sizes[0], "n_useless": sizes[1]}
+
+
+def comparisons(values: dict[str, dict], *, seed: int = 0, n_boot: int = 1000) -> list[dict]:
+    """The tests of the paper's prediction on :func:`pair_values` of several models (``{regime: values}``), per
+    metric, for each layer and for the mean over the middle layers (1 .. L − 1, or 1 with one block; ``layer``
+    "middle"): each regime's gap useful − useless (predicted > 0), and, with both a vanilla and a myopic model, the
+    myopic gap minus the vanilla one (``regime`` "myopic − vanilla", predicted > 0)."""
+    n_resid = next(iter(values.values()))[KINDS[0]]["right"].shape[0]
+    middle = list(range(1, max(n_resid - 1, 2)))
+    out = []
+    for metric in METRICS:
+        for layer, layers in [*((k, [k]) for k in range(n_resid)), ("middle", middle)]:
+            for regime, v in values.items():
+                out.append({"metric": metric, "layer": layer, "regime": regime,
+                            **gap_ci(v, metric, layers, seed=seed, n_boot=n_boot)})
+            if {"vanilla", "myopic"} <= set(values):
+                out.append({"metric": metric, "layer": layer, "regime": "myopic − vanilla",
+                            **gap_ci(values["myopic"], metric, layers, against=values["vanilla"], seed=seed,
+                                     n_boot=n_boot)})
+    return out
+
+
+def _ci(r: dict, metric: str) -> str:
+    lo, hi = r.get(f"{metric}_lo"), r.get(f"{metric}_hi")
+    v = r[metric]
+    return "n/a" if v is None or v != v else f"{v:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None else "")
 
 
 def fragility_section(results: dict[str, list[dict]], t: int) -> str:
@@ -198,35 +300,44 @@ def fragility_section(results: dict[str, list[dict]], t: int) -> str:
              "Pairs of histories with the same legal-move set and occupied squares whose boards differ in the colour of "
              "NTP-useless stones only, or of some NTP-useful stone. Probe acc: the board probes' sign accuracy on the "
              "differing stones; which-board acc: a linear decoder of the residual difference, held-out pairs (chance "
-             "0.5); distance: |r_A − r_B| over the mean distance of random pairs. The paper's explanation predicts "
-             "lower numbers for useless pairs, more so for the myopic model.", "",
+             "0.5); distance: |r_A − r_B| over the mean distance of random pairs. 95% intervals in brackets (bootstrap "
+             "over pairs; Wilson for which-board). The paper's explanation predicts lower numbers for useless pairs, "
+             "more so for the myopic model.", "",
              "| regime | layer | kind | pairs | probe acc | which-board acc | distance |", "|---|---|---|---|---|---|---|"]
     for regime, rows in results.items():
         for r in rows:
-            lines.append(f"| {regime} | {r['layer']} | {r['kind']} | {r['n_pairs']} | {r['probe_acc']:.3f} | "
-                         f"{r['which_acc']:.3f} | {r['distance']:.3f} |")
+            lines.append(f"| {regime} | {r['layer']} | {r['kind']} | {r['n_pairs']} | {_ci(r, 'probe_acc')} | "
+                         f"{_ci(r, 'which_acc')} | {_ci(r, 'distance')} |")
     return "\n".join(lines) + "\n"
 
 
+#: the result file of :func:`run_fragility` in its folder
+FRAGILITY_JSON = "fragility.json"
+
+
 def run_fragility(run_dirs: dict[str, str | Path], out: str | Path, *, n_games: int = 400, t0: int = 24,
-                  depth: int = 3, seed: int = 0, device: str = "cpu") -> Path:
+                  depth: int = 3, seed: int = 0, device: str = "cpu", n_boot: int = 1000) -> Path:
     """The fragility test on finished Othello runs (``{regime: RUN_DIR}``, e.g. the medium vanilla and myopic runs):
     one seeded set of pairs (:func:`find_pairs`), each run's final weights and its final ridge probes
-    (``RUN_DIR/probes``, fitted first if absent), :func:`measure`. Writes ``out/fragility.json`` (the pairs' counts
-    and every row) and ``out/fragility.md`` (:func:`fragility_section`); returns ``out``."""
+    (``RUN_DIR/probes``, fitted first if absent), :func:`pair_values`, :func:`rows_of` and :func:`comparisons`.
+    Writes ``out/fragility.json`` (the pairs' counts, every row and comparison, the runs' folders relative to
+    ``out``) and ``out/fragility.md`` (:func:`fragility_section`); returns ``out``."""
     runs = {k: Run.open(d) for k, d in run_dirs.items()}
     for k, run in runs.items():
         if not run.done or run.cfg.task != "othello":
             raise ValueError(f"{run.dir} ({k}) is not a finished Othello run")
     out = ensure_writable_dir(out)
     pairs = find_pairs(n_games, t0, depth, seed=seed)
-    results = {k: measure(run.load_model("final", device), load_or_probe(run, "final", device), pairs, seed=seed)
-               for k, run in runs.items()}
+    values = {k: pair_values(run.load_model("final", device), load_or_probe(run, "final", device), pairs, seed=seed)
+              for k, run in runs.items()}
+    results = {k: rows_of(v, seed=seed, n_boot=n_boot) for k, v in values.items()}
     counts = {kind: int((pairs.kind == kind).sum()) for kind in KINDS}
     differing = {kind: float(pairs.differ[pairs.kind == kind].sum(1).mean()) if counts[kind] else None
                  for kind in KINDS}
-    write_json(out / "fragility.json", {"t": pairs.t, "t0": t0, "depth": depth, "n_games": n_games, "seed": seed,
-                                        "pairs": counts, "mean_differing_stones": differing,
-                                        "runs": {k: str(r.dir) for k, r in runs.items()}, "rows": results})
+    write_json(out / FRAGILITY_JSON, json_safe({
+        "t": pairs.t, "t0": t0, "depth": depth, "n_games": n_games, "seed": seed, "n_boot": n_boot,
+        "pairs": counts, "mean_differing_stones": differing,
+        "runs": {k: os.path.relpath(r.dir.resolve(), out.resolve()) for k, r in runs.items()}, "rows": results,
+        "comparisons": comparisons(values, seed=seed, n_boot=n_boot)}))
     atomic_write(out / "fragility.md", fragility_section(results, pairs.t))
     return out
