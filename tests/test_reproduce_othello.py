@@ -14,7 +14,7 @@ from ntpflow.experiments.claims import NOT_TESTABLE
 from ntpflow.experiments.othello import CENTRAL_SQUARES, SCALES, run_othello
 from ntpflow.experiments.othello_probes import ClassifierProbes, board_classes, fit_classifier
 from ntpflow.experiments.othello_report import summarize, write_report
-from ntpflow.stats import slope
+from ntpflow.stats import slope, stats
 
 # ---------------------------------------------------------------------------------------------------- smoke, end to end
 
@@ -93,13 +93,67 @@ def test_second_call_does_not_redo_stages(smoke):
     run = smoke / "run"
     watched = [run / "model.safetensors", run / "probes" / "probes.safetensors", run / "probes_init" /
                "probes.safetensors", run / "classifier_final.safetensors", run / "classifier_init.safetensors",
-               run / "attribution" / "influence.parquet", smoke / "timings.json"]
+               run / "attribution" / "influence.parquet", smoke / "timings.json",
+               smoke / "myopic" / "run" / "model.safetensors", smoke / "myopic" / "run" / "probes" / "probes.safetensors",
+               smoke / "fragility" / "fragility.json"]
     mtimes = {p: p.stat().st_mtime_ns for p in watched}
     before = {p: p.read_bytes() for p in (smoke / "report.md", smoke / "summary.json", smoke / "data.json")}
     run_othello("smoke", smoke, device="cpu", progress=False)
     assert {p: p.stat().st_mtime_ns for p in watched} == mtimes
     for p, content in before.items():
         assert p.read_bytes() == content, p.name
+
+
+def test_myopic_run_is_the_vanilla_config_in_regime_myopic(smoke):
+    vanilla, myopic = (json.loads((d / "config.json").read_text()) for d in (smoke / "run", smoke / "myopic" / "run"))
+    assert myopic["train"]["regime"] == "myopic" and vanilla["train"]["regime"] == "vanilla"
+    assert myopic["train"]["seed"] == vanilla["train"]["seed"] == SCALES["smoke"].config().seed
+    assert {k: v for k, v in myopic["train"].items() if k != "regime"} == {
+        k: v for k, v in vanilla["train"].items() if k != "regime"}
+    assert myopic["model"]["myopic"] != "none" and vanilla["model"]["myopic"] == "none"
+    timings = json.loads((smoke / "timings.json").read_text())
+    stages = {"train", "train_myopic", "probes_final", "probes_init", "classifier_final", "classifier_init",
+              "probes_myopic", "fragility", "attribution"}
+    assert set(timings["cpu_s"]) == stages and stages <= set(timings)
+    assert all(v >= 0 for v in timings["cpu_s"].values())
+
+
+def _fmt_ci(r, m):
+    """A fragility row's ``m`` as the report prints it, formatted here from fragility.json's numbers."""
+    lo, hi = r[f"{m}_lo"], r[f"{m}_hi"]
+    return f"{r[m]:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None else f" (n={r['n_pairs']})")
+
+
+def test_fragility_section_shows_the_files_numbers(smoke):
+    frag = json.loads((smoke / "fragility" / "fragility.json").read_text())
+    md = (smoke / "report.md").read_text()
+    section = md[md.index("## Fragility"):]
+    assert set(frag["rows"]) == {"vanilla", "myopic"} and frag["runs"] == {"vanilla": "../run",
+                                                                           "myopic": "../myopic/run"}
+    assert f"position {frag['t']}: {frag['pairs']['useless']} **useless** pairs" in section
+    n_rows = 0
+    for regime, rows in frag["rows"].items():
+        for r in rows:
+            line = (f"| {regime} | {r['layer']} | {r['kind']} | {r['n_pairs']} | {_fmt_ci(r, 'probe_acc')} | "
+                    f"{_fmt_ci(r, 'which_acc')} (n={r['n_held_out']}) | {_fmt_ci(r, 'distance')} |")
+            assert line in section, line
+            n_rows += 1
+            assert r["n_pairs"] == frag["pairs"][r["kind"]]
+    assert n_rows == 2 * 2 * (SCALES["smoke"].train["n_layer"] + 1)
+    mid = {c["regime"]: c for c in frag["comparisons"] if c["metric"] == "probe_acc" and c["layer"] == "middle"}
+    assert set(mid) == {"vanilla", "myopic", "myopic − vanilla"}
+    # the gap of the middle layer (layer 1 of 2) is the rows' useful − useless, recomputed here from the rows
+    rows = {(r["kind"], r["layer"]): r for r in frag["rows"]["vanilla"]}
+    assert mid["vanilla"]["mean"] == pytest.approx(rows["useful", 1]["probe_acc"] - rows["useless", 1]["probe_acc"],
+                                                   abs=1e-12)
+    g = mid["vanilla"]
+    assert f"| probe_acc | middle | vanilla | {g['mean']:.3g} [{g['lo']:.3g}, {g['hi']:.3g}] |" in section
+    # a smoke model has no world model: both predictions are gated, with the reason, and the numbers still shown
+    summary = json.loads((smoke / "summary.json").read_text())
+    claims = summary["fragility"]["claims"]
+    assert [c["verdict"] for c in claims] == [NOT_TESTABLE] * 2
+    assert "Prediction (a): not testable at this scale, because vanilla: a world model: legal-move accuracy" in section
+    assert "Prediction (b): not testable at this scale, because" in section and "myopic: a world model" in section
 
 
 def test_bad_scale_is_a_clean_error(tmp_path):
@@ -363,3 +417,78 @@ def test_no_othello_claim_is_decided_without_a_world_model(legal, shift, failing
         gates = [p for p in c["preconditions"] if p["name"].startswith("a world model")]
         assert [i for i, g in enumerate(gates) if not g["ok"]] == failing
     assert gates[0]["value"] == legal and gates[1]["value"] == pytest.approx(0.8 + 0.1 + 0.02 + shift)
+
+
+# ---------------------------------------------------------------------------------------------------- fragility verdicts
+
+
+def _fragility_record(gap_a, gap_b, myopic_legal=0.99):
+    """A fragility record with the middle-layer probe_acc intervals ``gap_a`` (vanilla) and ``gap_b`` (myopic −
+    vanilla) as (mean, lo, hi), a myopic model with a world model unless ``myopic_legal`` < 0.97."""
+    def comp(regime, g):
+        return {"metric": "probe_acc", "layer": "middle", "regime": regime, "mean": g[0], "lo": g[1], "hi": g[2],
+                "n": 20, "n_useful": 10, "n_useless": 10, "n_boot": 100}
+    return {"t": 27, "t0": 24, "depth": 3, "n_games": 10, "seed": 0, "n_boot": 100, "pairs": {"useful": 10, "useless": 10},
+            "mean_differing_stones": {"useful": 2.0, "useless": 1.5}, "rows": {"vanilla": [], "myopic": []},
+            "comparisons": [comp("vanilla", gap_a), comp("myopic − vanilla", gap_b)],
+            "myopic": {"legal_acc": myopic_legal, "useful_r_by_layer": [{"layer": 1, "mean": 0.85}]}}
+
+
+def test_fragility_predictions_are_decided_by_their_intervals_and_gated():
+    def verdicts(*args, **kw):
+        return [c["verdict"] for c in summarize({**_hand_data(), "fragility": _fragility_record(*args, **kw)})
+                ["fragility"]["claims"]]
+
+    # the hand data has a world model (legal 0.99, useful r 0.92 at layer 1); so has the myopic record
+    assert verdicts((0.1, 0.02, 0.2), (-0.1, -0.2, -0.01)) == ["reproduced", "not reproduced"]
+    assert verdicts((0.1, -0.02, 0.2), (0.1, 0.0, 0.2)) == ["inconclusive", "inconclusive"]  # 0 inside or on a bound
+    # a myopic model without a world model gates (b) only; a vanilla one without it gates both
+    assert verdicts((0.1, 0.02, 0.2), (0.1, 0.05, 0.2), myopic_legal=0.9) == ["reproduced", NOT_TESTABLE]
+    data = {**_hand_data(), "fragility": _fragility_record((0.1, 0.02, 0.2), (0.1, 0.05, 0.2))}
+    data["run"] = {**data["run"], "legal_acc": 0.5}
+    assert [c["verdict"] for c in summarize(data)["fragility"]["claims"]] == [NOT_TESTABLE] * 2
+    assert summarize(_hand_data())["fragility"] is None  # before the test: no section
+
+
+def test_report_links_the_pilots_and_lists_the_settings(tmp_path):
+    data = {**_hand_data(), "pilots": "pilots", "readout": 16,
+            "config": {"n_layer": 2, "steps": 5, "batch_size": 4, "n_train": 10, "warmup": 2, "decay": "cosine",
+                       "final_lr_frac": 0.1},
+            "timings": {"train": 10.0, "fragility": 3.0, "cpu_s": {"fragility": 2.0}}}
+    (tmp_path / "data.json").write_text(json.dumps(data))
+    md = write_report(tmp_path).read_text()
+    assert "[README.md](pilots/README.md) · [pilots.png](pilots/pilots.png) · [curves.json](pilots/curves.json)" in md
+    html = (tmp_path / "report.html").read_text()
+    assert '<a href="pilots/README.md">README.md</a>' in html
+    assert "| lr schedule | 2-step linear warmup, cosine decay to 0.1 × lr | constant | yes |" in md
+    assert "| games seen (steps × batch) | 20 (2 × the training set) | 5120000 | yes |" in md
+    assert "| readout (exact account) | the first 16 eval games | none (each step's own batch) | yes |" in md
+    # CPU time: recorded for the fragility test only, the training's wall time only (timed before CPU times)
+    assert "| fragility test | 2 | 3 |" in md and "| training (vanilla) | not recorded | 10 |" in md
+    assert f"{2.0 / 3600:.3g} core-hours over the stages with a CPU record" in md
+    assert "no record for: training (myopic)" in md
+    before = {p: p.read_bytes() for p in (tmp_path / "report.md", tmp_path / "summary.json")}
+    write_report(tmp_path)  # byte-stable re-render
+    assert all(p.read_bytes() == b for p, b in before.items())
+
+
+def test_bootstrap_and_wilson_intervals():
+    from ntpflow.stats import bootstrap_ci, wilson_ci
+
+    # Wilson by hand: k = 8 of n = 10, z = 1.96: centre (0.8 + z²/20)/(1 + z²/10), half z·sqrt(0.016 + z²/400)/(1 + z²/10)
+    z = 1.959963984540054
+    c, h = (0.8 + z * z / 20) / (1 + z * z / 10), z * math.sqrt(0.016 + z * z / 400) / (1 + z * z / 10)
+    w = wilson_ci(8, 10)
+    assert (w["mean"], w["n"]) == (0.8, 10) and w["lo"] == pytest.approx(c - h) and w["hi"] == pytest.approx(c + h)
+    assert wilson_ci(0, 0)["lo"] is None and wilson_ci(0, 5)["lo"] == 0.0
+    # constant samples: every resample gives the same statistic, exactly
+    a, b = np.full(7, 2.0), np.full(5, 0.5)
+    const = bootstrap_ci(lambda i, j: a[i].mean() - b[j].mean(), [7, 5], n_boot=50)
+    assert const["mean"] == const["lo"] == const["hi"] == 1.5
+    # a normal sample of 400: the percentile interval of the mean is close to the t-interval (within 15%)
+    x = np.random.default_rng(0).normal(size=400)
+    bs = bootstrap_ci(lambda i: x[i].mean(), [400], n_boot=2000, seed=1)
+    t = stats(x.tolist())
+    assert bs["mean"] == pytest.approx(t["mean"]) and (bs["hi"] - bs["lo"]) == pytest.approx(t["hi"] - t["lo"], rel=0.15)
+    assert bootstrap_ci(lambda i: x[i].mean(), [1])["lo"] is None
+    assert bootstrap_ci(lambda i: x[i].mean(), [400], seed=3) == bootstrap_ci(lambda i: x[i].mean(), [400], seed=3)

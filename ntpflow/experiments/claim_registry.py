@@ -44,6 +44,7 @@ FIXED_TOY_GATES = ("2026-12-01 (commit 60fa0e1)", "the toy-small results of the 
                                                    "toy-medium results")
 FIXED_OTHELLO = ("2026-12-01 (commits 47be267, 2782a0a)", "othello-small (committed 2026-11-30)")
 FIXED_OTHELLO_GATES = ("2026-12-03 (commit d424929)", "smoke runs and othello-small (which fail the gates)")
+FIXED_FRAGILITY = ("2026-12-03 (issue 32, item 5)", "smoke runs only: no fragility result of a model with a world model")
 FIXED_STORIES = ("2026-11-30 (commit d0b8a9d, with the TinyStories experiment)",
                  "not recorded: written in the commit that made the experiment's first small-scale results")
 FIXED_LLM = ("2026-11-30 (commit b78c836, with the LLM experiment)",
@@ -395,6 +396,39 @@ def othello_claims(summary) -> list[Claim]:
 
 
 # ----------------------------------------------------------------------------- TinyStories (docs/paper.md#tinystories)
+
+FRAGILITY_METRIC = "probe_acc"  # the fragility predictions are decided on the probes' accuracy on the differing stones
+
+
+def othello_fragility_claims(fragility: dict, vanilla: dict, myopic: dict) -> list[Claim]:
+    """The fragility test's two predictions of the paper's explanation (docs/experiments/othello.md), on the mean
+    over the middle layers of ``FRAGILITY_METRIC``: (a) useless differences are less distinct than useful ones in
+    the vanilla model (gap useful − useless > 0), gated by the vanilla model's world-model gates; (b) more so
+    without pre-caching (the myopic gap minus the vanilla gap > 0), gated by both models'. ``fragility``: the
+    report's fragility record (``comparisons``, ``pairs``); ``vanilla`` / ``myopic``: summaries that
+    :func:`othello_gates` reads."""
+    def gates(summary, who):
+        return tuple(Check(f"{who}: {g.name}", g.value, g.ok, g.fixed, g.against) for g in othello_gates(summary))
+
+    pairs = fragility.get("pairs") or {}
+    counts = tuple(at_least(f"{k} pairs", pairs.get(k), 4) for k in ("useful", "useless"))
+    comp = {(c["metric"], str(c["layer"]), c["regime"]): c for c in fragility.get("comparisons") or []}
+    label = "probe accuracy on the differing stones"
+    out = []
+    for cid, statement, regime, what, pre in (
+            ("fragility a", "NTP-useless differences are less distinct than NTP-useful ones (the vanilla model)",
+             "vanilla", f"the vanilla model's gap {label}, useful − useless pairs", gates(vanilla, "vanilla")),
+            ("fragility b", "more so without pre-caching: the myopic model's gap exceeds the vanilla model's",
+             "myopic − vanilla", f"the myopic gap minus the vanilla gap ({label}, useful − useless pairs)",
+             (*gates(vanilla, "vanilla"), *gates(myopic, "myopic")))):
+        c = comp.get((FRAGILITY_METRIC, "middle", regime)) or {"mean": None, "lo": None, "hi": None}
+        numbers = {"gap": {k: c.get(k) for k in ("mean", "lo", "hi")}}
+        out.append(Claim(cid, statement, "predicted by the paper's explanation (no number given)",
+                         interval_above(f"{what}, mean over the middle layers (bootstrap over pairs)", "gap", 0.0,
+                                        fixed=FIXED_FRAGILITY[0], against=FIXED_FRAGILITY[1]),
+                         numbers, f"{fmt_ci(c, fmt_g)} (middle layers)", (*pre, *counts)))
+    return out
+
 
 PAPER_LOSS = {"vanilla": (2.53, 0.10), "myopic": (3.29, 0.02)}  # docs/paper.md#numbers: mean ± (presumably) sd, 10 seeds
 A_REL = 0.02  # claim a: "clearly worse" = at least 2% above vanilla's mean loss

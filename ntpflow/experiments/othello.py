@@ -1,15 +1,18 @@
-"""The OthelloGPT reproduction (docs/paper.md#othello, claim 3): world-model probes and where useful and useless squares
-come from.
+"""The OthelloGPT reproduction (docs/paper.md#othello, claim 3): world-model probes, where useful and useless squares
+come from, and the fragility test.
 
-``run_othello(scale, out)`` runs these stages into ``out`` (each resumable and skipped when done):
+``run_othello(scale, out)`` runs these stages into ``out`` (its layout: :class:`OthelloOut`; each stage resumable and
+skipped when done):
 
 1. train one vanilla OthelloGPT into ``out/run`` (``ntpflow.runs.training.train``);
 2. ridge probes of the 64 squares for the final and the step-0 weights (``RUN_DIR/probes``, ``RUN_DIR/probes_init``);
 3. the 3-way least-squares classifier (empty / own / opponent) for both weights
    (``RUN_DIR/classifier_{final,init}.safetensors`` + ``.json``, see ``othello_probes``);
-4. attribution: a replay of the run tracking the Adam/SGD influence of each gradient component on the tracked
+4. the fragility test: a myopic run of the same config and seed (``out/myopic/run``), its final ridge probes, and
+   ``othello_fragility.run_fragility`` on both runs (``out/fragility``);
+5. attribution: a replay of the run tracking the Adam/SGD influence of each gradient component on the tracked
    squares at the tracked sites, with per-type risks (``RUN_DIR/attribution``, see ``ntpflow.replay.attribution``);
-5. gather into ``out/data.json`` (schema in ``othello_report``), then ``othello_report.write_report(out)``.
+6. gather into ``out/data.json`` (schema in ``othello_report``), then ``othello_report.write_report(out)``.
 
 Conventions: ``resid[0]`` = embeddings, ``resid[k]`` = output of block ``k`` (``k = 1..n_layer``; the last one before
 the final LayerNorm); a site ⟨k, p⟩ is ``resid[k]`` at position ``p``, the state after reading token ``p`` (move
@@ -17,7 +20,8 @@ the final LayerNorm); a site ⟨k, p⟩ is ``resid[k]`` at position ``p``, the s
 are the board from the view of the player to move next (+1 own, −1 opponent, 0 empty); their per-example type is
 0 empty, 1 NTP-useless, 2 NTP-useful.
 
-Stage wall times (only of stages that did work in this call) are accumulated in ``out/timings.json``.
+Stage wall times and CPU times (of this process; only of stages that did work in a call) are accumulated in
+``out/timings.json``: ``{stage: wall seconds, "cpu_s": {stage: CPU seconds}}``.
 """
 
 from __future__ import annotations
@@ -26,17 +30,18 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ntpflow.experiments.othello_fragility import FRAGILITY_JSON, run_fragility
 from ntpflow.experiments.othello_probes import ClassifierProbes, load_or_classify
 from ntpflow.experiments.othello_report import write_report
 from ntpflow.experiments.parallel import on_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
-from ntpflow.files import ensure_writable_dir, read_json, write_json
+from ntpflow.files import InFolder, ensure_writable_dir, read_json, write_json
 from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute, influence_read_at
@@ -60,7 +65,10 @@ class OthelloScale:
 
     ``threads``: torch intra-op threads during the call (None: leave as is); ``curve_every``: step stride of the
     cumulative-influence curves in data.json; ``readout``: the replay's exact account on the first ``readout``
-    evaluation games (``attribute(readout=...)``; None: read on each step's batch, at its midpoint by default).
+    evaluation games (``attribute(readout=...)``; None: read on each step's batch, at its midpoint by default);
+    ``fragility``: keyword arguments of ``othello_fragility.run_fragility`` (its defaults where absent); ``pilots``:
+    the folder of the pilots that chose the scale, relative to the committed report (docs/results/othello-<scale>/),
+    which the report links to ("": none).
     """
 
     name: str
@@ -71,10 +79,35 @@ class OthelloScale:
     curve_every: int = 10
     note: str = ""
     readout: int | None = None
+    fragility: dict = field(default_factory=dict)
+    pilots: str = ""
 
-    def config(self, device: str = "auto") -> TrainConfig:
-        """The TrainConfig of this scale's single vanilla run (seed ``SEED``) on ``device``."""
-        return TrainConfig(task="othello", regime="vanilla", seed=SEED, device=device, **self.train)
+    def config(self, device: str = "auto", regime: str = "vanilla") -> TrainConfig:
+        """The TrainConfig of this scale's run in ``regime`` (vanilla: the main run; myopic: the fragility test's
+        comparison), seed ``SEED``, on ``device``."""
+        return TrainConfig(task="othello", regime=regime, seed=SEED, device=device, **self.train)
+
+
+@dataclass(frozen=True)
+class OthelloOut:
+    """The results folder of :func:`run_othello`, the only code that names a path in it::
+
+        run/   (the vanilla run)   myopic/run/   (the myopic run of the fragility test)   fragility/   (its output)
+        timings.json   data.json   (then the report's files: report.md, report.html, summary.json, figures/)
+    """
+
+    dir: Path
+
+    run_dir = InFolder("run")
+    myopic_dir = InFolder("myopic/run")
+    fragility_dir = InFolder("fragility")
+    timings = InFolder("timings.json")
+    data = InFolder("data.json")
+
+    @property
+    def fragility(self) -> Path:
+        """The fragility test's result file (``othello_fragility.FRAGILITY_JSON`` in ``fragility/``)."""
+        return self.fragility_dir / FRAGILITY_JSON
 
 
 PAPER_POSITIONS = tuple(range(4, 57, 4))  # 4, 8, ..., 56
@@ -116,7 +149,7 @@ SCALES = {
         {"n_layer": 4, "d_model": 128, "n_head": 4, "batch_size": 256, "steps": 7000, "lr": 1e-3, "warmup": 200,
          "decay": "cosine", "final_lr_frac": 0.1, "n_train": 7000 * 256, "n_eval": 4096, "eval_every": 200,
          "ckpt_every": 100, "log_every": 50},
-        site_grid((2, 3), (24, 36)), threads=1, curve_every=50, readout=16,
+        site_grid((2, 3), (24, 36)), threads=1, curve_every=50, readout=16, pilots="pilots",
         note="a CPU scale with a world model, not the paper's setting"),
     # the paper's training on one GPU (scripts/othello_gpu.sh), with the replay's exact account on 256 evaluation
     # games at 6 of the paper's 84 sites (layers 3-4 x positions 20, 28, 36: the middle of the network and of the
@@ -134,19 +167,20 @@ SCALES = {
         {"n_layer": 6, "d_model": 32, "n_head": 4, "batch_size": 32, "steps": 40, "lr": 1e-3,
          "n_train": 1280, "n_eval": 512, "eval_every": 20, "ckpt_every": 20, "log_every": 10},
         site_grid((3, 4), (20, 28)), squares=("sq_C3", "sq_D4", "sq_E5", "sq_F6"), threads=1, curve_every=10,
-        readout=64, note="smoke test of scripts/othello_gpu.sh, not the paper's setting"),
+        readout=64, fragility={"n_games": 40, "t0": 20, "n_boot": 200},
+        note="smoke test of scripts/othello_gpu.sh, not the paper's setting"),
     # CI: the whole pipeline in well under a minute; checks the plumbing, not the science
     "smoke": OthelloScale(
         "smoke",
         {"n_layer": 2, "d_model": 32, "n_head": 2, "batch_size": 32, "steps": 12, "lr": 1e-3,
          "n_train": 384, "n_eval": 256, "eval_every": 6, "ckpt_every": 6, "log_every": 2},
         site_grid((1, 2), (12,)), squares=("sq_C3", "sq_D4", "sq_E5", "sq_F6"), threads=1, curve_every=2,
-        note="CI smoke test, not the paper's setting"),
+        fragility={"n_games": 40, "t0": 20, "n_boot": 200}, note="CI smoke test, not the paper's setting"),
 }
 
 
 class _Timer:
-    """Accumulates the wall time of the stages that did work into ``out/timings.json`` (atomically)."""
+    """Accumulates the wall and CPU time of the stages that did work into ``out/timings.json`` (atomically)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -155,10 +189,12 @@ class _Timer:
     @contextmanager
     def stage(self, name: str, done: bool):
         """Time the ``with`` block as stage ``name`` and add it to the record, unless ``done`` (skipped)."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         yield
         if not done:
+            cpu = self.data.setdefault("cpu_s", {})
             self.data[name] = round(self.data.get(name, 0.0) + time.perf_counter() - t0, 3)
+            cpu[name] = round(cpu.get(name, 0.0) + time.process_time() - c0, 3)
             write_json(self.path, self.data)
 
 
@@ -166,37 +202,50 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                 reading: str = "exact", replays: bool = True) -> Path:
     """Run (or resume) every stage of ``scale`` into ``out`` and write the report. Returns ``out``.
 
-    ``out/run`` is the run directory; ``out/data.json``, ``out/report.{md,html}``, ``out/summary.json`` and
+    ``out/run`` is the run directory (:class:`OthelloOut`: the layout); ``out/data.json``, ``out/report.{md,html}``, ``out/summary.json`` and
     ``out/figures/`` the results. A second call with finished stages only regathers and rewrites the report.
     ``reading``: how the replay reads the influence (``ntpflow.replay.attribution.attribute``; default: the exact
     account).
     ``scale.readout`` sets the exact account's readout size (None: attribute's default).
-    ``replays=False`` skips the tracked replay (stage 4; the influence claims then read not testable); a later call
-    with replays adds it.
+    ``replays=False`` skips only the tracked replay (stage 5; the influence claims then read not testable); a later
+    call with replays adds it. The myopic run and the fragility test (stage 4) run in either case.
     """
     scale = resolve_scale(scale, SCALES, OthelloScale)
-    out = ensure_writable_dir(out)
-    cfg = scale.config(device)
-    run_dir = out / "run"
-    timer = _Timer(out / "timings.json")
+    layout = OthelloOut(ensure_writable_dir(out))
+    cfg, myopic_cfg = scale.config(device), scale.config(device, "myopic")
+    timer = _Timer(layout.timings)
     with on_threads(scale.threads):
-        with timer.stage("train", Run(run_dir, cfg).done):
-            if progress:
-                log.info("othello %s: training %s", scale.name, run_dir)
-            run = train(cfg, run_dir, progress=progress)
+        runs = {}
+        for name, c, stage in (("vanilla", cfg, "train"), ("myopic", myopic_cfg, "train_myopic")):
+            run_dir = layout.run_dir if name == "vanilla" else layout.myopic_dir
+            with timer.stage(stage, Run(run_dir, c).done):
+                if progress:
+                    log.info("othello %s: training %s (%s)", scale.name, run_dir, name)
+                runs[name] = train(c, run_dir, progress=progress)
+        run = runs["vanilla"]
         for which in ("final", "init"):
             with timer.stage(f"probes_{which}", ProbeSet.saved(run.probes_dir(which))):
                 load_or_probe(run, which, device)
             with timer.stage(f"classifier_{which}", run.classifier_path(which).with_suffix(".json").exists()):
                 load_or_classify(run, which, device)
+        with timer.stage("probes_myopic", ProbeSet.saved(runs["myopic"].probes_dir("final"))):
+            load_or_probe(runs["myopic"], "final", device)
+        with timer.stage("fragility", _fragility_done(layout)):
+            if not _fragility_done(layout):
+                run_fragility({k: r.dir for k, r in runs.items()}, layout.fragility_dir, device=device,
+                              **scale.fragility)
         with timer.stage("attribution", run.attribution().done or not replays):
             if replays:
                 attribute(run.dir, list(scale.sites), list(scale.squares), device=device, progress=progress,
                           sgd_rows=False, reading=reading, readout=scale.readout if reading == "exact" else None)
-        data = gather(scale, out)
-        write_json(out / "data.json", data)
-        write_report(out)
-    return out
+        write_json(layout.data, gather(scale, layout.dir))
+        write_report(layout.dir)
+    return layout.dir
+
+
+def _fragility_done(layout: OthelloOut) -> bool:
+    """Whether the fragility test has written its result with the intervals (a result from before them is redone)."""
+    return layout.fragility.exists() and "comparisons" in read_json(layout.fragility)
 
 
 # ---------------------------------------------------------------------------------------------------- gather
@@ -209,8 +258,10 @@ def _num(x, digits: int = 6):
 
 
 def gather(scale: OthelloScale, out: Path) -> dict:
-    """Collect the finished stages of ``out/run`` into the data.json dict (schema: ``othello_report``)."""
-    run = Run.open(out / "run")
+    """Collect the finished stages of ``out`` (:class:`OthelloOut`) into the data.json dict (schema:
+    ``othello_report``)."""
+    layout = OthelloOut(Path(out))
+    run = Run.open(layout.run_dir)
     cfg = run.cfg
     done = run.final_record()
     metrics = run.metrics()
@@ -222,7 +273,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
     by_mismatch, curves = (_influence_records(att, cfg.steps - 1, scale.curve_every) if att.influence.exists()
                            else ({"paper": [], "centred": []}, []))  # no replay (yet)
     sanity, mismatch = _held_out_records(att)
-    timings = read_json(out / "timings.json") if (out / "timings.json").exists() else {}
+    timings = read_json(layout.timings) if layout.timings.exists() else {}
     return {
         "scale": scale.name, "scale_note": scale.note, "seed": cfg.seed, "train": scale.train,
         "config": cfg.to_dict(), "n_params": _n_params(run),
@@ -232,7 +283,27 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         "probes": probes, "influence": by_mismatch["paper"], "curves": curves, "sanity": sanity,
         "influence_centred": by_mismatch["centred"], "mismatch": mismatch,
         "timings": timings, "influence_read_at": influence_read_at([att.dir] if att.summary.exists() else []),
+        "fragility": _fragility_record(layout), "pilots": scale.pilots,
+        "readout": read_json(att.spec).get("readout") if att.spec.exists() else None,
     }
+
+
+def _fragility_record(layout: OthelloOut) -> dict | None:
+    """The fragility test's result (``fragility.json`` without the runs' folders) and, for the world-model gates of
+    the myopic run, its legal-move accuracy and its useful squares' final ridge r per layer (None before the
+    test)."""
+    if not layout.fragility.exists():
+        return None
+    result = {k: v for k, v in read_json(layout.fragility).items() if k != "runs"}
+    myopic = Run.open(layout.myopic_dir)
+    r = ProbeSet.load(myopic.probes_dir("final")).r_by_type.get(2)
+    by_layer = []
+    if r is not None:  # per square the mean over the probed positions, then the mean over squares (as the report)
+        per_square = r.double().nanmean(1)  # [L+1, 64]
+        by_layer = [{"layer": k, "mean": _num(per_square[k][~per_square[k].isnan()].mean())}
+                    for k in range(per_square.shape[0]) if not per_square[k].isnan().all()]
+    return {**result, "myopic": {"legal_acc": _num(myopic.final_record().get("legal_acc", math.nan)),
+                                 "useful_r_by_layer": by_layer, "config": myopic.cfg.to_dict()}}
 
 
 def _probe_records(run: Run) -> tuple[list[dict], list[str]]:

@@ -256,7 +256,8 @@ def gap_ci(values: dict, metric: str, layers, *, against: dict | None = None, se
     """useful − useless of ``metric`` (mean over ``layers``) with its percentile bootstrap 95% interval over the pairs
     (the useful and the useless pairs resampled independently); with ``against`` (another model's
     :func:`pair_values` on the same pairs), the difference of the two gaps, ``gap(values) − gap(against)``, with the
-    same resampled pairs for both models (paired). ``{"mean", "lo", "hi", "n_boot", "n_useful", "n_useless"}``."""
+    same resampled pairs for both models (paired). ``{"mean", "lo", "hi", "n_boot", "n", "n_useful", "n_useless"}``
+    (``n``: the pairs, or held-out pairs for which_acc, of both kinds)."""
     def gap(v, iu, il):
         return _metric(v["useful"], metric, iu, layers) - _metric(v["useless"], metric, il, layers)
 
@@ -264,7 +265,8 @@ def gap_ci(values: dict, metric: str, layers, *, against: dict | None = None, se
         return gap(values, iu, il) - (gap(against, iu, il) if against is not None else 0.0)
 
     sizes = [_n_units(values[k], metric) for k in ("useful", "useless")]
-    return {**bootstrap_ci(stat, sizes, n_boot=n_boot, seed=seed), "n_useful": sizes[0], "n_useless": sizes[1]}
+    return {**bootstrap_ci(stat, sizes, n_boot=n_boot, seed=seed), "n": sum(sizes), "n_useful": sizes[0],
+            "n_useless": sizes[1]}
 
 
 def comparisons(values: dict[str, dict], *, seed: int = 0, n_boot: int = 1000) -> list[dict]:

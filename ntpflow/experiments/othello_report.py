@@ -13,7 +13,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
-from ntpflow.experiments.claim_registry import PAPER_CI, account_text, othello_claims, othello_influence_checks
+from ntpflow.experiments.claim_registry import (
+    FRAGILITY_METRIC,
+    PAPER_CI,
+    account_text,
+    othello_claims,
+    othello_fragility_claims,
+    othello_influence_checks,
+)
 from ntpflow.experiments.formats import (
     mismatch_summary,
     plain_number,
@@ -38,7 +45,9 @@ SIGN = "Sign convention: positive = the component moved the feature toward its f
 INFLUENCE_UNIT = "probe units² (first-order reduction of the squared probe mismatch, summed over steps)"
 PAPER_SETTINGS = {"n_layer": "6", "d_model": "256", "n_head": "4", "batch_size": "1024", "steps": "5000",
                   "lr": "0.001", "n_train": "unknown (pre-generated)", "n_eval": "20480",
-                  "sites": "layers 1–6 × positions 4, 8, …, 56", "squares": "16 central (C3–F6)"}
+                  "sites": "layers 1–6 × positions 4, 8, …, 56", "squares": "16 central (C3–F6)",
+                  "lr schedule": "constant", "games seen": "5120000",
+                  "readout": "none (each step's own batch)"}
 SETTING_KEYS = ("n_layer", "d_model", "n_head", "batch_size", "steps", "lr", "n_train", "n_eval")
 
 
@@ -115,7 +124,45 @@ def summarize(data: dict) -> dict:
         **by_mismatch,
     }
     summary["claims"] = [c.to_dict() for c in othello_claims(summary)]
+    summary["fragility"] = _fragility(data.get("fragility"), summary)
+    summary["cpu_time"] = _cpu_time(timings)
+    summary["pilots"] = data.get("pilots") or ""
     return summary
+
+
+STAGES = {"train": "training (vanilla)", "train_myopic": "training (myopic)", "probes_final": "ridge probes (trained)",
+          "probes_init": "ridge probes (step 0)", "classifier_final": "classifier (trained)",
+          "classifier_init": "classifier (step 0)", "probes_myopic": "ridge probes (myopic)",
+          "fragility": "fragility test", "attribution": "tracked replay"}
+
+
+def _cpu_time(timings: dict) -> dict:
+    """Per stage of :data:`STAGES` the CPU seconds recorded (``timings["cpu_s"]``), else the wall seconds (stages
+    timed before CPU times were recorded), else nothing; and the total CPU hours of the stages with a CPU record.
+    ``{"stages": [{stage, label, cpu_s, wall_s}], "total_cpu_h", "missing": [labels]}``."""
+    cpu = timings.get("cpu_s") or {}
+    rows = [{"stage": k, "label": label, "cpu_s": cpu.get(k), "wall_s": timings.get(k)} for k, label in STAGES.items()
+            if finite(cpu.get(k)) or finite(timings.get(k))]
+    return {"stages": rows, "total_cpu_h": sum(r["cpu_s"] for r in rows if finite(r["cpu_s"])) / 3600,
+            "missing": [label for k, label in STAGES.items() if not finite(cpu.get(k)) and not finite(timings.get(k))]}
+
+
+def _fragility(record: dict | None, summary: dict) -> dict | None:
+    """The fragility section: the rows of each regime (measure's, with the regime), the comparisons, the counts and
+    the two predictions as claims (``claim_registry.othello_fragility_claims``; the myopic model's gates from its
+    legal-move accuracy and useful squares' ridge r in the record); None before the test."""
+    if not record:
+        return None
+    my = record.get("myopic") or {}
+    myopic = {"run": {"legal_acc": my.get("legal_acc")},
+              "probe_by_layer": [{"metric": "r", "weights": "final", "type": "useful", "layer": r["layer"],
+                                  "mean": r["mean"]} for r in my.get("useful_r_by_layer") or []]}
+    claims = othello_fragility_claims(record, summary, myopic)
+    return {**{k: record.get(k) for k in ("t", "t0", "depth", "n_games", "seed", "n_boot", "pairs",
+                                          "mean_differing_stones")},
+            "rows": [{"regime": regime, **r} for regime, rows in (record.get("rows") or {}).items() for r in rows],
+            "comparisons": record.get("comparisons") or [], "metric": FRAGILITY_METRIC,
+            "myopic_legal_acc": my.get("legal_acc"), "claims": [c.to_dict() for c in claims]}
 
 
 def _probe_quality(pr: _Probes, probes: list[dict]) -> tuple[list, list, list, dict]:
@@ -162,6 +209,14 @@ def _step_times(timings: dict, steps: int | None) -> dict:
     return step_times
 
 
+def _schedule(cfg: dict) -> str:
+    """The learning-rate schedule of a config in words ("constant" without warmup or decay)."""
+    parts = [f"{cfg['warmup']}-step linear warmup"] if cfg.get("warmup") else []
+    if cfg.get("decay") not in (None, "", "none"):
+        parts.append(f"{cfg['decay']} decay to {plain_number(cfg.get('final_lr_frac', 0.0))} × lr")
+    return ", ".join(parts) or "constant"
+
+
 def _settings(data: dict) -> list[dict]:
     cfg = data.get("config") or {}
     rows = [{"setting": "scale", "this_run": f"{data.get('scale', '?')} ({data.get('scale_note', '')})",
@@ -180,7 +235,16 @@ def _settings(data: dict) -> list[dict]:
     rows.append({"setting": "seed", "this_run": str(data.get("seed")), "paper": "0", "differs": data.get("seed") != 0})
     rows.append({"setting": "parameters", "this_run": str(data.get("n_params")), "paper": "4771840",
                  "differs": data.get("n_params") != 4771840})
-    return rows + [{**r, "differs": r["this_run"] != r["paper"]} for r in read_at_settings(data)]
+    rows.append({"setting": "lr schedule", "this_run": _schedule(cfg), "paper": PAPER_SETTINGS["lr schedule"]})
+    games = cfg.get("steps", 0) * cfg.get("batch_size", 0)
+    epochs = f" ({games / cfg['n_train']:.3g} × the training set)" if cfg.get("n_train") else ""
+    rows.append({"setting": "games seen (steps × batch)", "this_run": f"{games}{epochs}",
+                 "paper": PAPER_SETTINGS["games seen"]})
+    if data.get("readout") is not None:
+        rows.append({"setting": "readout (exact account)", "this_run": f"the first {data['readout']} eval games",
+                     "paper": PAPER_SETTINGS["readout"]})
+    return [r if "differs" in r else {**r, "differs": r["this_run"] != r["paper"]}
+            for r in rows + read_at_settings(data)]
 
 
 # ---------------------------------------------------------------------------------------------------- figures

@@ -6,6 +6,7 @@ Each experiment's text (headings, paragraphs, captions, table headers) is a Jinj
 blank lines (the lines of a heading, paragraph or caption are joined by spaces):
 
 - ``# text`` / ``## text``: headings; ``![name] caption``: a figure; ``[claims]``: the claims table;
+- ``[links] lead text [text](href) [text](href)``: a paragraph of real links;
 - ``| head | head |`` (optionally followed by `` #html_id``), then one JSON list of cells a line (the ``row``
   filter): a table;
 - anything else: a paragraph.
@@ -40,6 +41,7 @@ from ntpflow.stats import finite
 
 CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
 TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")  # "| a | b |", optionally " #html_id"
+LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")  # [text](href) in a [links] block
 STAMP = "stamp.json"  # in a results folder: files.stamp() of the command that made its numbers
 
 
@@ -53,7 +55,10 @@ def _environment():
     env.filters.update(fmt=fm.fmt, fmt_g=fm.fmt_g, fmt_ci=fm.fmt_ci, fmt_ci_g=lambda s: fm.fmt_ci(s, fm.fmt_g),
                        fmt_interval=fm.fmt_interval, fmt_sigma=fm.fmt_sigma, sites=fm.sites_text, where=fm.select,
                        pick=lambda mapping, keys, default=None: [mapping.get(k, default) for k in keys], repr=repr,
-                       row=lambda cells: json.dumps([str(c) for c in cells], ensure_ascii=False))
+                       row=lambda cells: json.dumps([str(c) for c in cells], ensure_ascii=False),
+                       ci3=lambda r, m: fm.fmt_ci({"mean": r.get(m), "lo": r.get(f"{m}_lo"), "hi": r.get(f"{m}_hi"),
+                                                   "n": r.get("n_pairs")}),
+                       precondition=lambda p: f"{p['name']}: {p['value']}{'' if p['ok'] else ' (fails)'}")
     env.tests["finite"] = finite
     return env
 
@@ -66,6 +71,9 @@ def _block(chunk: str, claims) -> tuple:
     text = " ".join(lines)
     if text == "[claims]":
         return "claims", claims, False
+    if text.startswith("[links] "):
+        lead, _, _ = text[len("[links] "):].partition(" [")
+        return "links", lead, LINK.findall(text)
     if text.startswith("!["):
         name, _, caption = text[2:].partition("] ")
         return "fig", name, caption
