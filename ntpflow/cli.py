@@ -457,8 +457,8 @@ def _add_reproduce(sub) -> None:
                         epilog=REPRODUCE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     rp.add_argument("experiment", help="toy | othello | stories | llm | all (every experiment and one report.html)")
     rp.add_argument("--scale", default="smoke", help="smoke (default; CI, minutes) | small (this 2-core CPU: "
-                    "30-60 min per experiment, all: ~2.5-3 h) | medium (toy only: the paper's model, 5 seeds; "
-                    "hours on a CPU) | paper (the paper's sizes: GPU)")
+                    "30-60 min per experiment, all: ~2.5-3 h) | medium (toy: the paper's model, 5 seeds; othello: a "
+                    "world model, two runs of ~3 core-hours each; hours on a CPU) | paper (the paper's sizes: GPU)")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores; on a CPU each run trains on "
                     "one torch thread, so its result does not depend on this)")
@@ -472,8 +472,9 @@ def _add_reproduce(sub) -> None:
                     "(default: all)")
     _add_reading(rp)
     rp.add_argument("--no-replays", action="store_true",
-                    help="toy only: train and probe, skip the tracked replays (hours at medium scale); the influence "
-                    "claims are then not testable. Rerun without it to add them")
+                    help="toy and othello (all: both; stories and llm ignore it): train and probe, skip only the tracked "
+                    "replays (hours at medium scale; othello still trains its myopic run and runs the fragility test); "
+                    "the influence claims are then not testable. Rerun without it to add them")
     rp.add_argument("--device", help="auto (default), cpu, cuda, ...")
     rp.set_defaults(fn=cmd_reproduce)
 
