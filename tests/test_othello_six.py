@@ -6,12 +6,16 @@ one direction at a time, no bitboards); the 8×8 path is checked to be unchanged
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from ntpflow.cli import main
-from ntpflow.experiments.othello import SCALES
+from ntpflow.experiments.othello import SCALES, run_othello
 from ntpflow.experiments.othello_fragility import find_pairs
+from ntpflow.experiments.scales import site_grid
+from ntpflow.files import read_json
 from ntpflow.model.sites import Site
 from ntpflow.replay.attribution import attribute
 from ntpflow.runs.config import TrainConfig
@@ -306,3 +310,17 @@ def test_medium_six_by_six_scale_is_labelled():
     assert set(scale.squares) <= set(task.feature_names) and len(scale.squares) == 16
     assert all(0 < s.pos < task.seq_len - 1 for s in scale.sites)
     assert scale.config("cpu").board_size == 6
+
+
+def test_reproduce_othello_on_a_six_by_six_smoke_scale(tmp_path):
+    """The whole pipeline (train, probes, classifier, replay, report) on a 6×6 board at smoke size."""
+    smoke = SCALES["smoke"]
+    scale = replace(smoke, name="smoke-6x6", train={**smoke.train, "board_size": 6}, sites=site_grid((1, 2), (10,)),
+                    note="a 6×6 board: NOT the paper's setting")
+    out = run_othello(scale, tmp_path / "o", device="cpu", progress=False)
+    data = read_json(out / "data.json")
+    assert data["config"]["board_size"] == 6 and data["feature_names"] == list(Othello(board_size=6).feature_names)
+    assert all(len(p["values"]) == 36 for p in data["probes"]) and {p["pos"] for p in data["probes"]} == set(
+        range(1, 33))
+    assert data["influence"] and {r["square"] for r in data["influence"]} == set(scale.squares)
+    assert "a 6×6 board: NOT the paper's setting" in (out / "report.md").read_text()
