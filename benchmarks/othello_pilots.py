@@ -41,6 +41,8 @@ PILOTS = {
     "L4_d128": {"n_layer": 4, "d_model": 128, "steps": 5900},
     "L4_d96": {"n_layer": 4, "d_model": 96, "steps": 9400},
     "L3_d128": {"n_layer": 3, "d_model": 128, "steps": 7600},
+    # the 6x6 fallback (scale medium-6x6; NOT the paper's setting): planned for 6000 steps, evaluated every 100
+    "six_L4_d128": {"n_layer": 4, "d_model": 128, "steps": 6000, "board_size": 6, "eval_every": 100},
 }
 
 

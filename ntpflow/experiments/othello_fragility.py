@@ -18,10 +18,13 @@ Measured per layer at position ``t`` (:func:`measure`), for each kind of pair:
 * ``probe_acc``: the board probes' accuracy on the differing stones: a ridge probe's prediction (``ProbeSet``; +1
   own, −1 opponent) has the stone's sign, over both boards of every pair;
 * ``which_acc``: a linear "which board" decoder: ridge from the residual difference ``r_A − r_B`` to the board
-  difference ``b_A − b_B`` (64 squares) fitted on the first half of the pairs; on the other half a pair counts as
+  difference ``b_A − b_B`` (the ``S`` squares: 64, or 36 on the 6×6 board) fitted on the first half of the pairs; on the other half a pair counts as
   told apart when the predicted difference points the right way on the differing squares (⟨pred, b_A − b_B⟩ > 0).
   Chance is 0.5;
 * ``distance``: ``|r_A − r_B|`` over the mean distance between the residuals of random pairs of the positions.
+
+Both board sizes (8×8, and the 6×6 fallback, not the paper's setting): ``find_pairs(board_size=...)``; shapes below
+with ``T = 61``, ``S = 64`` on 8×8 and ``T = 33``, ``S = 36`` on 6×6.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from ntpflow.tasks.othello import PASS_ID, SQUARE_OFFSET
 from ntpflow.tasks.othello_engine import (
     PASS,
     bitboard_to_mask,
+    board,
     legal_moves,
     play,
     random_games,
@@ -58,10 +62,10 @@ class Pairs:
     """``n`` pairs of histories of ``t`` game tokens with equal legal sets and occupied squares.
 
     Attributes:
-        tokens: int64 ``[n, 2, 61]``: ``<bos>`` + the ``t`` game tokens of each history, padded with ``pass``
+        tokens: int64 ``[n, 2, T]``: ``<bos>`` + the ``t`` game tokens of each history, padded with ``pass``
             (a causal model never reads the padding at position ``t``).
-        boards: int8 ``[n, 2, 64]``: the boards after token ``t`` (+1 own, −1 opponent, 0 empty; the player to move).
-        types: int8 ``[n, 2, 64]``: their square types (0 empty, 1 useless, 2 useful).
+        boards: int8 ``[n, 2, S]``: the boards after token ``t`` (+1 own, −1 opponent, 0 empty; the player to move).
+        types: int8 ``[n, 2, S]``: their square types (0 empty, 1 useless, 2 useful).
         kind: ``[n]`` strings, ``"useless"`` or ``"useful"``.
         t: the position read (number of game tokens).
     """
@@ -77,34 +81,38 @@ class Pairs:
 
     @property
     def differ(self) -> np.ndarray:
-        """bool ``[n, 64]``: the squares whose colour differs between the two boards."""
+        """bool ``[n, S]``: the squares whose colour differs between the two boards."""
         return self.boards[:, 0] != self.boards[:, 1]
 
 
-def _children(own, opp, hist):
+def _children(own, opp, hist, size: int):
     """Every non-pass continuation of each position: (own, opp, history + move) with one row per legal move."""
-    legal = bitboard_to_mask(legal_moves(own, opp))  # [n, 64]
+    legal = bitboard_to_mask(legal_moves(own, opp, size=size), size=size)  # [n, S]
     rows, squares = np.nonzero(legal)
-    o, p = play(own[rows], opp[rows], squares.astype(np.int64))
+    o, p = play(own[rows], opp[rows], squares.astype(np.int64), size=size)
     return o, p, np.concatenate([hist[rows], squares[:, None].astype(np.int64)], axis=1)
 
 
-def find_pairs(n_games: int, t0: int, depth: int = 3, *, seed: int = 0, per_prefix: int = 4) -> Pairs:
+def find_pairs(n_games: int, t0: int, depth: int = 3, *, seed: int = 0, per_prefix: int = 4,
+               board_size: int = 8) -> Pairs:
     """Search the pairs (module docstring) from ``n_games`` seeded random games' positions after ``t0`` tokens,
-    ``depth`` moves on. Returns the useless and useful pairs found (any number, possibly 0)."""
-    if not 1 <= t0 or not 1 <= depth or t0 + depth > 59:
-        raise ValueError(f"need 1 <= t0, 1 <= depth and t0 + depth <= 59, got t0={t0}, depth={depth}")
-    games = random_games(n_games, seed)
+    ``depth`` moves on, on the board of ``board_size`` (8 or 6). Returns the useless and useful pairs found (any
+    number, possibly 0)."""
+    G = board(board_size).game_len
+    if not 1 <= t0 or not 1 <= depth or t0 + depth > G - 1:
+        raise ValueError(f"need 1 <= t0, 1 <= depth and t0 + depth <= {G - 1}, got t0={t0}, depth={depth}")
+    T, S = 1 + G, board(board_size).n_squares
+    games = random_games(n_games, seed, size=board_size)
     keep = ~(games.moves[:, :t0] == PASS).any(axis=1)
     tokens, boards, types, kinds = [], [], [], []
     for g in np.nonzero(keep)[0]:
         own, opp = games.own[g, t0 - 1:t0], games.opp[g, t0 - 1:t0]
         hist = np.zeros((1, 0), dtype=np.int64)
         for _ in range(depth):
-            own, opp, hist = _children(own, opp, hist)
+            own, opp, hist = _children(own, opp, hist, board_size)
         if len(own) < 2:
             continue
-        legal = legal_moves(own, opp)
+        legal = legal_moves(own, opp, size=board_size)
         occ = own | opp
         order = np.lexsort((own, legal, occ))  # groups of equal (occupied, legal), then by colouring
         found = dict.fromkeys(KINDS, 0)
@@ -113,23 +121,23 @@ def find_pairs(n_games: int, t0: int, depth: int = 3, *, seed: int = 0, per_pref
                 break
             if occ[a] != occ[b] or legal[a] != legal[b] or own[a] == own[b]:
                 continue
-            ty = square_types(np.array([own[a], own[b]]), np.array([opp[a], opp[b]]))  # [2, 64]
-            bd = bitboard_to_mask(np.array([own[a], own[b]])).astype(np.int8) - bitboard_to_mask(
-                np.array([opp[a], opp[b]])).astype(np.int8)
+            ty = square_types(np.array([own[a], own[b]]), np.array([opp[a], opp[b]]), size=board_size)  # [2, S]
+            bd = bitboard_to_mask(np.array([own[a], own[b]]), size=board_size).astype(np.int8) - bitboard_to_mask(
+                np.array([opp[a], opp[b]]), size=board_size).astype(np.int8)
             diff = bd[0] != bd[1]
             kind = "useful" if (ty[:, diff] == 2).any() else "useless" if (ty[:, diff] == 1).all() else None
             if kind is None or found[kind] >= per_prefix:
                 continue
-            seq = np.full((2, 61), PASS_ID, dtype=np.int64)
+            seq = np.full((2, T), PASS_ID, dtype=np.int64)
             seq[:, 0] = BOS_ID
             seq[:, 1:t0 + 1] = games.moves[g, :t0].astype(np.int64) + SQUARE_OFFSET
             seq[:, t0 + 1:t0 + 1 + depth] = hist[[a, b]] + SQUARE_OFFSET
             tokens.append(seq), boards.append(bd), types.append(ty), kinds.append(kind)
             found[kind] += 1
     n = len(kinds)
-    return Pairs(tokens=np.array(tokens, dtype=np.int64).reshape(n, 2, 61),
-                 boards=np.array(boards, dtype=np.int8).reshape(n, 2, 64),
-                 types=np.array(types, dtype=np.int8).reshape(n, 2, 64), kind=np.array(kinds, dtype=str),
+    return Pairs(tokens=np.array(tokens, dtype=np.int64).reshape(n, 2, T),
+                 boards=np.array(boards, dtype=np.int8).reshape(n, 2, S),
+                 types=np.array(types, dtype=np.int8).reshape(n, 2, S), kind=np.array(kinds, dtype=str),
                  t=t0 + depth)
 
 
@@ -139,14 +147,14 @@ def pair_resid(model: GPT, pairs: Pairs) -> torch.Tensor:
     was = model.training
     model.eval()
     dev = next(model.parameters()).device
-    tok = torch.as_tensor(pairs.tokens.reshape(-1, 61), device=dev)
+    tok = torch.as_tensor(pairs.tokens.reshape(-1, pairs.tokens.shape[-1]), device=dev)
     _, resid = model(tok, myopic="none", return_resid=True)
     model.train(was)
     return torch.stack([r[:, pairs.t] for r in resid]).double().cpu().reshape(len(resid), len(pairs), 2, -1)
 
 
 def _told_apart(z: torch.Tensor, y: torch.Tensor, alpha: float) -> torch.Tensor:
-    """bool ``[n - n // 2]``: the held-out pairs (the second half) told apart by a ridge map z [n, d] -> y [n, 64]
+    """bool ``[n - n // 2]``: the held-out pairs (the second half) told apart by a ridge map z [n, d] -> y [n, S]
     fitted on the first half (empty with fewer than 4 pairs). Both orientations of the training pairs are used, so
     the map needs no intercept."""
     n = len(z)
@@ -169,7 +177,8 @@ def pair_values(model: GPT, probes: ProbeSet, pairs: Pairs, *, alpha: float = 1.
     ``[L+1, m]`` (differing stones signed right by the probes, over both boards; differing stones), ``distance``
     ``[L+1, m]`` (``|r_A − r_B|`` over the layer's random-pair scale) and ``told`` ``[L+1, m − m // 2]`` (held-out
     pairs told apart, 1/0). The ``m`` pairs of a kind are in the order of the ``seed``'s shuffle, the same for every
-    model, so the arrays of two models on the same pairs are paired."""
+    model, so the arrays of two models on the same pairs are paired. ``probes``: ridge board probes of the model (its
+    task's squares in square order) fitted at position ``pairs.t``."""
     if pairs.t not in probes.positions:
         raise ValueError(f"the probes were not fitted at position {pairs.t} (have {probes.positions})")
     resid = pair_resid(model, pairs)  # [L+1, n, 2, d]
@@ -178,8 +187,8 @@ def pair_values(model: GPT, probes: ProbeSet, pairs: Pairs, *, alpha: float = 1.
     diff = torch.as_tensor(pairs.differ)
     out = {kind: {"right": [], "stones": [], "distance": [], "told": []} for kind in KINDS}
     for layer in range(resid.shape[0]):
-        w, b = probes.weights[layer, pairs.t].double(), probes.bias[layer, pairs.t].double()  # [d, 64], [64]
-        pred = resid[layer] @ w + b  # [n, 2, 64]
+        w, b = probes.weights[layer, pairs.t].double(), probes.bias[layer, pairs.t].double()  # [d, S], [S]
+        pred = resid[layer] @ w + b  # [n, 2, S]
         flat = resid[layer].reshape(-1, resid.shape[-1])
         g = torch.Generator().manual_seed(seed)
         i, j = torch.randint(len(flat), (2, 4 * len(flat)), generator=g)
@@ -187,7 +196,7 @@ def pair_values(model: GPT, probes: ProbeSet, pairs: Pairs, *, alpha: float = 1.
         for kind in KINDS:
             sel = torch.as_tensor(pairs.kind == kind)
             rows = perm[sel[perm]]
-            d = diff[rows]  # [m, 64]
+            d = diff[rows]  # [m, S]
             stones = d[:, None, :].expand(-1, 2, -1)
             right = ((torch.sign(pred[rows]) == boards[rows]) & stones).sum((1, 2))
             z = resid[layer, rows, 0] - resid[layer, rows, 1]
@@ -323,13 +332,17 @@ def run_fragility(run_dirs: dict[str, str | Path], out: str | Path, *, n_games: 
     one seeded set of pairs (:func:`find_pairs`), each run's final weights and its final ridge probes
     (``RUN_DIR/probes``, fitted first if absent), :func:`pair_values`, :func:`rows_of` and :func:`comparisons`.
     Writes ``out/fragility.json`` (the pairs' counts, every row and comparison, the runs' folders relative to
-    ``out``) and ``out/fragility.md`` (:func:`fragility_section`); returns ``out``."""
+    ``out``) and ``out/fragility.md`` (:func:`fragility_section`); returns ``out``. The runs share one board size
+    (their configs' ``board_size``), on which the pairs are searched."""
     runs = {k: Run.open(d) for k, d in run_dirs.items()}
     for k, run in runs.items():
         if not run.done or run.cfg.task != "othello":
             raise ValueError(f"{run.dir} ({k}) is not a finished Othello run")
+    sizes = {run.cfg.board_size for run in runs.values()}
+    if len(sizes) > 1:
+        raise ValueError(f"the runs play on different boards ({sorted(sizes)}); compare runs of one board size")
     out = ensure_writable_dir(out)
-    pairs = find_pairs(n_games, t0, depth, seed=seed)
+    pairs = find_pairs(n_games, t0, depth, seed=seed, board_size=sizes.pop() if sizes else 8)
     values = {k: pair_values(run.load_model("final", device), load_or_probe(run, "final", device), pairs, seed=seed)
               for k, run in runs.items()}
     results = {k: rows_of(v, seed=seed, n_boot=n_boot) for k, v in values.items()}

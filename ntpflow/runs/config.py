@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from ntpflow.tasks import task_class
+from ntpflow.tasks.othello_engine import BOARD_SIZES
 
 REGIMES = ("vanilla", "myopic", "untied", "myopic-untied")
 _SCHEDULE = ("warmup", "decay", "final_lr_frac")
@@ -29,6 +30,7 @@ class TrainConfig:
     task: str = "majority"
     corpus: str = ""  # the stories task's corpus: a path, "sample", "generated[:N]" or "hf"; unused by the synthetic tasks
     vocab_size: int = 4096  # the stories task's BPE vocabulary (when the hub tokenizer is unreachable)
+    board_size: int = 8  # the othello task's board: 8 (the paper's) or 6 (a fallback, not the paper's setting)
     regime: Literal["vanilla", "myopic", "untied", "myopic-untied"] = "vanilla"
     myopic_mode: Literal["kv", "resid"] = "kv"
     split_at: int = 10
@@ -59,6 +61,10 @@ class TrainConfig:
         if self.task.startswith("file:"):  # a task file: its absolute path, so that any working directory reopens it
             object.__setattr__(self, "task", "file:" + str(Path(self.task.removeprefix("file:")).resolve()))
         task_class(self.task)  # a built-in task or an importable Task subclass (one-line ValueError otherwise)
+        if self.board_size not in BOARD_SIZES:
+            raise ValueError(f"board_size must be 6 or 8, got {self.board_size!r}")
+        if self.board_size != 8 and "board_size" not in task_class(self.task).config_fields:
+            raise ValueError(f"board_size applies to the othello task only, not to {self.task!r}")
         if self.regime not in REGIMES:
             raise ValueError(f"unknown regime {self.regime!r}; choose one of {REGIMES}")
         if self.myopic_mode not in ("kv", "resid"):
@@ -143,6 +149,8 @@ class TrainConfig:
         if not self.scheduled:  # the schedule's fields are off: runs from before they existed keep their hash
             for k in _SCHEDULE:
                 d.pop(k)
+        if self.board_size == 8:  # the 8x8 board: runs from before board_size existed keep their hash
+            d.pop("board_size")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 

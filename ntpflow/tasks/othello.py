@@ -23,6 +23,11 @@ Position convention: logits at position ``p`` predict token ``p + 1``.
 
 The opening and the game rules are those of :mod:`ntpflow.tasks.othello_engine` (standard opening; the
 reference uses its mirror image).
+
+``Othello(board_size=6)`` (TrainConfig ``board_size=6``) plays on a 6×6 board, a fallback that is NOT the paper's
+setting: ``T = 33`` (``<bos>`` + 32 game tokens), ``V = 39`` (the three specials, then the 36 squares ``B2`` ..
+``G7``, named as on the 8×8 board they sit in the middle of; token id ``3 + s`` for square ``s = 6 * row + col``),
+``F = 36`` features ``sq_B2`` .. ``sq_G7``; every convention above holds with 32 for 60 and 36 for 64.
 """
 
 from __future__ import annotations
@@ -34,13 +39,13 @@ import numpy as np
 
 from ntpflow.tasks.base import BOS_ID, Batch, Task
 from ntpflow.tasks.othello_engine import (
-    GAME_LEN,
     PASS,
-    SQUARE_NAMES,
     START_OPP,
     START_OWN,
+    Board,
     OthelloGames,
     bitboard_to_mask,
+    board,
     legal_moves,
     play_moves,
     random_games,
@@ -60,24 +65,38 @@ class Othello(Task):
 
     ``useful`` is static while Othello usefulness is per example (``feature_types == 2``); it is all True,
     meaning "any square may be useful at any position": use ``Batch.feature_types`` for the real split.
+
+    ``board_size``: 8 (the paper's) or 6 (a fallback, not the paper's setting; module docstring).
     """
 
+    board_size: int = 8
+
     name: ClassVar[str] = "othello"
+    config_fields: ClassVar[tuple[str, ...]] = ("board_size",)  # TrainConfig fields passed to the constructor
+
+    def __post_init__(self) -> None:
+        board(self.board_size)  # ValueError unless 6 or 8
+
+    @property
+    def board(self) -> Board:
+        """The board's geometry (``othello_engine.Board``)."""
+        return board(self.board_size)
 
     @property
     def vocab(self) -> tuple[str, ...]:
-        """Token strings by id: ``<pad>``, ``<bos>``, ``pass``, then ``A1`` .. ``H8``."""
-        return ("<pad>", "<bos>", "pass") + SQUARE_NAMES
+        """Token strings by id: ``<pad>``, ``<bos>``, ``pass``, then the squares (``A1`` .. ``H8``; 6×6: ``B2`` ..
+        ``G7``)."""
+        return ("<pad>", "<bos>", "pass") + self.board.names
 
     @property
     def vocab_size(self) -> int:
-        """``V = 67``: three special tokens plus the 64 squares."""
-        return SQUARE_OFFSET + 64
+        """``V = 67`` (6×6: 39): three special tokens plus the 64 (36) squares."""
+        return SQUARE_OFFSET + self.board.n_squares
 
     @property
     def seq_len(self) -> int:
-        """``T = 61``: ``<bos>`` and the 60 game tokens."""
-        return 1 + GAME_LEN
+        """``T = 61`` (6×6: 33): ``<bos>`` and the 60 (32) game tokens."""
+        return 1 + self.board.game_len
 
     @property
     def first_output_pos(self) -> int:
@@ -86,24 +105,24 @@ class Othello(Task):
 
     @property
     def feature_names(self) -> tuple[str, ...]:
-        """``sq_A1`` .. ``sq_H8``, one per square."""
-        return tuple(f"sq_{s}" for s in SQUARE_NAMES)
+        """``sq_A1`` .. ``sq_H8`` (6×6: ``sq_B2`` .. ``sq_G7``), one per square."""
+        return tuple(f"sq_{s}" for s in self.board.names)
 
     @property
     def n_features(self) -> int:
-        """``F = 64``, one per square."""
-        return 64
+        """``F = 64`` (6×6: 36), one per square."""
+        return self.board.n_squares
 
     @property
     def useful(self) -> np.ndarray:
-        """bool ``[T, 64]``, all True (usefulness is per example: ``feature_types == 2``)."""
+        """bool ``[T, F]``, all True (usefulness is per example: ``feature_types == 2``)."""
         return np.ones((self.seq_len, self.n_features), dtype=bool)
 
     def sample(self, n: int, rng: np.random.Generator) -> Batch:
         """Draw ``n`` random games (randomness only from ``rng``, a ``np.random.Generator``)."""
         if not isinstance(rng, np.random.Generator):
             raise ValueError(f"rng must be a numpy Generator, got {type(rng).__name__}")  # noqa: TRY004
-        return self._batch(random_games(n, rng))
+        return self._batch(random_games(n, rng, size=self.board_size))
 
     def sample_tokens(self, n: int, rng: np.random.Generator) -> Batch:
         """The tokens and loss mask of ``sample(n, rng)`` only (a token-only :class:`Batch`: ``legal``, ``features``
@@ -111,7 +130,7 @@ class Othello(Task):
         24,156."""
         if not isinstance(rng, np.random.Generator):
             raise ValueError(f"rng must be a numpy Generator, got {type(rng).__name__}")  # noqa: TRY004
-        return Batch(tokens=self._tokens(random_moves(n, rng)), loss_mask=self._loss_mask(n), legal=None,
+        return Batch(tokens=self._tokens(random_moves(n, rng, size=self.board_size)), loss_mask=self._loss_mask(n), legal=None,
                      features=None)
 
     def make_datasets(self, n_train: int, n_eval: int, seed: int) -> tuple[Batch, Batch]:
@@ -124,7 +143,7 @@ class Othello(Task):
         return train, evals
 
     def annotate(self, tokens: np.ndarray) -> Batch:
-        """Build the :class:`Batch` of given token sequences int ``[n, 61]`` (``<bos>`` + 60 legal game tokens).
+        """Build the :class:`Batch` of given token sequences int ``[n, T]`` (``<bos>`` + the legal game tokens).
 
         ``sample`` returns exactly ``annotate`` of the tokens it drew. Raises ``ValueError`` on an illegal game.
         """
@@ -136,10 +155,10 @@ class Othello(Task):
         if tokens.size and (np.any(tokens[:, 0] != BOS_ID) or np.any(body < PASS_ID) or np.any(body >= self.vocab_size)):
             raise ValueError("tokens must be <bos> followed by pass or square tokens only")
         moves = np.where(body == PASS_ID, PASS, body - SQUARE_OFFSET)
-        return self._batch(play_moves(moves))
+        return self._batch(play_moves(moves, size=self.board_size))
 
     def _tokens(self, moves: np.ndarray) -> np.ndarray:
-        """int64 ``[n, 61]`` token sequences of moves int8 ``[n, 60]`` (in blocks of rows: no full-size temporary)."""
+        """int64 ``[n, T]`` token sequences of moves int8 ``[n, T - 1]`` (in blocks of rows: no full-size temporary)."""
         tokens = np.empty((len(moves), self.seq_len), dtype=np.int64)
         tokens[:, 0] = BOS_ID
         for lo in range(0, len(moves), 65536):
@@ -153,20 +172,22 @@ class Othello(Task):
         return loss_mask
 
     def _batch(self, games: OthelloGames) -> Batch:
-        n, T, V = len(games), self.seq_len, self.vocab_size
+        n, T, V, F, size = len(games), self.seq_len, self.vocab_size, self.n_features, self.board_size
+        G = T - 1
         tokens, loss_mask = self._tokens(games.moves), self._loss_mask(n)
 
-        start_legal = bitboard_to_mask(legal_moves(START_OWN, START_OPP))  # [64]
+        start_legal = bitboard_to_mask(legal_moves(START_OWN, START_OPP, size=size), size=size)  # [F]
         legal = np.zeros((n, T, V), dtype=bool)
         legal[:, 0, SQUARE_OFFSET:] = start_legal
-        legal[:, 1 : T - 1, SQUARE_OFFSET:] = games.legal[:, : GAME_LEN - 1]
-        legal[:, 1 : T - 1, PASS_ID] = ~games.legal[:, : GAME_LEN - 1].any(axis=-1)
+        legal[:, 1 : T - 1, SQUARE_OFFSET:] = games.legal[:, : G - 1]
+        legal[:, 1 : T - 1, PASS_ID] = ~games.legal[:, : G - 1].any(axis=-1)
 
-        features = np.empty((n, T, 64), dtype=np.float32)
-        start_board = bitboard_to_mask(START_OWN).astype(np.float32) - bitboard_to_mask(START_OPP)
+        features = np.empty((n, T, F), dtype=np.float32)
+        start_board = (bitboard_to_mask(START_OWN, size=size).astype(np.float32)
+                       - bitboard_to_mask(START_OPP, size=size))
         features[:, 0] = start_board
         features[:, 1:] = games.boards
-        types = np.empty((n, T, 64), dtype=np.int8)
-        types[:, 0] = square_types(START_OWN, START_OPP)
+        types = np.empty((n, T, F), dtype=np.int8)
+        types[:, 0] = square_types(START_OWN, START_OPP, size=size)
         types[:, 1:] = games.types
         return Batch(tokens=tokens, loss_mask=loss_mask, legal=legal, features=features, feature_types=types)
