@@ -19,7 +19,8 @@ Measured per layer at position ``t`` (:func:`measure`), for each kind of pair:
   own, −1 opponent) has the stone's sign, over both boards of every pair;
 * ``which_acc``: a linear "which board" decoder: ridge from the residual difference ``r_A − r_B`` to the board
   difference ``b_A − b_B`` (the ``S`` squares: 64, or 36 on the 6×6 board) fitted on the first half of the pairs;
-  on the other half a pair counts as told apart when the predicted difference points the right way on the differing squares (⟨pred, b_A − b_B⟩ > 0).
+  on the other half a pair counts as told apart when the predicted difference points the right way on the
+  differing squares (⟨pred, b_A − b_B⟩ > 0).
   Chance is 0.5;
 * ``distance``: ``|r_A − r_B|`` over the mean distance between the residuals of random pairs of the positions.
 
