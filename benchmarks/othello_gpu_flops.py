@@ -31,10 +31,10 @@ from ntpflow.tasks.othello import Othello
 def count(scale: str, batch: int, readout: int) -> tuple[int, int]:
     """(plain step FLOPs, tracked step FLOPs) of the model and sites of ``scale`` at ``batch`` and ``readout``, the
     scale's squares, typed readout."""
-    task = Othello()
+    task = Othello(board_size=SCALES[scale].train.get("board_size", 8))
     sites = SCALES[scale].sites
     cfg = TrainConfig(task="othello", **{k: v for k, v in SCALES[scale].train.items() if k in (
-        "n_layer", "d_model", "n_head", "lr")}, device="cpu")
+        "n_layer", "d_model", "n_head", "lr", "board_size")}, device="cpu")
     mcfg = model_config(cfg, task)
     games = task.sample(batch + readout, np.random.default_rng(0))
     tok, mask = torch.as_tensor(games.tokens[:batch]), torch.as_tensor(games.loss_mask[:batch])

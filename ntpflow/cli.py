@@ -458,7 +458,8 @@ def _add_reproduce(sub) -> None:
     rp.add_argument("experiment", help="toy | othello | stories | llm | all (every experiment and one report.html)")
     rp.add_argument("--scale", default="smoke", help="smoke (default; CI, minutes) | small (this 2-core CPU: "
                     "30-60 min per experiment, all: ~2.5-3 h) | medium (toy: the paper's model, 5 seeds; othello: a "
-                    "world model, two runs of ~3 core-hours each; hours on a CPU) | paper (the paper's sizes: GPU)")
+                    "world model, two runs of ~3 core-hours each; hours on a CPU) | medium-6x6 (othello: the 6×6 "
+                    "fallback board, not the paper's setting) | paper (the paper's sizes: GPU)")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores; on a CPU each run trains on "
                     "one torch thread, so its result does not depend on this)")

@@ -5,7 +5,7 @@ come from, and the fragility test.
 skipped when done):
 
 1. train one vanilla OthelloGPT into ``out/run`` (``ntpflow.runs.training.train``);
-2. ridge probes of the 64 squares for the final and the step-0 weights (``RUN_DIR/probes``, ``RUN_DIR/probes_init``);
+2. ridge probes of the board's squares for the final and the step-0 weights (``RUN_DIR/probes``, ``RUN_DIR/probes_init``);
 3. the 3-way least-squares classifier (empty / own / opponent) for both weights
    (``RUN_DIR/classifier_{final,init}.safetensors`` + ``.json``, see ``othello_probes``);
 4. the fragility test: a myopic run of the same config and seed (``out/myopic/run``), its final ridge probes, and
@@ -156,15 +156,15 @@ SCALES = {
     # same LR schedule as medium (warmup 200, cosine to 0.1). Steps from the 6x6 pilot
     # (docs/results/othello-medium/pilots/six-by-six.md): legal-move accuracy 0.929 after 1,200 steps at 0.72 CPU-s a
     # step; its power law reaches 0.97 at about 5,900 steps and 0.99 only at about 48,000, so 12,000 steps (3.07 M fresh
-    # games, about 2.4 core-hours of training, predicted 0.979-0.983) are twice the need for the 0.97 floor. Tracked: layers 2-3 x positions 12, 18 (mid-game of 32
-    # tokens), the 16 central squares (the inner 4x4, C3..F6, as on 8x8), the exact account on 16 evaluation games.
+    # games, about 2.4 core-hours of training, predicted 0.979-0.983) are twice the need for the 0.97 floor. Tracked:
+    # layers 2-3 x positions 12, 18 (mid-game of 32 tokens), the 16 central squares (the inner 4x4, C3..F6, as on 8x8), the exact account on 16 evaluation games.
     # NOT the paper's setting (a 6x6 board).
     "medium-6x6": OthelloScale(
         "medium-6x6",
         {"board_size": 6, "n_layer": 4, "d_model": 128, "n_head": 4, "batch_size": 256, "steps": SIX_STEPS,
          "lr": 1e-3, "warmup": 200, "decay": "cosine", "final_lr_frac": 0.1, "n_train": SIX_STEPS * 256,
          "n_eval": 4096, "eval_every": 200, "ckpt_every": 100, "log_every": 50},
-        site_grid((2, 3), (12, 18)), threads=1, curve_every=50, readout=16,
+        site_grid((2, 3), (12, 18)), threads=1, curve_every=50, readout=16, pilots="../othello-medium/pilots",
         note="a 6×6 board: NOT the paper's setting (4 layers, d 128, batch 256)"),
     # the paper's training on one GPU (scripts/othello_gpu.sh), with the replay's exact account on 256 evaluation
     # games at 6 of the paper's 84 sites (layers 3-4 x positions 20, 28, 36: the middle of the network and of the

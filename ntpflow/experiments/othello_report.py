@@ -10,6 +10,7 @@ Sign convention: positive influence = the component moved the feature toward its
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 
 from ntpflow.experiments import figure_style as fs
@@ -127,6 +128,8 @@ def summarize(data: dict) -> dict:
     summary["fragility"] = _fragility(data.get("fragility"), summary)
     summary["cpu_time"] = _cpu_time(timings)
     summary["pilots"] = data.get("pilots") or ""
+    summary["pilots_repo"] = posixpath.normpath(f"docs/results/othello-{summary['scale']}/{summary['pilots']}")
+    summary["n_squares"] = len(data.get("feature_names") or []) or 64
     return summary
 
 
@@ -293,8 +296,8 @@ def _fig_probe_by_layer(summary):
         ax.set_ylabel(METRICS[metric] + " (test games)")
         ax.set_xticks(summary["layers"])
         ax.set_title(METRICS[metric])
-    fs.finish(fig, "Probe quality by layer (mean over positions; bands: 95% t-CI over the 64 squares, clipped "
-                   "to the metric's range)", ncol=3)
+    fs.finish(fig, f"Probe quality by layer (mean over positions; bands: 95% t-CI over the {summary['n_squares']} "
+                   "squares, clipped to the metric's range)", ncol=3)
     return fig
 
 
@@ -311,7 +314,7 @@ def _fig_probe_by_move(summary):
                              lw=1.5 if w == "final" else 1.0,
                              label=f"layer {k}" if w == "final" else ("step 0 (dotted)" if k == layers[-1] else None))
         ax.set_xlabel("move index (position p, after reading move p)")
-        ax.set_ylabel(METRICS[metric] + "\n(mean over the 64 squares)")
+        ax.set_ylabel(METRICS[metric] + f"\n(mean over the {summary['n_squares']} squares)")
         ax.set_title(METRICS[metric])
     fs.finish(fig, "Probe quality by move index, all squares\nsolid = trained, dotted = step-0 baseline "
                    "(same colour per layer)", ncol=8)
@@ -345,7 +348,7 @@ def _fig_gap(summary):
         b.axhline(0, color="#000000", lw=0.6)
         b.set_xlabel("move index (position p)")
         b.set_ylabel(f"useful − useless\n({METRICS[metric]})")
-        b.set_title("gap by move index (mean over the 64 squares)", fontsize=9)
+        b.set_title(f"gap by move index (mean over the {summary['n_squares']} squares)", fontsize=9)
     fs.finish(fig, "Paper Fig. 3: probe-quality gap between NTP-useful and NTP-useless squares", ncol=5)
     return fig
 
