@@ -104,6 +104,31 @@ def test_second_call_does_not_redo_stages(smoke):
         assert p.read_bytes() == content, p.name
 
 
+def test_report_of_the_vanilla_run_comes_before_the_myopic_training(smoke, tmp_path, monkeypatch):
+    """Claim (i) and the gates need only the vanilla run: its report is written before the myopic run trains, so a
+    myopic training that fails (or is stopped) leaves it."""
+    import shutil
+
+    import ntpflow.experiments.othello as othello
+
+    out = tmp_path / "out"
+    shutil.copytree(smoke / "run", out / "run")
+    real_train = othello.train
+
+    def train(cfg, run_dir, **kw):
+        if cfg.regime == "myopic":
+            raise RuntimeError("stopped before the myopic run")
+        return real_train(cfg, run_dir, **kw)
+
+    monkeypatch.setattr(othello, "train", train)
+    with pytest.raises(RuntimeError, match="stopped before the myopic run"):
+        run_othello("smoke", out, device="cpu", progress=False, replays=False)
+    report = (out / "report.md").read_text()
+    assert "## Fragility" not in report and "## Fragility" in (smoke / "report.md").read_text()
+    data, full = json.loads((out / "data.json").read_text()), json.loads((smoke / "data.json").read_text())
+    assert data["probes"] == full["probes"] and data["fragility"] is None
+
+
 def test_myopic_run_is_the_vanilla_config_in_regime_myopic(smoke):
     vanilla, myopic = (json.loads((d / "config.json").read_text()) for d in (smoke / "run", smoke / "myopic" / "run"))
     assert myopic["train"]["regime"] == "myopic" and vanilla["train"]["regime"] == "vanilla"

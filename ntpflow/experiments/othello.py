@@ -223,7 +223,8 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     account).
     ``scale.readout`` sets the exact account's readout size (None: attribute's default).
     ``replays=False`` skips only the tracked replay (stage 5; the influence claims then read not testable); a later
-    call with replays adds it. The myopic run and the fragility test (stage 4) run in either case.
+    call with replays adds it. The myopic run and the fragility test (stage 4) run in either case. A first report is
+    written as soon as the vanilla run is trained and probed (claim (i) and the gates), before the myopic run.
     """
     scale = resolve_scale(scale, SCALES, OthelloScale)
     layout = OthelloOut(ensure_writable_dir(out))
@@ -237,12 +238,11 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                 if progress:
                     log.info("othello %s: training %s (%s)", scale.name, run_dir, name)
                 runs[name] = train(c, run_dir, progress=progress)
+            if name == "vanilla":  # claim (i) and the gates need only the vanilla run: report them before the myopic
+                _probe_vanilla(runs[name], timer, device)
+                write_json(layout.data, gather(scale, layout.dir))
+                write_report(layout.dir)
         run = runs["vanilla"]
-        for which in ("final", "init"):
-            with timer.stage(f"probes_{which}", ProbeSet.saved(run.probes_dir(which))):
-                load_or_probe(run, which, device)
-            with timer.stage(f"classifier_{which}", run.classifier_path(which).with_suffix(".json").exists()):
-                load_or_classify(run, which, device)
         with timer.stage("probes_myopic", ProbeSet.saved(runs["myopic"].probes_dir("final"))):
             load_or_probe(runs["myopic"], "final", device)
         with timer.stage("fragility", _fragility_done(layout)):
@@ -256,6 +256,15 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
         write_json(layout.data, gather(scale, layout.dir))
         write_report(layout.dir)
     return layout.dir
+
+
+def _probe_vanilla(run: Run, timer: _Timer, device: str) -> None:
+    """Stages 2-3 on the vanilla run: ridge probes and 3-way classifiers of the final and the step-0 weights."""
+    for which in ("final", "init"):
+        with timer.stage(f"probes_{which}", ProbeSet.saved(run.probes_dir(which))):
+            load_or_probe(run, which, device)
+        with timer.stage(f"classifier_{which}", run.classifier_path(which).with_suffix(".json").exists()):
+            load_or_classify(run, which, device)
 
 
 def _fragility_done(layout: OthelloOut) -> bool:
