@@ -128,8 +128,8 @@ def test_a_failed_precondition_makes_the_claim_not_testable_whatever_the_numbers
     assert ok.verdict == REPRODUCED
     assert low.verdict == NOT_TESTABLE and missing.verdict == NOT_TESTABLE
     d = low.to_dict()
-    assert d["preconditions"] == [{"name": "at least 2 seeds", "value": 1, "ok": False},
-                                  {"name": "at least 2 units", "value": 9, "ok": True}]
+    assert d["preconditions"] == [{"name": "at least 2 seeds", "value": 1, "ok": False, "short": "seeds", "need": "≥ 2"},
+                                  {"name": "at least 2 units", "value": 9, "ok": True, "short": "units", "need": "≥ 2"}]
     assert d["claim"] == "Δ > 0" and d["paper"] == "0.76" and d["rule"] == rule.text and d["verdict"] == NOT_TESTABLE
     json.dumps(d, allow_nan=False)  # the form written to summary.json
 

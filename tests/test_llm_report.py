@@ -4,6 +4,7 @@ Q-vs-influence ablation, the qscan CLI, the smoke scale end to end and its resum
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,3 +218,18 @@ def test_qscan_train_then_scan(tmp_path, capsys):
     assert set(stats["stamp"]) == set(q["stamp"]) == {"ntpflow", "git_commit", "git_dirty", "date", "command"}
     assert stats["reconstruction"]["n_scored"] == 3
 
+
+
+def test_committed_report_rerenders_byte_identical(tmp_path):
+    """The committed llm-small folder (summary.json and figures, no run files) re-renders from its stored numbers, and
+    a second render changes no byte of report.md, report.html, summary.json or the figures."""
+    from ntpflow.experiments.llm_report import write_report
+
+    committed = Path(__file__).resolve().parents[1] / "docs" / "results" / "llm-small"
+    out = tmp_path / "llm-small"
+    shutil.copytree(committed, out, ignore=shutil.ignore_patterns("report.html"))
+    write_report(out)
+    first = {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    assert {Path("report.md"), Path("report.html"), Path("summary.json")} <= set(first)
+    write_report(out)
+    assert {p.relative_to(out): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()} == first

@@ -415,7 +415,8 @@ def test_report_mismatch_table_on_data_before_centred(tmp_path):
 def test_report_missing_data_is_not_testable(tmp_path):
     s = summarize({"scale": "empty"})
     assert [c["verdict"] for c in s["claims"]] == ["not testable at this scale"] * 4
-    assert {"name": "at least 2 squares", "value": 0, "ok": False} in s["claims"][0]["preconditions"]
+    assert {"name": "at least 2 squares", "value": 0, "ok": False, "short": "squares", "need": "≥ 2"} in \
+        s["claims"][0]["preconditions"]
     with pytest.raises(FileNotFoundError, match="missing file"):
         write_report(tmp_path)
     (tmp_path / "data.json").write_text("{not json")

@@ -74,7 +74,8 @@ def account_check(account: dict | None, where: str) -> Check:
         f"{account.get('zero_R0')} rows with R_H(θ_0) = 0" if account.get("zero_R0") else
         "no rows" if worst is None else float(f"{worst:.3g}"))
     return Check(f"exact account: every row's |residual| at most {RESIDUAL_LIMIT:g} of its R_H(θ_0) ({where}; the "
-                 "largest ratio)", value, not bad and worst <= RESIDUAL_LIMIT, *FIXED_ACCOUNT)
+                 "largest ratio)", value, not bad and worst <= RESIDUAL_LIMIT, *FIXED_ACCOUNT,
+                 short="largest |residual| / R_H(θ_0)", need=f"≤ {RESIDUAL_LIMIT:g}")
 
 
 def account_text(reading: str, checks) -> tuple[str, bool]:
@@ -105,7 +106,8 @@ def balance_check(full: float | None, removed: float | None, where: str) -> Chec
     return Check(f"first-order balance: Σ full influence within a factor {BALANCE:g} of the mismatch removed on "
                  f"held-out data ({where}; the factor)",
                  "no data" if ratio is None else "opposite signs" if factor is None else round(factor, 2),
-                 factor is not None and factor <= BALANCE, *FIXED_BALANCE)
+                 factor is not None and factor <= BALANCE, *FIXED_BALANCE, short="balance factor",
+                 need=f"≤ {BALANCE:g}")
 
 
 def row_balance_check(rows: "list[tuple[float, float]]", where: str) -> Check:
@@ -117,7 +119,7 @@ def row_balance_check(rows: "list[tuple[float, float]]", where: str) -> Check:
     return Check(f"first-order balance row by row: 2 Σ|full − removed| / Σ(|full| + |removed|) at most "
                  f"{ROW_LIMIT:.3g}, a factor {BALANCE:g} for one row ({where})",
                  "no data" if error is None else round(error, 3), error is not None and error <= ROW_LIMIT,
-                 *FIXED_ROWS)
+                 *FIXED_ROWS, short="row balance error", need=f"≤ {ROW_LIMIT:.3g}")
 
 
 # --------------------------------------------------------------------------------- toy tasks (docs/paper.md#toy-tasks)
@@ -137,10 +139,12 @@ def gate_checks(summary: dict, task: str) -> tuple[Check, ...]:
     g = summary["gates"].get(task) or {}
     acc, gap = g.get("min_first_acc"), g.get("max_loss_gap")
     return (Check(f"vanilla {task} first-output accuracy >= {GATE_ACC} on every seed (lowest)",
-                  None if acc is None else round(acc, 4), acc is not None and acc >= GATE_ACC, *FIXED_TOY_GATES),
+                  None if acc is None else round(acc, 4), acc is not None and acc >= GATE_ACC, *FIXED_TOY_GATES,
+                  short="vanilla first-output acc", need=f"≥ {GATE_ACC}"),
             Check(f"vanilla {task} eval loss within {GATE_GAP} of the exact optimum "
                   f"{fmt_g(g.get('optimal_loss'))} on every seed (largest gap)",
-                  None if gap is None else round(gap, 4), gap is not None and gap <= GATE_GAP, *FIXED_TOY_GATES))
+                  None if gap is None else round(gap, 4), gap is not None and gap <= GATE_GAP, *FIXED_TOY_GATES,
+                  short="vanilla loss gap", need=f"≤ {GATE_GAP}"))
 
 
 def toy_influence_checks(summary: dict, task: str) -> tuple[str, tuple[Check, ...]]:
@@ -229,7 +233,7 @@ def toy_claims(summary: dict) -> list[Claim]:
                 f"{g} {fmt_ci(v['gain'])} (init r {fmt_ci(v['init'])}, final {fmt_ci(v['final'])})"
                 for g, v in per.items()) + ". Paired Δ vs vanilla: "
             + "; ".join(f"{g} {fmt_ci(d)}" for g, d in a["vs_vanilla"].items()) + f". n = {n} seeds",
-            (at_least("seeds", n, 2), Check("all four regimes", len(per), len(per) == 4),
+            (at_least("seeds", n, 2), Check("all four regimes", len(per), len(per) == 4, short="regimes", need="4"),
              *gate_checks(summary, "majority")), "majority"))
     if (b := pg.get("cond_majority")) is not None:
         per = b["per_regime"]
@@ -242,10 +246,12 @@ def toy_claims(summary: dict) -> list[Claim]:
             f"gain of prev_is_0 r over init ({WINDOW}): " + "; ".join(
                 f"{g} {fmt_ci(v)} (init r {fmt_ci(per[g]['init'])})" for g, v in gain.items()) + f". n = {n} seeds",
             (at_least("seeds", n, 2), Check("vanilla and myopic both run", sorted(gain),
-                                            {"vanilla", "myopic"} <= set(gain)),
+                                            {"vanilla", "myopic"} <= set(gain), short="regimes run",
+                                            need="vanilla and myopic"),
              *gate_checks(summary, "cond_majority"),
              Check(f"vanilla learns prev_is_0: window probe r >= {B_LEARNED} on every seed (lowest)",
-                   None if low is None else round(low, 3), low is not None and low >= B_LEARNED, *FIXED_TOY_GATES)),
+                   None if low is None else round(low, 3), low is not None and low >= B_LEARNED, *FIXED_TOY_GATES,
+                   short="vanilla prev_is_0 r", need=f"≥ {B_LEARNED}")),
             "cond_majority"))
     for t in summary["tasks"]:  # a task without tracked replays gets the claim too: not testable (0 seeds)
         by = summary["influence"].get(t) or {}
@@ -311,10 +317,11 @@ def othello_gates(summary) -> tuple[Check, Check]:
     middle = [r["mean"] for r in rows if r["layer"] < last or last == 1]
     best = max((m for m in middle if m is not None), default=None)
     return (Check(f"a world model: legal-move accuracy >= {GATE_LEGAL}", None if legal is None else round(legal, 4),
-                  legal is not None and legal >= GATE_LEGAL, *FIXED_OTHELLO_GATES),
+                  legal is not None and legal >= GATE_LEGAL, *FIXED_OTHELLO_GATES, short="legal acc",
+                  need=f"≥ {GATE_LEGAL}"),
             Check(f"a world model: useful squares' ridge r >= {GATE_PROBE_R} at a middle layer (best)",
                   None if best is None else round(best, 3), best is not None and best >= GATE_PROBE_R,
-                  *FIXED_OTHELLO_GATES))
+                  *FIXED_OTHELLO_GATES, short="useful r", need=f"≥ {GATE_PROBE_R}"))
 
 
 def othello_influence_checks(summary) -> tuple[str, tuple[Check, ...]]:
@@ -408,7 +415,8 @@ def othello_fragility_claims(fragility: dict, vanilla: dict, myopic: dict) -> li
     report's fragility record (``comparisons``, ``pairs``); ``vanilla`` / ``myopic``: summaries that
     :func:`othello_gates` reads."""
     def gates(summary, who):
-        return tuple(Check(f"{who}: {g.name}", g.value, g.ok, g.fixed, g.against) for g in othello_gates(summary))
+        return tuple(Check(f"{who}: {g.name}", g.value, g.ok, g.fixed, g.against, f"{who} {g.short}", g.need)
+                     for g in othello_gates(summary))
 
     pairs = fragility.get("pairs") or {}
     counts = tuple(at_least(f"{k} pairs", pairs.get(k), 4) for k in ("useful", "useless"))

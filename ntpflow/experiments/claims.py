@@ -42,13 +42,17 @@ PAPERS_READING = "paper's reading"
 @dataclass(frozen=True)
 class Check:
     """A precondition of a claim: ``name`` (what is required), the measured ``value`` and whether it holds; a
-    threshold chosen by the project also records when it was ``fixed`` and ``against`` which data."""
+    threshold chosen by the project also records when it was ``fixed`` and ``against`` which data. ``short`` (the
+    measured quantity in a few words, "legal acc") and ``need`` (its threshold, "≥ 0.97") are what the claims table
+    prints of a failing check; the report's rules list prints the whole ``name``."""
 
     name: str
     value: Any
     ok: bool
     fixed: str = ""
     against: str = ""
+    short: str = ""
+    need: str = ""
 
     def text(self) -> str:
         return f"{self.name} (measured: {self.value}{'' if self.ok else '; fails'})"
@@ -56,7 +60,8 @@ class Check:
 
 def at_least(what: str, value, minimum) -> Check:
     """The precondition "at least ``minimum`` ``what``" with its measured ``value`` (None fails)."""
-    return Check(f"at least {minimum} {what}", value, value is not None and value >= minimum)
+    return Check(f"at least {minimum} {what}", value, value is not None and value >= minimum, short=what,
+                 need=f"≥ {minimum}")
 
 
 @dataclass(frozen=True)
@@ -184,7 +189,8 @@ class Claim:
                 "measured": self.measured, "rule": self.rule.text, "verdict": self.verdict, "reading": self.reading,
                 "fixed": self.rule.fixed, "against": self.rule.against,
                 "preconditions": [{"name": c.name, "value": c.value, "ok": c.ok,
-                                   **({"fixed": c.fixed, "against": c.against} if c.fixed else {})}
+                                   **({"fixed": c.fixed, "against": c.against} if c.fixed else {}),
+                                   **({"short": c.short, "need": c.need} if c.short else {})}
                                   for c in self.preconditions],
                 "numbers": dict(self.numbers)}
 

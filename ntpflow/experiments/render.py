@@ -6,6 +6,7 @@ Each experiment's text (headings, paragraphs, captions, table headers) is a Jinj
 blank lines (the lines of a heading, paragraph or caption are joined by spaces):
 
 - ``# text`` / ``## text``: headings; ``![name] caption``: a figure; ``[claims]``: the claims table;
+  ``[claims html_id] [JSON list of claim dicts]`` (the ``claims`` filter): another claims table (its own claims);
 - ``[links] lead text [text](href) [text](href)``: a paragraph of real links;
 - ``| head | head |`` (optionally followed by `` #html_id``), then one JSON list of cells a line (the ``row``
   filter): a table;
@@ -16,13 +17,16 @@ Blocks are tuples:
 - ``("h1" | "h2" | "p", text)`` or ``("h2", text, html_id)``;
 - ``("nav", [(text, href), ...])`` and ``("links", lead_text, [(text, href), ...])``: real links;
 - ``("table", header, rows, html_id)``: a column named ``verdict`` is coloured by its value;
-- ``("claims", claims, show_experiment)``: the claims table (``claims``: dicts of ``Claim.to_dict()``, with an
-  ``experiment`` key when ``show_experiment``), ``id="claims"``, with the paper's value, ours, the verdict, the
-  rule and the preconditions;
+- ``("claims", claims, show_experiment)`` or ``("claims", claims, show_experiment, html_id)``: a claims table
+  (``claims``: dicts of ``Claim.to_dict()``, with an ``experiment`` key when ``show_experiment``), ``id="claims"``
+  unless given: short cells (the claim, the paper's value, ours, the verdict, and the failing preconditions in a few
+  words or "all met", linked to the claim's rule), then the rules list (:func:`claim_rules`): per claim, anchored
+  ``rule-<claim>``, its rule, when it was fixed and against which data, and every precondition with its value;
 - ``("fig", name, caption)``: ``name`` = a figure stem, or ``"<experiment>/<stem>"`` in the combined report.
 
 The HTML is self-contained (PNGs as base64 data URIs, inline CSS). :func:`write_documents` writes all three files
-atomically; summary.json gets the report's ``claims`` and ``figures`` (name + caption) besides the caller's numbers.
+atomically; summary.json gets the report's ``claims`` (those of the tables with ``id="claims"``) and ``figures``
+(name + caption) besides the caller's numbers.
 """
 
 from __future__ import annotations
@@ -39,8 +43,10 @@ from ntpflow.experiments.claims import verdict_text
 from ntpflow.files import atomic_write, read_json, stamp_text
 from ntpflow.stats import finite
 
-CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "rule (preconditions)"]
+CLAIM_HEADER = ["claim", "paper", "ours", "verdict", "preconditions"]
+CLAIMS_ID = "claims"  # the html id of a report's claims table (the one whose claims go into summary.json)
 TABLE_HEAD = re.compile(r"\| (.*) \|(?: #([\w-]+))?")  # "| a | b |", optionally " #html_id"
+CLAIMS_BLOCK = re.compile(r"\[claims ([\w-]+)\] (\[.*\])")  # the ``claims`` filter's block
 LINK = re.compile(r"\[([^\]]+)\]\(([^)\s]+)\)")  # [text](href) in a [links] block
 STAMP = "stamp.json"  # in a results folder: files.stamp() of the command that made its numbers
 
@@ -55,6 +61,7 @@ def _environment():
     env.filters.update(fmt=fm.fmt, fmt_g=fm.fmt_g, fmt_ci=fm.fmt_ci, fmt_ci_g=lambda s: fm.fmt_ci(s, fm.fmt_g),
                        fmt_interval=fm.fmt_interval, fmt_sigma=fm.fmt_sigma, sites=fm.sites_text, where=fm.select,
                        pick=lambda mapping, keys, default=None: [mapping.get(k, default) for k in keys], repr=repr,
+                       claims=lambda cs, tid: f"[claims {tid}] " + json.dumps(list(cs), ensure_ascii=False),
                        row=lambda cells: json.dumps([str(c) for c in cells], ensure_ascii=False),
                        ci3=lambda r, m: fm.fmt_ci({"mean": r.get(m), "lo": r.get(f"{m}_lo"), "hi": r.get(f"{m}_hi"),
                                                    "n": r.get("n_pairs")}),
@@ -71,6 +78,8 @@ def _block(chunk: str, claims) -> tuple:
     text = " ".join(lines)
     if text == "[claims]":
         return "claims", claims, False
+    if own := CLAIMS_BLOCK.fullmatch(text):
+        return "claims", json.loads(own[2]), False, own[1]
     if text.startswith("[links] "):
         lead, _, _ = text[len("[links] "):].partition(" [")
         return "links", lead, LINK.findall(text)
@@ -92,23 +101,99 @@ def template_blocks(experiment: str, claims, **context) -> list[tuple]:
     return read_blocks(_environment().get_template(f"{experiment}.md.j2").render(**context), claims)
 
 
-def _claim_rows(claims, show_experiment: bool) -> tuple[list[str], list[list[str]]]:
+def precondition_text(p) -> str:
+    """A precondition in full, as the rules list prints it: "name: value (fails) [fixed ..., against ...]"."""
+    return (f"{p['name']}: {p['value']}{'' if p['ok'] else ' (fails)'}"
+            + (f" [fixed {p['fixed']}, against {p['against']}]" if p.get("fixed") else ""))
+
+
+def precondition_short(p) -> str:
+    """A failing precondition in a few words for the claims table: "legal acc 0.7298 (needs ≥ 0.97)" (its ``short``
+    and ``need``; a check without them: "name: value")."""
+    value = "n/a" if p["value"] is None else p["value"]
+    if not p.get("short"):
+        return f"{p['name']}: {value}"
+    return f"{p['short']} {value}" + (f" (needs {p['need']})" if p.get("need") else "")
+
+
+def preconditions_cell(claim) -> str:
+    """The claims table's preconditions cell: the failing ones in a few words, else "all met" ("none" without
+    any)."""
+    pre = claim.get("preconditions") or []
+    failing = [p for p in pre if not p["ok"]]
+    return "; ".join(precondition_short(p) for p in failing) if failing else "all met" if pre else "none"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def claim_rules(claims, show_experiment: bool) -> list[dict]:
+    """Per claim (dicts of ``Claim.to_dict()``): ``anchor`` ("rule-" + experiment, id and context, unique among
+    ``claims``), ``label`` ("(c) [majority]", prefixed by the experiment when ``show_experiment``), ``text`` (the rule
+    and when it was fixed against which data) and ``preconditions`` (each in full, :func:`precondition_text`)."""
+    out, seen = [], set()
+    for c in claims:
+        who = [c.get("experiment", "")] if show_experiment else []
+        anchor = base = "rule-" + (_slug(" ".join([*who, c.get("id", ""), c.get("context", "")])) or "claim")
+        n = 1
+        while anchor in seen:
+            n += 1
+            anchor = f"{base}-{n}"
+        seen.add(anchor)
+        label = " ".join([*who, f"({c['id']})" if c.get("id") else "", f"[{c['context']}]" if c.get("context") else ""])
+        record = f" Rule fixed {c['fixed']}, against {c['against']}." if c.get("fixed") else ""
+        out.append({"anchor": anchor, "label": " ".join(label.split()) or "claim", "text": c.get("rule", "") + record,
+                    "preconditions": [precondition_text(p) for p in c.get("preconditions") or []]})
+    return out
+
+
+def _claim_rows(claims, show_experiment: bool) -> tuple[list[str], list[list]]:
+    """The claims table: header and rows; the preconditions cell is ``(text, "rule", "#anchor")``, a link cell."""
     header = (["experiment"] if show_experiment else []) + CLAIM_HEADER
     rows = []
-    for c in claims:
+    for c, rule in zip(claims, claim_rules(claims, show_experiment)):
         label = f"({c['id']}) " if c.get("id") else ""
         context = f" [{c['context']}]" if c.get("context") else ""
-        pre = "; ".join(f"{p['name']}: {p['value']}{'' if p['ok'] else ' (fails)'}"
-                        + (f" [fixed {p['fixed']}, against {p['against']}]" if p.get("fixed") else "")
-                        for p in c.get("preconditions") or [])
-        record = f" Rule fixed {c['fixed']}, against {c['against']}." if c.get("fixed") else ""
-        rule = c.get("rule", "") + record + (f" Preconditions: {pre}." if pre else "")
-        row = [f"{label}{c['claim']}{context}", c.get("paper") or "n/a", c.get("measured", ""), verdict_text(c), rule]
+        row = [f"{label}{c['claim']}{context}", c.get("paper") or "n/a", c.get("measured", ""), verdict_text(c),
+               (preconditions_cell(c), "rule", f"#{rule['anchor']}")]
         rows.append(([c.get("experiment", "")] if show_experiment else []) + row)
     return header, rows
 
 
+RULES_LEAD = ("Rules of the claims above: each claim's decision rule, when it was fixed and against which data, "
+              "and every precondition with its measured value.")
+
+
+def _md_rules(rules) -> str:
+    items = []
+    for r in rules:
+        pre = "".join(f"\n  - {_md_line(p)}" for p in r["preconditions"])
+        items.append(f'- <a id="{r["anchor"]}"></a>**{r["label"]}** {_md_line(r["text"])}'
+                     + (" Preconditions:" if pre else "") + pre)
+    return f"{RULES_LEAD}\n\n" + "\n".join(items)
+
+
+def _html_rules(rules) -> str:
+    e = html.escape
+    out = [f"<p>{e(RULES_LEAD)}</p>", '<ul class="rules">']
+    for r in rules:
+        pre = "".join(f"<li>{e(p)}</li>" for p in r["preconditions"])
+        out.append(f'<li id="{e(r["anchor"])}"><b>{e(r["label"])}</b> {e(r["text"])}'
+                   + (f" Preconditions:<ul>{pre}</ul>" if pre else "") + "</li>")
+    out.append("</ul>")
+    return "\n".join(out)
+
+
+def _md_line(s) -> str:
+    return str(s).replace("\n", " ")
+
+
 def _md_cell(s) -> str:
+    """A markdown table cell; ``(text, link_text, href)`` is the text followed by a link."""
+    if isinstance(s, tuple):
+        text, link, href = s
+        return f"{_md_cell(text)} · [{_md_cell(link)}]({href})"
     return str(s).replace("|", "\\|").replace("\n", " ")
 
 
@@ -136,6 +221,7 @@ def to_markdown(blocks) -> str:
             out.append(_md_table(blk[1], blk[2]))
         elif kind == "claims":
             out.append(_md_table(*_claim_rows(blk[1], blk[2])))
+            out.append(_md_rules(claim_rules(blk[1], blk[2])))
         elif kind == "nav":
             out.append(" · ".join(f"[{text}]({href})" for text, href in blk[1]))
         elif kind == "links":
@@ -159,6 +245,7 @@ figure { margin: 1em 0; } figure img { max-width: 100%; height: auto; border: 1p
 figcaption { font-size: 0.9em; color: #444; }
 td.v-reproduced { background: #dff0d8; } td.v-not-reproduced { background: #f2dede; }
 td.v-inconclusive { background: #fcf8e3; } td.v-not-testable-at-this-scale { background: #e8e8e8; }
+ul.rules { font-size: 0.9em; } ul.rules > li { margin-bottom: 0.4em; }
 """.strip()
 
 
@@ -170,7 +257,8 @@ def _html_table(header, rows, tid) -> str:
         cells = []
         for h, c in zip(header, r):
             cls = f' class="v-{e(str(c).split(" (")[0].replace(" ", "-"))}"' if h == "verdict" else ""
-            cells.append(f"<td{cls}>{e(str(c))}</td>")
+            text = f'{e(c[0])} · <a href="{e(c[2])}">{e(c[1])}</a>' if isinstance(c, tuple) else e(str(c))
+            cells.append(f"<td{cls}>{text}</td>")
         t.append("<tr>" + "".join(cells) + "</tr>")
     t.append("</tbody></table>")
     return "\n".join(t)
@@ -199,7 +287,8 @@ def to_html(blocks, pngs: dict[str, bytes]) -> str:
         elif kind == "table":
             out.append(_html_table(blk[1], blk[2], blk[3]))
         elif kind == "claims":
-            out.append(_html_table(*_claim_rows(blk[1], blk[2]), "claims"))
+            out.append(_html_table(*_claim_rows(blk[1], blk[2]), blk[3] if len(blk) > 3 else CLAIMS_ID))
+            out.append(_html_rules(claim_rules(blk[1], blk[2])))
         elif kind == "fig":
             _, name, caption = blk
             nfig += 1
@@ -217,7 +306,7 @@ def figure_list(blocks) -> list[dict]:
 
 def write_documents(out: str | Path, blocks, pngs: dict[str, bytes], summary: dict) -> Path:
     """Write ``out``/report.md, report.html and summary.json (``summary`` + the blocks' ``figures`` and the
-    claims of its claims tables) atomically; a figure without PNG bytes in ``pngs`` becomes the line "not drawn".
+    claims of its claims tables with ``id="claims"``) atomically; a figure without PNG bytes in ``pngs`` becomes the line "not drawn".
     The stamp (``files.stamp()``): the summary's own (a re-render keeps it), else ``out``/stamp.json's (written when
     the numbers were made); the report's last line. Returns report.md's path."""
     out = Path(out)
@@ -229,7 +318,7 @@ def write_documents(out: str | Path, blocks, pngs: dict[str, bytes], summary: di
     if summary.get("stamp"):
         blocks = [*blocks, ("p", stamp_text(summary["stamp"]))]
     summary["figures"] = figure_list(blocks)
-    tables = [blk[1] for blk in blocks if blk[0] == "claims"]
+    tables = [blk[1] for blk in blocks if blk[0] == "claims" and (blk[3] if len(blk) > 3 else CLAIMS_ID) == CLAIMS_ID]
     if tables:
         summary["claims"] = [c for t in tables for c in t]
     atomic_write(out / "summary.json", json.dumps(summary, indent=2, sort_keys=True, allow_nan=False,

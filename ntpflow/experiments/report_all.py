@@ -84,7 +84,7 @@ def write_report(out: str | Path) -> Path:
                          [(f"{name}/{stem}", captions.get(stem, stem.replace("_", " "))) for stem in stems]))
     blocks: list[tuple] = [
         ("h1", "ntpflow: reproduction of “Understanding the Emergence of Seemingly Useless Features”"),
-        ("p", f"{SIGN} Each verdict follows the decision rule printed beside it, applied by the code to the numbers "
+        ("p", f"{SIGN} Each verdict follows the decision rule printed below the table, applied by the code to the numbers "
               "in the experiment's summary.json; 'not testable at this scale' means a precondition of the test "
               "failed at the scale that ran. The paper and its reported numbers are explained in docs/paper.md of "
               "the ntpflow repository."),
