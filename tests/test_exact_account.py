@@ -61,7 +61,7 @@ def path_integral(model, final, probe, held, mismatch, theta, step, direction, n
     return total
 
 
-def setup(opt_name, kw=None, levels=(32,), rtol=1e-3, floor=1e-6):
+def setup(opt_name, kw=None, levels=(32,), rtol=1e-3, floor=1e-6, pieces=()):
     kw = kw or {}
     model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
     g = torch.Generator().manual_seed(3)
@@ -69,7 +69,7 @@ def setup(opt_name, kw=None, levels=(32,), rtol=1e-3, floor=1e-6):
               Probe(Site(2, 5), "b", torch.randn(D, generator=g, dtype=torch.float64))]
     tracker = InfluenceTracker(final, probes)
     held = tokens_of(99, 10)[0]
-    tracker.use_readout(held, levels=levels, rtol=rtol, floor=floor)
+    tracker.use_readout(held, levels=levels, rtol=rtol, floor=floor, pieces=pieces)
     lr = 1e-2 if opt_name == "adam" else 1e-1
     opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam"
            else torch.optim.SGD(model.parameters(), lr=lr))
@@ -127,7 +127,7 @@ def test_changes_telescope_and_refinement_counts():
         tokens, mask = tokens_of(step, 6)
         if step == 2:  # resume a copy from here: same rows, same counters
             twin = InfluenceTracker(final, probes)
-            twin.use_readout(held, levels=(1, 2, 4), rtol=0.0, floor=0.0)
+            twin.use_readout(held, levels=(1, 2, 4), rtol=0.0, floor=0.0, pieces=())
             twin.load_state_dict(copy.deepcopy(tracker.state_dict()))
             twin_model = copy.deepcopy(model)
             twin_opt = torch.optim.Adam(twin_model.parameters(), lr=lr)
@@ -150,6 +150,63 @@ def test_changes_telescope_and_refinement_counts():
         lazy.track(model, opt, *tokens_of(step, 6))
         lazy.optimizer_step(model, opt)
     assert (lazy.refined, lazy.evaluations) == (0, 2)
+
+
+def test_a_hard_step_converges_when_split_into_pieces():
+    """A learning rate of 0.1 makes a step whose 8-point residual exceeds the tolerance (checked: without pieces some
+    row fails against the exact change from plain forwards); split into pieces every row settles within it, the
+    counters say so (2 + 4 + 8 points per step, plus 2 × 8 for the step split in two), a step that settles without
+    pieces has the same rows bit for bit, and resuming from a state_dict gives the same rows and counters."""
+    def hard(pieces):
+        model, final, probes, tracker, held, opt, lr = setup("adam", levels=(2, 4, 8), pieces=pieces)
+        for g in opt.param_groups:
+            g["lr"] = 0.1
+        return model, final, probes, tracker, held, opt
+
+    ratios, steps_rows = {}, {}
+    for pieces in ((), (2, 4, 8, 16)):
+        model, final, probes, tracker, held, opt = hard(pieces)
+        r0 = {(p.name, m): risk(model, final, p, held, m).item() for p in probes for m in MISMATCHES}
+        worst, steps_rows[pieces], split = 0.0, [], []
+        for step in range(2):
+            tokens, mask = tokens_of(step, 6)
+            if step == 1 and pieces:  # resume a copy from here: same rows, same counters
+                twin = InfluenceTracker(final, probes)
+                twin.use_readout(held, pieces=pieces)
+                twin.load_state_dict(copy.deepcopy(tracker.state_dict()))
+                twin_model = copy.deepcopy(model)
+                twin_opt = torch.optim.Adam(twin_model.parameters(), lr=0.1)
+                twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+                twin_rows = twin.track(twin_model, twin_opt, tokens, mask)
+            before, done = copy.deepcopy(model), tracker.subdivided
+            rows = tracker.track(model, opt, tokens, mask)
+            tracker.optimizer_step(model, opt)
+            steps_rows[pieces].append(rows)
+            split.append(tracker.subdivided > done)
+            for p in probes:
+                for m in MISMATCHES:
+                    change = (risk(before, final, p, held, m) - risk(model, final, p, held, m)).item()
+                    full = value(rows, p, m, "adam", "full")
+                    tol = 1e-3 * abs(change) + 1e-6 * abs(r0[p.name, m]) + 1e4 * EPS * abs(r0[p.name, m])
+                    worst = max(worst, abs(full - change) / tol)
+            if step == 1 and pieces:
+                assert [r["value"] for r in rows] == [r["value"] for r in twin_rows]
+                assert (twin.refined, twin.evaluations, twin.subdivided) == (tracker.refined, tracker.evaluations,
+                                                                             tracker.subdivided)
+        ratios[pieces] = worst
+        if pieces:
+            assert (tracker.refined, tracker.subdivided, tracker.evaluations) == (2, 1, 2 * 14 + 16)
+            for a, b, was_split in zip(steps_rows[()], steps_rows[pieces], split):
+                if not was_split:
+                    assert [r["value"] for r in a] == [r["value"] for r in b]
+    assert ratios[()] > 1 >= ratios[(2, 4, 8, 16)]
+
+
+def test_pieces_must_increase():
+    model, final, probes, tracker, held, opt, lr = setup("adam")
+    for bad in ((1, 2), (4, 2), (2, 2)):
+        with pytest.raises(ValueError, match="pieces"):
+            tracker.use_readout(held, pieces=bad)
 
 
 def test_readout_set_needs_two_sequences():
@@ -191,7 +248,8 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
         assert abs(e["residual"]) <= 0.01 * e["R0_eval"]
     *_, head, paper, centred = caplog.messages
     assert head.endswith("with the exact account on a readout of 64; "
-                         f"{summary['refined_steps']}/12 steps refined")
+                         f"{summary['refined_steps']}/12 steps refined ({summary['subdivided_steps']} split into "
+                         "pieces)")
     for line, mismatch in ((paper, "paper"), (centred, "centred")):
         worst = max(abs(e["residual"]) / e["R0_eval"] for e in summary["probes"] if e["mismatch"] == mismatch)
         assert line == f"run: exact account, {mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} PASS (≤ 0.01)"

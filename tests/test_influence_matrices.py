@@ -51,7 +51,8 @@ def setup(opt_name, kw=None, levels=(2,), probes_per_site=3):
               for s in sites for j in range(probes_per_site)]
     tracker = InfluenceTracker(final, probes)
     held = tokens_of(99, 10)[0]
-    tracker.use_readout(held, levels=levels, rtol=0.0 if len(levels) > 1 else 1e-3, floor=0.0, matrices=True)
+    tracker.use_readout(held, levels=levels, rtol=0.0 if len(levels) > 1 else 1e-3, floor=0.0, matrices=True,
+                        pieces=())
     lr = 1e-2 if opt_name == "adam" else 1e-1
     opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam"
            else torch.optim.SGD(model.parameters(), lr=lr))
@@ -122,7 +123,7 @@ def test_resume_gives_the_same_matrices_bit_for_bit():
     model, final, probes, tracker, held, opt = setup("adam", levels=(1, 2, 4))
     run_steps(model, tracker, opt, 2)
     twin = InfluenceTracker(final, probes)
-    twin.use_readout(held, levels=(1, 2, 4), rtol=0.0, floor=0.0, matrices=True)
+    twin.use_readout(held, levels=(1, 2, 4), rtol=0.0, floor=0.0, matrices=True, pieces=())
     twin.load_state_dict(copy.deepcopy(tracker.state_dict()))
     twin_model = copy.deepcopy(model)
     twin_opt = torch.optim.Adam(twin_model.parameters(), lr=1e-2)

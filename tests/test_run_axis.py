@@ -21,7 +21,7 @@ SITES = [Site(0, 2), Site(1, 3), Site(1, 5), Site(2, 4)]
 def trackers(final_models, data, reading, gen):
     """One tracker per run, 2 random probes per site, each run's own directions and dataset; ``reading``: "start",
     "midpoint", "exact" (each run's own readout set, its first 16 sequences) or "refined" (the exact account with a
-    tolerance of 0: every step re-integrated up to the last rule)."""
+    tolerance of 0: every step re-integrated up to the last rule, the step split in two)."""
     out = []
     for final, d in zip(final_models, data):
         probes = [Probe(s, f"f{j}", torch.randn(final.cfg.d_model, generator=gen, dtype=torch.float64))
@@ -29,7 +29,8 @@ def trackers(final_models, data, reading, gen):
         tr = InfluenceTracker(final, probes, midpoint=reading == "midpoint")
         tr.use_dataset(d)
         if reading in ("exact", "refined"):
-            tr.use_readout(d[:16], levels=(2, 3), **({"rtol": 0.0, "floor": 0.0} if reading == "refined" else {}))
+            tr.use_readout(d[:16], levels=(2, 3), **({"rtol": 0.0, "floor": 0.0, "pieces": (2,)} if reading == "refined"
+                                                     else {}))
         out.append(tr)
     return out
 
@@ -69,9 +70,9 @@ def test_run_axis_rows_equal_separate_trackers_float64(regime, reading):
     for a, b in zip(alone, axis.trackers):  # the first moments, as each member's state_dict holds them
         sa, sb = a.state_dict(), b.state_dict()
         assert sa.keys() == sb.keys() and int(sb["step"]) == STEPS
-        assert (a.refined, a.evaluations) == (b.refined, b.evaluations)
-        if reading == "refined":
-            assert b.refined == STEPS and b.evaluations == STEPS * 5
+        assert (a.refined, a.evaluations, a.subdivided) == (b.refined, b.evaluations, b.subdivided)
+        if reading == "refined":  # 2 + 3 points, then 2 pieces of 3
+            assert b.refined == b.subdivided == STEPS and b.evaluations == STEPS * (5 + 6)
         for k in sa:
             torch.testing.assert_close(sb[k], sa[k], rtol=0, atol=1e3 * eps * max(sa[k].abs().max().item(), 1e-300))
 

@@ -20,6 +20,7 @@ subtracted* (θ ← θ − Σ_c Δ_c). **Positive influence means the component 
 """
 
 import copy
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,8 +78,9 @@ def gauss_legendre(n: int) -> list[tuple[float, float]]:
 class Readout:
     """A fixed readout set H: ``tokens`` [N, n_pos] (the sites' prefix), θ*'s projections on them ``final_proj``
     [N, n_probes], their type labels ``types`` ({probe name: int [N, pos]} or None), the Gauss–Legendre point
-    counts tried in turn ``levels``, and the refinement tolerance: a step is re-integrated while some risk's
-    |residual| > ``rtol`` · |change| + ``floor`` · R_H(θ_0)."""
+    counts tried in turn ``levels``, then the composite rules tried after the last level ``pieces`` (the step
+    split into that many equal pieces, each with the last level's points), and the refinement tolerance: a step is
+    re-integrated while some risk's |residual| > ``rtol`` · |change| + ``floor`` · R_H(θ_0)."""
 
     tokens: torch.Tensor
     final_proj: torch.Tensor
@@ -86,6 +88,21 @@ class Readout:
     levels: tuple[int, ...]
     rtol: float
     floor: float
+    pieces: tuple[int, ...] = ()
+
+    @property
+    def rules(self) -> list[tuple[int, int]]:
+        """The rules tried in turn, (points per piece, pieces): each level on the whole step, then the last level on
+        each composite split."""
+        return [(n, 1) for n in self.levels] + [(self.levels[-1], k) for k in self.pieces]
+
+
+def composite_gauss_legendre(n: int, pieces: int) -> list[tuple[float, float]]:
+    """The n-point Gauss–Legendre rule on each of ``pieces`` equal parts of [0, 1]: [(node, weight)], Σ weights = 1;
+    for one piece exactly ``gauss_legendre(n)``."""
+    if pieces == 1:
+        return gauss_legendre(n)
+    return [((j + s) / pieces, w / pieces) for j in range(pieces) for s, w in gauss_legendre(n)]
 
 
 def _projection_dtype(device: torch.device) -> torch.dtype:
@@ -175,6 +192,7 @@ class InfluenceTracker:
         self._start: torch.Tensor | None = None  # R_H at the step's start [n_risks] (readout mode)
         self._floor: torch.Tensor | None = None  # floor · R_H(θ_0) [n_risks]
         self.refined = self.evaluations = 0  # steps re-integrated, and points evaluated (readout mode)
+        self.subdivided = 0  # steps settled at a composite rule (readout mode)
         self.matrices: InfluenceMatrices | None = None  # see use_readout(matrices=True)
         # Adam first moments, stacked: per site [n_sites, 2 (direct, pre-cached), n_params], and the full one
         self._m_sites: torch.Tensor | None = None
@@ -208,7 +226,8 @@ class InfluenceTracker:
         if self._start is not None:
             state.update({"readout.start": self._start, "readout.floor": self._floor,
                           "readout.refined": torch.tensor(self.refined),
-                          "readout.evaluations": torch.tensor(self.evaluations)})
+                          "readout.evaluations": torch.tensor(self.evaluations),
+                          "readout.subdivided": torch.tensor(self.subdivided)})
         if self.matrices is not None:
             state.update(self.matrices.state_dict())
         if self._m_full is not None:
@@ -222,7 +241,8 @@ class InfluenceTracker:
         self.step = int(state["step"])
         self._m_sites = self._m_full = None
         self._start, self._floor = state.get("readout.start"), state.get("readout.floor")
-        self.refined, self.evaluations = (int(state.get(f"readout.{k}", 0)) for k in ("refined", "evaluations"))
+        self.refined, self.evaluations, self.subdivided = (int(state.get(f"readout.{k}", 0))
+                                                           for k in ("refined", "evaluations", "subdivided"))
         if self.matrices is not None:
             self.matrices.load_state_dict(state)
         if "m.full" in state:
@@ -256,7 +276,7 @@ class InfluenceTracker:
 
     def use_readout(self, tokens: torch.Tensor, types: dict[str, torch.Tensor] | None = None,
                     levels: Sequence[int] = (2, 4, 8), rtol: float = 1e-3, floor: float = 1e-6,
-                    matrices: bool = False) -> None:
+                    matrices: bool = False, pieces: Sequence[int] = (2, 4, 8, 16)) -> None:
         """Read R and R_c on the fixed readout set ``tokens`` [N, pos] (N ≥ 2; ``types``: their type labels)
         instead of each step's batch, and integrate each step exactly (the exact account, docs/balance.md).
 
@@ -264,20 +284,25 @@ class InfluenceTracker:
         forwards (the end is the next step's start: one forward per step); each component's share is the path
         integral ∫₀¹ ∇R_H(θ_t − sΔ)·Δ_c ds by the ``levels[0]``-point Gauss–Legendre rule, and the components add up
         to the full. Its ``residual`` (full − change) is recorded; a step whose residual exceeds ``rtol`` · |change|
-        + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points (up to the last).
+        + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points, and after the last level
+        with the composite rules: the step split into ``pieces[0]``, ``pieces[1]``, … equal parts (up to the last,
+        the cap), the last level's points on each. A step that settles earlier is integrated exactly as without them.
         ``matrices=True`` also accumulates every site's influence matrices (``ntpflow.engine.matrices``) at the
         same points, for the optimizer's own rows (Adam, or SGD for an SGD run) on the whole readout set."""
         if len(tokens) < 2:
             raise ValueError("the readout set needs at least 2 sequences (R_c is a variance)")
         n_pos = max(s.pos for s in self.sites) + 1
-        self.readout = Readout(tokens[:, :n_pos], self.final_projections(tokens), types, tuple(levels), rtol, floor)
+        if any(k < 2 for k in pieces) or list(pieces) != sorted(set(pieces)):
+            raise ValueError(f"pieces must be increasing counts ≥ 2, not {tuple(pieces)}")
+        self.readout = Readout(tokens[:, :n_pos], self.final_projections(tokens), types, tuple(levels), rtol, floor,
+                               tuple(pieces))
         self.matrices = None
         if matrices:
             with torch.no_grad():
                 frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
             self.matrices = InfluenceMatrices(self.sites, frozen, _projection_dtype(tokens.device))
         self._start = self._floor = None
-        self.refined = self.evaluations = 0
+        self.refined = self.evaluations = self.subdivided = 0
 
     def _cached_projections(self, example_ids: torch.Tensor) -> torch.Tensor:
         """⟨w, r*⟩ [batch, n_probes] of the dataset's examples ``example_ids`` [batch], chunks filled on demand."""
@@ -490,12 +515,13 @@ class InfluenceTracker:
             self._floor = ro.floor * self._start.abs()
             if self.matrices is not None:
                 self.matrices.start(primals)
-        for level, n in enumerate(ro.levels):
-            scratch = iter(range(n + 1))
-            points = lambda step, s: Primals(self._point(model, step, s, next(scratch)), ro.tokens)  # noqa: E731
+        for level, (n, pieces) in enumerate(ro.rules):
+            scratch = itertools.count()  # scratch weights: the end, then n per piece (a piece's are done before the next)
+            points = lambda step, s: Primals(self._point(model, step, s, next(scratch) % (n + 1)),  # noqa: E731
+                                             ro.tokens)
             mats = None if self.matrices is None else {}
             values, end, full, layout = self.exact_integral(passes, lr, adam, points, n, ro.final_proj, w, ro.types,
-                                                            update=level == 0, mats=mats)
+                                                            update=level == 0, mats=mats, pieces=pieces)
             if self.settled(level, self._start - end, full):
                 break
         if mats is not None:  # the rule the step settled at
@@ -503,16 +529,18 @@ class InfluenceTracker:
         return self.exact_rows(values, end, full, layout, lr, level)
 
     def settled(self, level: int, change: torch.Tensor, full: torch.Tensor) -> bool:
-        """Whether a step integrated at ``levels[level]`` points is done: the last level, or every risk's residual
+        """Whether a step integrated at rule ``rules[level]`` is done: the last rule, or every risk's residual
         (``full`` − ``change``, [..., n_risks]) within rtol · |change| + floor · R_H(θ_0). One host sync."""
         ro = self.readout
-        return level + 1 == len(ro.levels) or bool(((full - change).abs() <= ro.rtol * change.abs()
+        return level + 1 == len(ro.rules) or bool(((full - change).abs() <= ro.rtol * change.abs()
                                                     + self._floor).all())
 
     def exact_integral(self, passes: SitePasses, lr: float, adam: AdamStep | None, points, n: int,
                        final_proj: torch.Tensor, w: torch.Tensor, types: dict[str, torch.Tensor] | None,
-                       update: bool, mats: dict | None = None):
-        """The tensor work of one step of the exact account with the ``n``-point Gauss–Legendre rule: (the
+                       update: bool, mats: dict | None = None, pieces: int = 1):
+        """The tensor work of one step of the exact account with the ``n``-point Gauss–Legendre rule on each of
+        ``pieces`` equal parts of the step (one: the plain rule; pieces are integrated one after another, so memory
+        is that of one n-point rule): (the
         components' integrals [n_values] float64, R_H at the step's end [n_risks] float64, the full integral along
         the real step [n_risks] float64, the layout for :meth:`exact_rows`).
 
@@ -524,11 +552,15 @@ class InfluenceTracker:
         shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam, update)
         step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
         risks, end = self._readout_risks(points(step, 1.0), final_proj, types, w)
-        nodes = []
-        for s, weight in gauss_legendre(n):
-            pr = points(step, s)
-            nodes.append((weight, pr, self.risk_coefficients(pr.resid, final_proj, types, w)))
-        pending = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update, mats=mats)
+        rule = composite_gauss_legendre(n, pieces)
+        pending = None
+        for j in range(pieces):
+            nodes = []
+            for s, weight in rule[j * n:(j + 1) * n]:
+                pr = points(step, s)
+                nodes.append((weight, pr, self.risk_coefficients(pr.resid, final_proj, types, w)))
+            part = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update and j == 0, mats=mats)
+            pending = part if pending is None else [(*a[:2], a[2] + b[2]) for a, b in zip(pending, part)]
         index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(risks)}
         order = [index[(id(r[0]), r[1], r[2])] for mine, *_ in pending for r in mine]
         along = torch.cat([v[:, -1] for *_, v in pending]).to(end) * (1.0 if adam is not None else lr)
@@ -548,8 +580,10 @@ class InfluenceTracker:
         kind = "adam" if layout[3] else "sgd"
         for (p, t, m), c, r in zip(layout[0], host[-2 * n_risks:-n_risks], host[-n_risks:]):
             rows += [self._row(p, t, m, "change", "none", c), self._row(p, t, m, "residual", kind, r)]
-        self.evaluations += sum(self.readout.levels[:level + 1])
+        rules = self.readout.rules
+        self.evaluations += sum(n * k for n, k in rules[:level + 1])
         self.refined += level > 0
+        self.subdivided += rules[level][1] > 1
         self._start = end
         self.step += 1
         return rows

@@ -47,7 +47,7 @@ class RunAxisTracker:
     [R, batch, pos] and example_ids [R, batch] are theirs; returns each member's rows, as its own
     ``InfluenceTracker.track`` would (to rounding). Only whole-batch risks (no feature types). With the exact
     account (every member's ``use_readout``, each on its own readout set of one size) a step is integrated for all
-    members at once, and again at the next rule while some member's residual is above its tolerance; each member
+    members at once, and again at the next rule (more points, then the composite rules) while some member's residual is above its tolerance; each member
     keeps the rule its own tracker would settle at.
     """
 
@@ -117,7 +117,7 @@ class RunAxisTracker:
             for tr, r in zip(trackers, _vmapped(start)(params, ro_tokens, ro_proj, self._directions)):
                 tr._start, tr._floor = r, tr.readout.floor * r.abs()
         result: list = [None] * len(trackers)  # per member: (values, end, full, level) of the rule it settled at
-        for level, n in enumerate(first.readout.levels):
+        for level, (n, pieces) in enumerate(first.readout.rules):
             layout = []
 
             def one(params, tokens, loss_mask, ro_tokens, ro_proj, w, v_prev, m_full, m_sites):
@@ -125,7 +125,8 @@ class RunAxisTracker:
                     passes = SitePasses(model, tokens, first.sites, loss_mask, functional=True)
                     points = lambda step, s: self._shifted(model, step, s, ro_tokens)  # noqa: E731
                     *tensors, lay = first.exact_integral(passes, lr, AdamStep(v_prev, t, betas, eps, m_full, m_sites),
-                                                         points, n, ro_proj, w, None, update=level == 0)
+                                                         points, n, ro_proj, w, None, update=level == 0,
+                                                         pieces=pieces)
                     layout.append(lay)
                     return tuple(tensors)
 
@@ -136,7 +137,7 @@ class RunAxisTracker:
             starts, floors = (torch.stack([getattr(tr, k) for tr in trackers]) for k in ("_start", "_floor"))
             change = starts - end
             settled = ((full - change).abs() <= first.readout.rtol * change.abs() + floors).all(1).tolist()
-            last = level + 1 == len(first.readout.levels)
+            last = level + 1 == len(first.readout.rules)
             for r, ok in enumerate(settled):  # a member settles at its own rule, as its lone tracker would
                 if result[r] is None and (ok or last):
                     result[r] = (values[r], end[r], full[r], level)
@@ -187,7 +188,7 @@ class RunAxisTracker:
 def _readout_key(tracker: InfluenceTracker) -> tuple | None:
     """What members tracked together must share about their readout sets: size and rule (None: no readout)."""
     ro = tracker.readout
-    return None if ro is None else (len(ro.tokens), ro.levels, ro.rtol, ro.floor)
+    return None if ro is None else (len(ro.tokens), ro.levels, ro.pieces, ro.rtol, ro.floor)
 
 
 def _vmapped(fn):

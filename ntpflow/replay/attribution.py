@@ -482,9 +482,12 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
                     entry[f"{r['optimizer']}_{r['component']}"] = r["cumulative"]
             summary.append(entry)
     extra = {} if readout is None else {
-        "readout": readout, "refined_steps": tracker.refined, "point_evaluations": tracker.evaluations,
-        "rule": f"Gauss-Legendre {'/'.join(map(str, tracker.readout.levels))} points, a step re-integrated while "
-                f"|residual| > {tracker.readout.rtol:g} |change| + {tracker.readout.floor:g} R_H(θ_0)",
+        "readout": readout, "refined_steps": tracker.refined, "subdivided_steps": tracker.subdivided,
+        "point_evaluations": tracker.evaluations,
+        "rule": f"Gauss-Legendre {'/'.join(map(str, tracker.readout.levels))} points, then the step split into "
+                f"{'/'.join(map(str, tracker.readout.pieces)) or 'no'} pieces of {tracker.readout.levels[-1]} points "
+                f"each, a step re-integrated while |residual| > {tracker.readout.rtol:g} |change| + "
+                f"{tracker.readout.floor:g} R_H(θ_0)",
         "exact": "R0_eval = R_H(θ_0) and R0_minus_RT_eval on the readout set; change = Σ_t R_H(θ_t) − R_H(θ_t+1); "
                  "residual = Σ_t (full influence − change)"}
     write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra, "stamp": stamp(),
@@ -496,7 +499,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
         log.info(f"{what}; {_balance_text(summary)}")
         return
     log.info(f"{what} with the exact account on a readout of {readout}; {tracker.refined}/{run.cfg.steps} steps "
-             "refined")
+             f"refined ({tracker.subdivided} split into pieces)")
     for line in residual_lines(summary):
         log.info(f"{run.dir.name}: {line}")
 
