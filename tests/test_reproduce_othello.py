@@ -4,12 +4,14 @@ data.json."""
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
 import torch
 from _util import all_numbers
 
+import ntpflow.experiments.othello as othello
 from ntpflow.experiments.claims import NOT_TESTABLE
 from ntpflow.experiments.othello import CENTRAL_SQUARES, SCALES, run_othello
 from ntpflow.experiments.othello_probes import ClassifierProbes, board_classes, fit_classifier
@@ -107,10 +109,6 @@ def test_second_call_does_not_redo_stages(smoke):
 def test_report_of_the_vanilla_run_comes_before_the_myopic_training(smoke, tmp_path, monkeypatch):
     """Claim (i) and the gates need only the vanilla run: its report is written before the myopic run trains, so a
     myopic training that fails (or is stopped) leaves it."""
-    import shutil
-
-    import ntpflow.experiments.othello as othello
-
     out = tmp_path / "out"
     shutil.copytree(smoke / "run", out / "run")
     real_train = othello.train
