@@ -659,7 +659,7 @@ def flops_section(args, tokens, mask) -> list[str]:
         tracker = InfluenceTracker(final, probes, sgd_rows=sgd_rows, bucket_width=args.bucket_width,
                                    midpoint=midpoint is True)
         if midpoint == "exact":  # a readout set of the batch's size; no step refined (rtol 1: the FLOPs of a step
-            tracker.use_readout(tokens, rtol=1.0)  # integrated once; each refinement adds its points' share)
+            tracker.use_readout(tokens, rtol=1.0, cap=1.0)  # integrated once; each refinement adds its points' share)
         tracker.track(m, o, tokens, mask)
         tracker.optimizer_step(m, o)
         with MatmulFlops() as fc:

@@ -61,7 +61,7 @@ def path_integral(model, final, probe, held, mismatch, theta, step, direction, n
     return total
 
 
-def setup(opt_name, kw=None, levels=(32,), rtol=1e-3, floor=1e-6, pieces=()):
+def setup(opt_name, kw=None, levels=(32,), rtol=1e-3, floor=1e-6, pieces=(), cap=1e-3):
     kw = kw or {}
     model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
     g = torch.Generator().manual_seed(3)
@@ -69,7 +69,7 @@ def setup(opt_name, kw=None, levels=(32,), rtol=1e-3, floor=1e-6, pieces=()):
               Probe(Site(2, 5), "b", torch.randn(D, generator=g, dtype=torch.float64))]
     tracker = InfluenceTracker(final, probes)
     held = tokens_of(99, 10)[0]
-    tracker.use_readout(held, levels=levels, rtol=rtol, floor=floor, pieces=pieces)
+    tracker.use_readout(held, levels=levels, rtol=rtol, floor=floor, pieces=pieces, cap=cap)
     lr = 1e-2 if opt_name == "adam" else 1e-1
     opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam"
            else torch.optim.SGD(model.parameters(), lr=lr))
@@ -145,20 +145,22 @@ def test_changes_telescope_and_refinement_counts():
         rT = risk(model, final, p, held, m).item()
         assert total[p.name, m] == pytest.approx(r0 - rT, rel=1e-10, abs=1e-12)
     assert (tracker.refined, tracker.evaluations) == (4, 4 * 7)
-    model, final, probes, lazy, held, opt, lr = setup("adam", levels=(1, 2, 4), rtol=1e9)
+    model, final, probes, lazy, held, opt, lr = setup("adam", levels=(1, 2, 4), rtol=1e9, floor=1e9)
     for step in range(2):
         lazy.track(model, opt, *tokens_of(step, 6))
         lazy.optimizer_step(model, opt)
     assert (lazy.refined, lazy.evaluations) == (0, 2)
 
 
-def test_a_hard_step_converges_when_split_into_pieces():
+@pytest.mark.parametrize("cap, counts", [(1.0, (2, 1, 2 * 14 + 16)), (1e-3, (2, 2, 2 * 14 + 2 * 16 + 2 * 32 + 64))])
+def test_a_hard_step_converges_when_split_into_pieces(cap, counts):
     """A learning rate of 0.1 makes a step whose 8-point residual exceeds the tolerance (checked: without pieces some
     row fails against the exact change from plain forwards); split into pieces every row settles within it, the
-    counters say so (2 + 4 + 8 points per step, plus 2 × 8 for the step split in two), a step that settles without
+    counters say so (2 + 4 + 8 points per step, then 8 per piece: uncapped (cap 1), only the first step is split,
+    in two; capped at 10⁻³ R_H(θ_0), the first settles at 4 pieces and the second at 8), a step that settles without
     pieces has the same rows bit for bit, and resuming from a state_dict gives the same rows and counters."""
     def hard(pieces):
-        model, final, probes, tracker, held, opt, lr = setup("adam", levels=(2, 4, 8), pieces=pieces)
+        model, final, probes, tracker, held, opt, lr = setup("adam", levels=(2, 4, 8), pieces=pieces, cap=cap)
         for g in opt.param_groups:
             g["lr"] = 0.1
         return model, final, probes, tracker, held, opt
@@ -172,7 +174,7 @@ def test_a_hard_step_converges_when_split_into_pieces():
             tokens, mask = tokens_of(step, 6)
             if step == 1 and pieces:  # resume a copy from here: same rows, same counters
                 twin = InfluenceTracker(final, probes)
-                twin.use_readout(held, pieces=pieces)
+                twin.use_readout(held, pieces=pieces, cap=cap)
                 twin.load_state_dict(copy.deepcopy(tracker.state_dict()))
                 twin_model = copy.deepcopy(model)
                 twin_opt = torch.optim.Adam(twin_model.parameters(), lr=0.1)
@@ -187,7 +189,8 @@ def test_a_hard_step_converges_when_split_into_pieces():
                 for m in MISMATCHES:
                     change = (risk(before, final, p, held, m) - risk(model, final, p, held, m)).item()
                     full = value(rows, p, m, "adam", "full")
-                    tol = 1e-3 * abs(change) + 1e-6 * abs(r0[p.name, m]) + 1e4 * EPS * abs(r0[p.name, m])
+                    tol = (min(1e-3 * abs(change), cap * abs(r0[p.name, m])) + 1e-6 * abs(r0[p.name, m])
+                           + 1e4 * EPS * abs(r0[p.name, m]))
                     worst = max(worst, abs(full - change) / tol)
             if step == 1 and pieces:
                 assert [r["value"] for r in rows] == [r["value"] for r in twin_rows]
@@ -195,7 +198,7 @@ def test_a_hard_step_converges_when_split_into_pieces():
                                                                              tracker.subdivided)
         ratios[pieces] = worst
         if pieces:
-            assert (tracker.refined, tracker.subdivided, tracker.evaluations) == (2, 1, 2 * 14 + 16)
+            assert (tracker.refined, tracker.subdivided, tracker.evaluations) == counts
             for a, b, was_split in zip(steps_rows[()], steps_rows[pieces], split):
                 if not was_split:
                     assert [r["value"] for r in a] == [r["value"] for r in b]
@@ -213,6 +216,30 @@ def test_readout_set_needs_two_sequences():
     model, final, probes, tracker, held, opt, lr = setup("adam")
     with pytest.raises(ValueError, match="at least 2"):
         tracker.use_readout(held[:1])
+
+
+def test_tolerance_is_capped_by_the_budget():
+    """min(rtol |change|, cap R_0) + floor R_0, by hand: a step that moves R_H by 24 R_0 may not keep 2.4 % of it."""
+    from ntpflow.engine.influence import Readout
+
+    ro = Readout(torch.zeros(2, 1), torch.zeros(2, 1), None, (2,), rtol=1e-2, floor=1e-6, cap=1e-3)
+    tol = ro.tolerance(torch.tensor([24.0, -0.05, 0.0], dtype=torch.float64), torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64))
+    assert tol.tolist() == pytest.approx([1e-3 + 1e-6, 5e-4 + 1e-6, 2e-6], rel=4 * EPS)
+
+
+def test_resume_point_written_before_the_cap():
+    """A resume point that stored floor · |R_H(θ_0)| ("readout.floor") restores |R_H(θ_0)| itself."""
+    model, final, probes, tracker, held, opt, lr = setup("adam", levels=(2,))
+    tokens, mask = tokens_of(0, 6)
+    tracker.track(model, opt, tokens, mask)
+    tracker.optimizer_step(model, opt)
+    state = tracker.state_dict()
+    r0 = state.pop("readout.r0")
+    state["readout.floor"] = 1e-6 * r0
+    twin = InfluenceTracker(final, probes)
+    twin.use_readout(held, levels=(2,))
+    twin.load_state_dict(state)
+    assert torch.allclose(twin._r0, r0, rtol=4 * EPS, atol=0)
 
 
 # ---------------------------------------------------------------- a replay

@@ -79,8 +79,8 @@ class Readout:
     """A fixed readout set H: ``tokens`` [N, n_pos] (the sites' prefix), θ*'s projections on them ``final_proj``
     [N, n_probes], their type labels ``types`` ({probe name: int [N, pos]} or None), the Gauss–Legendre point
     counts tried in turn ``levels``, then the composite rules tried after the last level ``pieces`` (the step
-    split into that many equal pieces, each with the last level's points), and the refinement tolerance: a step is
-    re-integrated while some risk's |residual| > ``rtol`` · |change| + ``floor`` · R_H(θ_0)."""
+    split into that many equal pieces, each with the last level's points), and the refinement tolerance
+    (:meth:`tolerance`)."""
 
     tokens: torch.Tensor
     final_proj: torch.Tensor
@@ -89,6 +89,13 @@ class Readout:
     rtol: float
     floor: float
     pieces: tuple[int, ...] = ()
+    cap: float = 1e-3
+
+    def tolerance(self, change: torch.Tensor, r0: torch.Tensor) -> torch.Tensor:
+        """A step's largest accepted |residual| per risk: min(``rtol`` · |change|, ``cap`` · |R_H(θ_0)|) +
+        ``floor`` · |R_H(θ_0)|. Relative to the step's change, but never more than ``cap`` of the budget (a step that
+        moves R_H by many times R_H(θ_0) and back must still not spend the row's 1 %); ``r0`` = |R_H(θ_0)|."""
+        return torch.minimum(self.rtol * change.abs(), self.cap * r0) + self.floor * r0
 
     @property
     def rules(self) -> list[tuple[int, int]]:
@@ -190,7 +197,7 @@ class InfluenceTracker:
         self.readout: Readout | None = None  # see use_readout
         self._points: list[GPT] = []  # scratch weights θ_t − s_j Δ (readout mode), one per node
         self._start: torch.Tensor | None = None  # R_H at the step's start [n_risks] (readout mode)
-        self._floor: torch.Tensor | None = None  # floor · R_H(θ_0) [n_risks]
+        self._r0: torch.Tensor | None = None  # |R_H(θ_0)| [n_risks]
         self.refined = self.evaluations = 0  # steps re-integrated, and points evaluated (readout mode)
         self.subdivided = 0  # steps settled at a composite rule (readout mode)
         self.matrices: InfluenceMatrices | None = None  # see use_readout(matrices=True)
@@ -224,7 +231,7 @@ class InfluenceTracker:
         (component direct or pre_cached), each [n_params]; none before the first Adam step."""
         state = {"step": torch.tensor(self.step)}
         if self._start is not None:
-            state.update({"readout.start": self._start, "readout.floor": self._floor,
+            state.update({"readout.start": self._start, "readout.r0": self._r0,
                           "readout.refined": torch.tensor(self.refined),
                           "readout.evaluations": torch.tensor(self.evaluations),
                           "readout.subdivided": torch.tensor(self.subdivided)})
@@ -240,7 +247,9 @@ class InfluenceTracker:
         """Restore what :meth:`state_dict` returned."""
         self.step = int(state["step"])
         self._m_sites = self._m_full = None
-        self._start, self._floor = state.get("readout.start"), state.get("readout.floor")
+        self._start, self._r0 = state.get("readout.start"), state.get("readout.r0")
+        if self._r0 is None and "readout.floor" in state:  # a resume point written before the cap: floor · |R_0|
+            self._r0 = state["readout.floor"] / self.readout.floor
         self.refined, self.evaluations, self.subdivided = (int(state.get(f"readout.{k}", 0))
                                                            for k in ("refined", "evaluations", "subdivided"))
         if self.matrices is not None:
@@ -276,15 +285,15 @@ class InfluenceTracker:
 
     def use_readout(self, tokens: torch.Tensor, types: dict[str, torch.Tensor] | None = None,
                     levels: Sequence[int] = (2, 4, 8), rtol: float = 1e-3, floor: float = 1e-6,
-                    matrices: bool = False, pieces: Sequence[int] = (2, 4, 8, 16)) -> None:
+                    matrices: bool = False, pieces: Sequence[int] = (2, 4, 8, 16), cap: float = 1e-3) -> None:
         """Read R and R_c on the fixed readout set ``tokens`` [N, pos] (N ≥ 2; ``types``: their type labels)
         instead of each step's batch, and integrate each step exactly (the exact account, docs/balance.md).
 
         A step's change of R_H, R_H(θ_t) − R_H(θ_t − Δ) with Δ the real step as subtracted, is measured by plain
         forwards (the end is the next step's start: one forward per step); each component's share is the path
         integral ∫₀¹ ∇R_H(θ_t − sΔ)·Δ_c ds by the ``levels[0]``-point Gauss–Legendre rule, and the components add up
-        to the full. Its ``residual`` (full − change) is recorded; a step whose residual exceeds ``rtol`` · |change|
-        + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points, and after the last level
+        to the full. Its ``residual`` (full − change) is recorded; a step whose residual exceeds
+        min(``rtol`` · |change|, ``cap`` · R_H(θ_0)) + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points, and after the last level
         with the composite rules: the step split into ``pieces[0]``, ``pieces[1]``, … equal parts (up to the last,
         the cap), the last level's points on each. A step that settles earlier is integrated exactly as without them.
         ``matrices=True`` also accumulates every site's influence matrices (``ntpflow.engine.matrices``) at the
@@ -295,13 +304,13 @@ class InfluenceTracker:
         if any(k < 2 for k in pieces) or list(pieces) != sorted(set(pieces)):
             raise ValueError(f"pieces must be increasing counts ≥ 2, not {tuple(pieces)}")
         self.readout = Readout(tokens[:, :n_pos], self.final_projections(tokens), types, tuple(levels), rtol, floor,
-                               tuple(pieces))
+                               tuple(pieces), cap)
         self.matrices = None
         if matrices:
             with torch.no_grad():
                 frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
             self.matrices = InfluenceMatrices(self.sites, frozen, _projection_dtype(tokens.device))
-        self._start = self._floor = None
+        self._start = self._r0 = None
         self.refined = self.evaluations = self.subdivided = 0
 
     def _cached_projections(self, example_ids: torch.Tensor) -> torch.Tensor:
@@ -512,7 +521,7 @@ class InfluenceTracker:
         if self._start is None:  # θ_0: its plain forward (later starts are the previous step's end)
             primals = Primals(model, ro.tokens)
             self._start = self._readout_risks(primals, ro.final_proj, ro.types, w)[1]
-            self._floor = ro.floor * self._start.abs()
+            self._r0 = self._start.abs()
             if self.matrices is not None:
                 self.matrices.start(primals)
         for level, (n, pieces) in enumerate(ro.rules):
@@ -530,10 +539,9 @@ class InfluenceTracker:
 
     def settled(self, level: int, change: torch.Tensor, full: torch.Tensor) -> bool:
         """Whether a step integrated at rule ``rules[level]`` is done: the last rule, or every risk's residual
-        (``full`` − ``change``, [..., n_risks]) within rtol · |change| + floor · R_H(θ_0). One host sync."""
+        (``full`` − ``change``, [..., n_risks]) within :meth:`Readout.tolerance`. One host sync."""
         ro = self.readout
-        return level + 1 == len(ro.rules) or bool(((full - change).abs() <= ro.rtol * change.abs()
-                                                    + self._floor).all())
+        return level + 1 == len(ro.rules) or bool(((full - change).abs() <= ro.tolerance(change, self._r0)).all())
 
     def exact_integral(self, passes: SitePasses, lr: float, adam: AdamStep | None, points, n: int,
                        final_proj: torch.Tensor, w: torch.Tensor, types: dict[str, torch.Tensor] | None,

@@ -115,7 +115,7 @@ class RunAxisTracker:
                                                                                 None, w)[1])
 
             for tr, r in zip(trackers, _vmapped(start)(params, ro_tokens, ro_proj, self._directions)):
-                tr._start, tr._floor = r, tr.readout.floor * r.abs()
+                tr._start, tr._r0 = r, r.abs()
         result: list = [None] * len(trackers)  # per member: (values, end, full, level) of the rule it settled at
         for level, (n, pieces) in enumerate(first.readout.rules):
             layout = []
@@ -134,9 +134,9 @@ class RunAxisTracker:
 
             values, end, full = _vmapped(one)(params, tokens, loss_mask, ro_tokens, ro_proj, self._directions,
                                               v_prev, m_full, m_sites)
-            starts, floors = (torch.stack([getattr(tr, k) for tr in trackers]) for k in ("_start", "_floor"))
+            starts, r0 = (torch.stack([getattr(tr, k) for tr in trackers]) for k in ("_start", "_r0"))
             change = starts - end
-            settled = ((full - change).abs() <= first.readout.rtol * change.abs() + floors).all(1).tolist()
+            settled = ((full - change).abs() <= first.readout.tolerance(change, r0)).all(1).tolist()
             last = level + 1 == len(first.readout.rules)
             for r, ok in enumerate(settled):  # a member settles at its own rule, as its lone tracker would
                 if result[r] is None and (ok or last):
@@ -188,7 +188,7 @@ class RunAxisTracker:
 def _readout_key(tracker: InfluenceTracker) -> tuple | None:
     """What members tracked together must share about their readout sets: size and rule (None: no readout)."""
     ro = tracker.readout
-    return None if ro is None else (len(ro.tokens), ro.levels, ro.pieces, ro.rtol, ro.floor)
+    return None if ro is None else (len(ro.tokens), ro.levels, ro.pieces, ro.rtol, ro.floor, ro.cap)
 
 
 def _vmapped(fn):
