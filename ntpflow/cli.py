@@ -380,7 +380,8 @@ def cmd_discover(args) -> int:
     """``ntpflow discover``: each component's top directions at a site from an attribution's influence matrices;
     print the output folder and its markdown."""
     out = discover(args.run_dir, parse_site_arg(args.site), attribution_dir=args.attribution, out_dir=args.out,
-                   top=args.top, null_draws=args.null, seed=args.seed, rcond=args.rcond)
+                   top=args.top, null_draws=args.null, seed=args.seed, rcond=args.rcond,
+                   features=args.features.split(",") if args.features else None)
     print(out)
     print((out / "discover.md").read_text())
     return 0
@@ -406,6 +407,8 @@ def _add_discover(sub) -> None:
     d.add_argument("--site", required=True, help="LAYER:POS, one of the attributed sites")
     d.add_argument("--attribution", help="the attribution folder (default RUN_DIR/attribution)")
     d.add_argument("--out", help="output folder (default ATTRIBUTION/discover/LAYER_POS)")
+    d.add_argument("--features", help="compare with these probes only: comma-separated names or shell patterns, "
+                   "e.g. 'sq_[C-F][3-6]' (default: all the run's probes)")
     d.add_argument("--top", type=int, default=3, help="directions per component (default 3)")
     d.add_argument("--null", type=int, default=1000, help="random subspaces drawn for the null (default 1000)")
     d.add_argument("--seed", type=int, default=0, help="seed of the null's draws (default 0)")

@@ -210,6 +210,15 @@ def test_attribute_matrices_file_resume_and_discover(finished_run, tmp_path):
             null = comp["overlap"]["null"]
             assert 0 <= null["mean"] <= null["q95"] <= 1 and 0 <= comp["overlap"]["observed"] <= 1
     assert rep == tmp_path / "disc"
+    # compared with a subset of the probes only: the same directions, cosines with those features alone
+    discover(run, Site(1, 7), out_dir=tmp_path / "sub", top=3, null_draws=200, seed=0, features=["is_majority_0"])
+    sub = json.loads((tmp_path / "sub" / "discover.json").read_text())
+    assert sub["features"] == ["is_majority_0"]
+    for m, m_all in zip(sub["mismatches"], data["mismatches"]):
+        for comp, comp_all in zip(m["components"], m_all["components"]):
+            for d, d_all in zip(comp["directions"], comp_all["directions"]):
+                assert d["vector"] == d_all["vector"]
+                assert d["cosines"] == {"is_majority_0": d_all["cosines"]["is_majority_0"]}
 
 
 def test_bad_input_is_a_one_line_error_and_writes_nothing(finished_run, tmp_path, capsys):
@@ -229,4 +238,5 @@ def test_bad_input_is_a_one_line_error_and_writes_nothing(finished_run, tmp_path
     assert not (tmp_path / "d").exists()
     attribute(run, [Site(1, 3)], ["is_majority_<0>"], device="cpu", progress=False, readout=8, matrices=True)
     fails(["discover", str(run), "--site", "1:5", "--out", str(tmp_path / "d")], "1:3")
+    fails(["discover", str(run), "--site", "1:3", "--features", "sq_*", "--out", str(tmp_path / "d")], "matches sq_*")
     assert not (tmp_path / "d").exists()

@@ -20,6 +20,8 @@ span, ‖P_F Q_m‖²_F / min(m, f) ∈ [0, 1] (the mean squared cosine of the p
 seeded generator; reported as the null's mean, its 95 % quantile and the share of draws at least as large.
 """
 
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from pathlib import Path
 
 import torch
@@ -87,11 +89,12 @@ def _summary(x: torch.Tensor, observed: float) -> dict:
 
 def discover(run_dir: str | Path, site: Site, *, attribution_dir: str | Path | None = None,
              out_dir: str | Path | None = None, top: int = 3, null_draws: int = 1000, seed: int = 0,
-             rcond: float = 1e-4) -> Path:
-    """Find each component's top directions at ``site`` and compare them with the run's final probe directions;
-    write ``discover.json`` and ``discover.md`` to ``out_dir`` (default ATTRIBUTION_DIR/discover/K_I) and return
-    it. Bad input (no matrices, a site they lack, top < 1, null_draws < 1) raises ValueError before anything is
-    written."""
+             rcond: float = 1e-4, features: Sequence[str] | None = None) -> Path:
+    """Find each component's top directions at ``site`` and compare them with the run's final probe directions
+    (all of them, or those matching one of the shell patterns ``features``, e.g. ``sq_[C-F][3-6]``); write
+    ``discover.json`` and ``discover.md`` to ``out_dir`` (default ATTRIBUTION_DIR/discover/K_I) and return it. Bad
+    input (no matrices, a site they lack, top < 1, null_draws < 1, a pattern no feature matches) raises ValueError
+    before anything is written."""
     run = Run.open(run_dir)
     folder = run.attribution(attribution_dir)
     mats = load_matrices(folder.dir)
@@ -102,6 +105,11 @@ def discover(run_dir: str | Path, site: Site, *, attribution_dir: str | Path | N
         raise ValueError(f"discover needs top ≥ 1, null draws ≥ 1 and 0 < rcond < 1 (got {top}, {null_draws}, {rcond})")
     probes = load_or_probe(run, "final")
     names = list(probes.feature_names)
+    if features is not None:
+        missing = [f for f in features if not any(fnmatchcase(n, f) for n in names)]
+        if missing:
+            raise ValueError(f"no feature of {run.dir} matches {', '.join(missing)} (features: {', '.join(names)})")
+        names = [n for n in names if any(fnmatchcase(n, f) for f in features)]
     feats = torch.stack([probes.direction(site.layer, site.pos, n) for n in names]).to(torch.float64)
     feats = feats / feats.norm(dim=1, keepdim=True).clamp_min(1e-300)
     F = _span(feats.T)
