@@ -101,3 +101,18 @@ def test_train_without_a_terminal_prints_stage_lines(tmp_path):
         res.stderr
     assert any(x.startswith(f"finished {out}: eval_loss=") for x in lines), res.stderr
     assert res.stdout.strip() == str(out)
+
+
+def test_jobs_write_their_own_stage_lines_only_without_a_terminal(monkeypatch, capsys):
+    """run_jobs passes stages=True to each job without a terminal (its loops name their run), False on a terminal
+    (the job bar alone) and with progress off."""
+    from ntpflow.experiments import parallel
+
+    seen = []
+    record = lambda name, *, stages: seen.append(stages) or {"run_dir": f"runs/{name}"}  # noqa: E731
+    for terminal, progress, expect in ((False, True, True), (True, True, False), (False, False, False)):
+        monkeypatch.setattr(parallel, "on_terminal", lambda t=terminal: t)
+        seen.clear()
+        parallel.run_jobs(record, [("a",), ("b",)], 1, "jobs", progress)
+        assert seen == [expect, expect]
+    capsys.readouterr()

@@ -12,7 +12,7 @@ import torch
 
 from ntpflow.files import resolve_device
 from ntpflow.model.sites import Site
-from ntpflow.progress import progress_of
+from ntpflow.progress import on_terminal, progress_of
 from ntpflow.replay.attribution import attribute
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
@@ -21,17 +21,19 @@ from ntpflow.runs.training import train
 
 
 def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progress: bool = True) -> None:
-    """Call ``fn(*job)`` for every job: in order in this process when ``workers == 1``, else in a pool of
-    ``workers`` processes (``fn`` must be a module-level function). A progress bar (stage lines without a terminal)
-    counts finished jobs and names the runs of the last (its result's ``run_dir`` or ``run_dirs``); the first job
-    that raises re-raises here."""
+    """Call ``fn(*job, stages=...)`` for every job: in order in this process when ``workers == 1``, else in a pool
+    of ``workers`` processes (``fn`` must be a module-level function). A progress bar (stage lines without a
+    terminal) counts finished jobs and names the runs of the last (its result's ``run_dir`` or ``run_dirs``); the
+    first job that raises re-raises here. Without a terminal each job also writes its own loops' stage lines
+    (``stages``: they name their run, so the lines of parallel jobs stay apart; on a terminal the job bar alone)."""
+    stages = progress and not on_terminal()
     if workers == 1:
         bar = progress_of(jobs, desc=desc, unit="job", enabled=progress)
         for job in bar:
-            bar.set_postfix_str(finished_runs(fn(*job)))
+            bar.set_postfix_str(finished_runs(fn(*job, stages=stages)))
         return
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(fn, *job) for job in jobs]
+        futures = [pool.submit(fn, *job, stages=stages) for job in jobs]
         bar = progress_of(as_completed(futures), desc=desc, total=len(futures), unit="job", enabled=progress)
         for f in bar:
             bar.set_postfix_str(finished_runs(f.result()))
@@ -53,16 +55,17 @@ def run_threads(device: str, workers: int) -> int:
 
 
 def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
-            threads: int, reading: str = "exact") -> dict:
+            threads: int, reading: str = "exact", *, stages: bool = False) -> dict:
     """The job of one run (for :func:`run_jobs`): train it, probe its final and step-0 weights and, with ``sites``,
     replay it with influence tracking at ``sites`` × ``features`` (``reading``: see ``ntpflow.replay.attribution.attribute``); each
-    stage skips itself when done. Runs on ``threads`` torch threads and gives the caller its count back."""
+    stage skips itself when done, and reports its progress as stage lines when ``stages``. Runs on ``threads`` torch
+    threads and gives the caller its count back."""
     with on_threads(threads):
-        run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=False)
+        run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=stages)
         load_or_probe(run, "final", device)
         load_or_probe(run, "init", device)
         if sites:
-            attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=False, sgd_rows=False,
+            attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=stages, sgd_rows=False,
                       reading=reading)
     return {"run_dir": run_dir}
 

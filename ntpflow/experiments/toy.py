@@ -111,22 +111,22 @@ def run_dir_name(cfg: TrainConfig) -> str:
     return f"{cfg.task}-{cfg.regime}-s{cfg.seed}"
 
 
-def _one_group(cfg_dicts: list[dict], run_dirs: list[str], device: str, threads: int) -> dict:
+def _one_group(cfg_dicts: list[dict], run_dirs: list[str], device: str, threads: int, *, stages: bool = False) -> dict:
     """Train the runs of one (task, regime) as one run group, then probe each (final and step 0), on ``threads``
-    torch threads (the caller's count is restored)."""
+    torch threads (the caller's count is restored); stage lines when ``stages`` (see ``run_jobs``)."""
     with on_threads(threads):
-        for run in train_group([TrainConfig.from_dict(d) for d in cfg_dicts], run_dirs, progress=False):
+        for run in train_group([TrainConfig.from_dict(d) for d in cfg_dicts], run_dirs, progress=stages):
             load_or_probe(run, "final", device)
             load_or_probe(run, "init", device)
     return {"run_dirs": run_dirs}
 
 
 def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: list[str], device: str,
-                  threads: int, reading: str = "exact") -> dict:
+                  threads: int, reading: str = "exact", *, stages: bool = False) -> dict:
     """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped),
-    on ``threads`` torch threads (the caller's count is restored)."""
+    on ``threads`` torch threads (the caller's count is restored); stage lines when ``stages``."""
     with on_threads(threads):
-        attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=False,
+        attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=stages,
                         sgd_rows=False, reading=reading)
     return {"run_dirs": run_dirs}
 
