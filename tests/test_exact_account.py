@@ -3,6 +3,7 @@ step's exact change, and the components' path integrals along the step against f
 
 import copy
 import json
+import math
 import shutil
 
 import pytest
@@ -225,6 +226,25 @@ def test_tolerance_is_capped_by_the_budget():
     ro = Readout(torch.zeros(2, 1), torch.zeros(2, 1), None, (2,), rtol=1e-2, floor=1e-6, cap=1e-3)
     tol = ro.tolerance(torch.tensor([24.0, -0.05, 0.0], dtype=torch.float64), torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64))
     assert tol.tolist() == pytest.approx([1e-3 + 1e-6, 5e-4 + 1e-6, 2e-6], rel=4 * EPS)
+
+
+def test_composite_rules_stop_when_they_stop_helping():
+    """Readout.excess and Readout.settles by hand: Gauss levels go on while a risk is out of tolerance; a composite
+    rule that does not halve the worst excess ends the refinement (what is left is the exact change's rounding)."""
+    from ntpflow.engine.influence import Readout
+
+    ro = Readout(torch.zeros(2, 1), torch.zeros(2, 1), None, (2, 4, 8), rtol=1e-3, floor=0.0, pieces=(2, 4), cap=1.0)
+    assert ro.rules == [(2, 1), (4, 1), (8, 1), (8, 2), (8, 4)]
+    f64 = dict(dtype=torch.float64)
+    change, r0 = torch.tensor([2.0, 1.0, 0.0], **f64), torch.tensor([1.0, 1.0, 1.0], **f64)
+    full = change + torch.tensor([1e-3, 5e-3, 0.0], **f64)  # tolerances 2e-3, 1e-3, 0: excess 0.5, 5, 0
+    assert ro.excess(change, full, r0).item() == pytest.approx(5.0, rel=4 * EPS)
+    assert ro.excess(change, change + torch.tensor([0.0, 0.0, 1e-9], **f64), r0).item() == math.inf
+    assert not ro.settles(0, 5.0, math.inf) and not ro.settles(1, 4.9, 5.0)  # Gauss levels: no stall
+    assert ro.settles(1, 1.0, 5.0)  # within tolerance
+    assert not ro.settles(3, 2.4, 5.0) and ro.settles(3, 2.6, 5.0)  # halved or not
+    assert not ro.settles(3, math.inf, math.inf)  # a zero tolerance refines to the last rule
+    assert ro.settles(4, 100.0, 1.0)  # the last rule
 
 
 def test_resume_point_written_before_the_cap():

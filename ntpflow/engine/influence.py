@@ -21,6 +21,7 @@ subtracted* (θ ← θ − Σ_c Δ_c). **Positive influence means the component 
 
 import copy
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -90,12 +91,27 @@ class Readout:
     floor: float
     pieces: tuple[int, ...] = ()
     cap: float = 1e-3
+    stall: float = 0.5
 
     def tolerance(self, change: torch.Tensor, r0: torch.Tensor) -> torch.Tensor:
         """A step's largest accepted |residual| per risk: min(``rtol`` · |change|, ``cap`` · |R_H(θ_0)|) +
         ``floor`` · |R_H(θ_0)|. Relative to the step's change, but never more than ``cap`` of the budget (a step that
         moves R_H by many times R_H(θ_0) and back must still not spend the row's 1 %); ``r0`` = |R_H(θ_0)|."""
         return torch.minimum(self.rtol * change.abs(), self.cap * r0) + self.floor * r0
+
+    def excess(self, change: torch.Tensor, full: torch.Tensor, r0: torch.Tensor) -> torch.Tensor:
+        """The worst risk's |residual| / tolerance over the last dimension (``full`` − ``change``, [..., n_risks]): 0
+        when within, inf when the tolerance is 0 and the residual is not."""
+        res, tol = (full - change).abs(), self.tolerance(change, r0)
+        return torch.where(res <= tol, 0.0, res / tol).amax(-1)
+
+    def settles(self, level: int, excess: float, previous: float) -> bool:
+        """Whether a step integrated at ``rules[level]`` with worst ``excess`` (:meth:`excess`; ``previous`` at the
+        rule before, inf at the first) is done: the last rule, every risk within its tolerance, or a composite rule
+        that did not cut the excess by ``stall`` (the residual left is then not the rule's: typically the float32
+        rounding of the exact change, which more points do not reduce)."""
+        return (level + 1 == len(self.rules) or excess <= 1
+                or (self.rules[level][1] > 1 and excess > self.stall * previous))
 
     @property
     def rules(self) -> list[tuple[int, int]]:
@@ -294,8 +310,9 @@ class InfluenceTracker:
         integral ∫₀¹ ∇R_H(θ_t − sΔ)·Δ_c ds by the ``levels[0]``-point Gauss–Legendre rule, and the components add up
         to the full. Its ``residual`` (full − change) is recorded; a step whose residual exceeds
         min(``rtol`` · |change|, ``cap`` · R_H(θ_0)) + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points, and after the last level
-        with the composite rules: the step split into ``pieces[0]``, ``pieces[1]``, … equal parts (up to the last,
-        the cap), the last level's points on each. A step that settles earlier is integrated exactly as without them.
+        with the composite rules: the step split into ``pieces[0]``, ``pieces[1]``, … equal parts (up to the last),
+        the last level's points on each, while each split at least halves the worst risk's excess over its tolerance
+        (:meth:`Readout.settles`). A step that settles earlier is integrated exactly as without them.
         ``matrices=True`` also accumulates every site's influence matrices (``ntpflow.engine.matrices``) at the
         same points, for the optimizer's own rows (Adam, or SGD for an SGD run) on the whole readout set."""
         if len(tokens) < 2:
@@ -524,6 +541,7 @@ class InfluenceTracker:
             self._r0 = self._start.abs()
             if self.matrices is not None:
                 self.matrices.start(primals)
+        previous = math.inf
         for level, (n, pieces) in enumerate(ro.rules):
             scratch = itertools.count()  # scratch weights: the end, then n per piece (a piece's are done before the next)
             points = lambda step, s: Primals(self._point(model, step, s, next(scratch) % (n + 1)),  # noqa: E731
@@ -531,17 +549,13 @@ class InfluenceTracker:
             mats = None if self.matrices is None else {}
             values, end, full, layout = self.exact_integral(passes, lr, adam, points, n, ro.final_proj, w, ro.types,
                                                             update=level == 0, mats=mats, pieces=pieces)
-            if self.settled(level, self._start - end, full):
+            excess = float(ro.excess(self._start - end, full, self._r0).max())  # one host sync
+            if ro.settles(level, excess, previous):
                 break
+            previous = excess
         if mats is not None:  # the rule the step settled at
             self.matrices.add(mats, 1.0 if adam is not None else lr)
         return self.exact_rows(values, end, full, layout, lr, level)
-
-    def settled(self, level: int, change: torch.Tensor, full: torch.Tensor) -> bool:
-        """Whether a step integrated at rule ``rules[level]`` is done: the last rule, or every risk's residual
-        (``full`` − ``change``, [..., n_risks]) within :meth:`Readout.tolerance`. One host sync."""
-        ro = self.readout
-        return level + 1 == len(ro.rules) or bool(((full - change).abs() <= ro.tolerance(change, self._r0)).all())
 
     def exact_integral(self, passes: SitePasses, lr: float, adam: AdamStep | None, points, n: int,
                        final_proj: torch.Tensor, w: torch.Tensor, types: dict[str, torch.Tensor] | None,

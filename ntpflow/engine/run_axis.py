@@ -13,6 +13,7 @@ R separate trackers to rounding (batched kernels round differently from unbatche
 bounds the difference in float64), and a replay through this path is deterministic, so it resumes to the same bits.
 """
 
+import math
 import warnings
 from collections.abc import Sequence
 
@@ -117,6 +118,7 @@ class RunAxisTracker:
             for tr, r in zip(trackers, _vmapped(start)(params, ro_tokens, ro_proj, self._directions)):
                 tr._start, tr._r0 = r, r.abs()
         result: list = [None] * len(trackers)  # per member: (values, end, full, level) of the rule it settled at
+        previous = [math.inf] * len(trackers)  # per member: its excess at the rule before (Readout.settles)
         for level, (n, pieces) in enumerate(first.readout.rules):
             layout = []
 
@@ -136,11 +138,11 @@ class RunAxisTracker:
                                               v_prev, m_full, m_sites)
             starts, r0 = (torch.stack([getattr(tr, k) for tr in trackers]) for k in ("_start", "_r0"))
             change = starts - end
-            settled = ((full - change).abs() <= first.readout.tolerance(change, r0)).all(1).tolist()
-            last = level + 1 == len(first.readout.rules)
-            for r, ok in enumerate(settled):  # a member settles at its own rule, as its lone tracker would
-                if result[r] is None and (ok or last):
+            excess = first.readout.excess(change, full, r0).reshape(len(trackers), -1).amax(1).tolist()
+            for r, x in enumerate(excess):  # a member settles at its own rule, as its lone tracker would
+                if result[r] is None and first.readout.settles(level, x, previous[r]):
                     result[r] = (values[r], end[r], full[r], level)
+                previous[r] = x
             if all(x is not None for x in result):
                 break
         return [tr.exact_rows(*result[r][:3], layout[0], lr, result[r][3]) for r, tr in enumerate(trackers)]
@@ -188,7 +190,7 @@ class RunAxisTracker:
 def _readout_key(tracker: InfluenceTracker) -> tuple | None:
     """What members tracked together must share about their readout sets: size and rule (None: no readout)."""
     ro = tracker.readout
-    return None if ro is None else (len(ro.tokens), ro.levels, ro.pieces, ro.rtol, ro.floor, ro.cap)
+    return None if ro is None else (len(ro.tokens), ro.levels, ro.pieces, ro.rtol, ro.floor, ro.cap, ro.stall)
 
 
 def _vmapped(fn):
