@@ -5,6 +5,7 @@ import copy
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -240,3 +241,20 @@ def test_bad_input_is_a_one_line_error_and_writes_nothing(finished_run, tmp_path
     fails(["discover", str(run), "--site", "1:5", "--out", str(tmp_path / "d")], "1:3")
     fails(["discover", str(run), "--site", "1:3", "--features", "sq_*", "--out", str(tmp_path / "d")], "matches sq_*")
     assert not (tmp_path / "d").exists()
+
+
+def test_null_draws_spans_as_an_isotropic_components_eigenvectors():
+    """The null's overlap with a feature along S_0's smallest direction matches an independent Monte Carlo of the
+    whitened draw (S_0 = diag(1, 1, 1, 0.01): v ∝ (z1, z2, z3, 10 z4), cos² with e4 = 100 z4² / |v|²), and is far
+    above the uniform draw's 1/4 that a null of plain random directions would give."""
+    from ntpflow.replay.discover import _null, generalized_eig
+
+    S0 = torch.diag(torch.tensor([1.0, 1.0, 1.0, 0.01], dtype=torch.float64))
+    eig = generalized_eig(torch.eye(4, dtype=torch.float64), S0)
+    e4 = torch.tensor([[0.0, 0.0, 0.0, 1.0]], dtype=torch.float64)
+    ov, cos = _null(eig["whitening"], e4.T, e4, 1, 4000, seed=0)
+    z = np.random.default_rng(1).standard_normal((200_000, 4))
+    expect = (100 * z[:, 3] ** 2 / ((z[:, :3] ** 2).sum(1) + 100 * z[:, 3] ** 2)).mean()
+    se = ov.std().item() / 4000 ** 0.5
+    assert abs(ov.mean().item() - expect) < 5 * se and expect > 0.8
+    assert torch.allclose(cos.pow(2), ov, rtol=1e-12, atol=1e-15)  # one direction: overlap = cos²

@@ -16,8 +16,11 @@ the shares add up to 1 and split what the component removed in the active subspa
 **Comparison with known features.** The cosine of each direction with each ground-truth feature's ridge probe
 direction (the run's final probes) at the site, and the overlap of the top-m directions' span with the features'
 span, ‖P_F Q_m‖²_F / min(m, f) ∈ [0, 1] (the mean squared cosine of the principal angles). The null: the same overlap
-(and the largest |cosine|) for uniformly random m-dimensional subspaces (directions) of the active subspace, from a
-seeded generator; reported as the null's mean, its 95 % quantile and the share of draws at least as large.
+(and the largest |cosine|) for random m-dimensional subspaces (directions) drawn as the eigenvectors of a component
+with no preferred direction would be: v = W q with q uniformly random in the whitened coordinates (W = U_a Λ_a^{-1/2},
+so directions of small initial mismatch are as over-represented as in the real eigenvectors), from a seeded
+generator; reported as the null's mean, its 95 % quantile and the share of draws at least as large. The full
+influence is its own control: M_full ≈ S_0 (all λ ≈ 1), so its directions are arbitrary, a draw of that null.
 """
 
 from collections.abc import Sequence
@@ -39,7 +42,7 @@ def generalized_eig(M: torch.Tensor, S0: torch.Tensor, rcond: float = 1e-4) -> d
     """M v = λ S_0 v on S_0's active subspace (eigenvalues > ``rcond`` · max), M and S_0 [d, d] symmetric, S_0 ≥ 0.
 
     Returns {values [a] descending, vectors [a, d] unit norm (sign: largest entry positive), shares [a],
-    active a, trace_active tr(U_aᵀ M U_a), basis U_a [d, a]}."""
+    active a, trace_active tr(U_aᵀ M U_a), whitening W = U_a Λ_a^{-1/2} [d, a]}."""
     lam0, U = torch.linalg.eigh(S0)
     if lam0[-1] <= 0:
         raise ValueError("S_0 is zero at this site: there is no initial mismatch to split")
@@ -56,7 +59,7 @@ def generalized_eig(M: torch.Tensor, S0: torch.Tensor, rcond: float = 1e-4) -> d
     sign = torch.sign(vectors.gather(1, vectors.abs().argmax(1, keepdim=True)))
     shares = vals * images / trace_active if trace_active != 0 else torch.zeros_like(vals)  # c moved nothing here
     return {"values": vals, "vectors": vectors * sign, "shares": shares,
-            "active": int(keep.sum()), "trace_active": trace_active.item(), "basis": Ua}
+            "active": int(keep.sum()), "trace_active": trace_active.item(), "whitening": W}
 
 
 def _span(x: torch.Tensor, tol: float = 1e-8) -> torch.Tensor:
@@ -70,12 +73,13 @@ def overlap(Q: torch.Tensor, F: torch.Tensor) -> float:
     return ((F.T @ Q).pow(2).sum() / min(Q.shape[1], F.shape[1])).item()
 
 
-def _null(basis: torch.Tensor, F: torch.Tensor, feats: torch.Tensor, m: int, draws: int, seed: int) -> tuple:
-    """Overlaps [draws] of random m-dim subspaces of span(basis) [d, a] with F, and the largest |cos| [draws] of
-    random unit directions there with the features ``feats`` [f, d] (unit rows)."""
+def _null(W: torch.Tensor, F: torch.Tensor, feats: torch.Tensor, m: int, draws: int, seed: int) -> tuple:
+    """Overlaps [draws] with F of span(W Z), Z [a, m] standard normal (W [d, a] the whitening: the span of m
+    generalized eigenvectors of an isotropic component), and the largest |cos| [draws] of the direction W z with the
+    features ``feats`` [f, d] (unit rows)."""
     g = torch.Generator().manual_seed(seed)
-    z = torch.randn(draws, basis.shape[1], m, generator=g, dtype=basis.dtype)
-    Qs = torch.linalg.qr(basis @ z).Q  # [draws, d, m]
+    z = torch.randn(draws, W.shape[1], m, generator=g, dtype=W.dtype)
+    Qs = torch.linalg.qr(W @ z).Q  # [draws, d, m]
     ov = (F.T @ Qs).pow(2).sum((1, 2)) / min(m, F.shape[1])
     dirs = Qs[:, :, 0]  # the first column of each: a uniform direction
     cos = (dirs @ feats.T).abs().amax(1)
@@ -123,7 +127,7 @@ def discover(run_dir: str | Path, site: Site, *, attribution_dir: str | Path | N
         for c in COMPONENTS:
             eig = generalized_eig(M[c], S0, rcond)
             m = min(top, eig["active"])
-            ov_null, cos_null = _null(eig["basis"], F, feats, m, null_draws, seed)
+            ov_null, cos_null = _null(eig["whitening"], F, feats, m, null_draws, seed)
             vecs = eig["vectors"][:m]
             observed = overlap(_span(vecs.T), F)
             dirs = []
@@ -156,7 +160,9 @@ def markdown(report: dict) -> str:
              f"steps). λ = vᵀM_c v / vᵀS_0 v: the fraction of direction v's initial mismatch that the component "
              f"removed; share: of the component's total on the active subspace (rcond {report['rcond']:g}). Overlap "
              f"of the top-{report['top']} span with the features' span ({', '.join(report['features'])}) against "
-             f"{report['null']['draws']} random subspaces of the active dimensions (seed {report['null']['seed']}).",
+             f"{report['null']['draws']} random spans W·Z of the whitened active dimensions, as an isotropic "
+             f"component's eigenvectors would be (seed {report['null']['seed']}; the full row, all λ ≈ 1, is a draw "
+             f"of it).",
              ""]
     for entry in report["mismatches"]:
         lines += [f"## {entry['mismatch']} mismatch", "",
