@@ -235,10 +235,12 @@ def stamp(argv: list[str] | None = None) -> dict:
 
 def stamp_text(s: dict) -> str:
     """One line for a report: ``Made by ntpflow 0.2.0 (commit 1a2b3c4d5e6f, with uncommitted changes) on
-    2025-01-01T00:00:00Z: `ntpflow reproduce toy --scale small`.``"""
+    2025-01-01T00:00:00Z: `ntpflow reproduce toy --scale small`.``, then the stamp's ``note`` (how the result was
+    made, where one command does not say it all) if it has one."""
     commit = s.get("git_commit") or "unknown"
     where = f"commit {commit[:12]}" + (", with uncommitted changes" if s.get("git_dirty") else "")
-    return f"Made by ntpflow {s.get('ntpflow')} ({where}) on {s.get('date')}: `{s.get('command')}`."
+    note = f" Note: {s['note']}" if s.get("note") else ""
+    return f"Made by ntpflow {s.get('ntpflow')} ({where}) on {s.get('date')}: `{s.get('command')}`.{note}"
 
 
 def resolve_device(spec: str = "auto") -> torch.device:

@@ -34,6 +34,8 @@ def test_stamp_names_version_commit_date_and_command():
     else:
         assert (s["git_commit"], s["git_dirty"]) == ("unknown", None)
     assert stamp_text(s).startswith(f"Made by ntpflow {__version__} (commit {s['git_commit'][:12]}")
+    assert "Note" not in stamp_text(s)
+    assert stamp_text({**s, "note": "trained at abc"}).endswith("`. Note: trained at abc")
 
 
 def test_pyproject_version_is_the_stamped_one():
