@@ -229,12 +229,14 @@ def test_tolerance_is_capped_by_the_budget():
 
 
 def test_composite_rules_stop_when_they_stop_helping():
-    """Readout.excess and Readout.settles by hand: Gauss levels go on while a risk is out of tolerance; a composite
-    rule that does not halve the worst excess ends the refinement (what is left is the exact change's rounding)."""
+    """Readout.excess and Readout.settles by hand: Gauss levels and the first split go on while a risk is out of
+    tolerance; a split that does not halve the worst excess of the split before it ends the refinement (what is
+    left is the exact change's rounding)."""
     from ntpflow.engine.influence import Readout
 
-    ro = Readout(torch.zeros(2, 1), torch.zeros(2, 1), None, (2, 4, 8), rtol=1e-3, floor=0.0, pieces=(2, 4), cap=1.0)
-    assert ro.rules == [(2, 1), (4, 1), (8, 1), (8, 2), (8, 4)]
+    ro = Readout(torch.zeros(2, 1), torch.zeros(2, 1), None, (2, 4, 8), rtol=1e-3, floor=0.0, pieces=(2, 4, 8),
+                 cap=1.0)
+    assert ro.rules == [(2, 1), (4, 1), (8, 1), (8, 2), (8, 4), (8, 8)]
     f64 = dict(dtype=torch.float64)
     change, r0 = torch.tensor([2.0, 1.0, 0.0], **f64), torch.tensor([1.0, 1.0, 1.0], **f64)
     full = change + torch.tensor([1e-3, 5e-3, 0.0], **f64)  # tolerances 2e-3, 1e-3, 0: excess 0.5, 5, 0
@@ -242,9 +244,10 @@ def test_composite_rules_stop_when_they_stop_helping():
     assert ro.excess(change, change + torch.tensor([0.0, 0.0, 1e-9], **f64), r0).item() == math.inf
     assert not ro.settles(0, 5.0, math.inf) and not ro.settles(1, 4.9, 5.0)  # Gauss levels: no stall
     assert ro.settles(1, 1.0, 5.0)  # within tolerance
-    assert not ro.settles(3, 2.4, 5.0) and ro.settles(3, 2.6, 5.0)  # halved or not
-    assert not ro.settles(3, math.inf, math.inf)  # a zero tolerance refines to the last rule
-    assert ro.settles(4, 100.0, 1.0)  # the last rule
+    assert not ro.settles(3, 4.9, 5.0)  # the first split: no stall (the step may be short of Gauss's convergence)
+    assert not ro.settles(4, 2.4, 5.0) and ro.settles(4, 2.6, 5.0)  # halved the first split's excess or not
+    assert not ro.settles(4, math.inf, math.inf)  # a zero tolerance refines to the last rule
+    assert ro.settles(5, 100.0, 1.0)  # the last rule
 
 
 def test_resume_point_written_before_the_cap():

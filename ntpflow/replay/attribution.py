@@ -487,8 +487,8 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
         "rule": f"Gauss-Legendre {'/'.join(map(str, tracker.readout.levels))} points, then the step split into "
                 f"{'/'.join(map(str, tracker.readout.pieces)) or 'no'} pieces of {tracker.readout.levels[-1]} points "
                 f"each, a step re-integrated while |residual| > min({tracker.readout.rtol:g} |change|, "
-                f"{tracker.readout.cap:g} R_H(θ_0)) + {tracker.readout.floor:g} R_H(θ_0), a split kept only if it cuts the "
-                f"worst excess by {tracker.readout.stall:g}",
+                f"{tracker.readout.cap:g} R_H(θ_0)) + {tracker.readout.floor:g} R_H(θ_0), each split after the "
+                f"first kept only if it cuts the worst excess by {tracker.readout.stall:g}",
         "exact": "R0_eval = R_H(θ_0) and R0_minus_RT_eval on the readout set; change = Σ_t R_H(θ_t) − R_H(θ_t+1); "
                  "residual = Σ_t (full influence − change)"}
     write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra, "stamp": stamp(),
