@@ -65,3 +65,14 @@ def test_reproduce_stories_small_checks_the_sample_before_writing(tmp_path, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "train.txt does not match its SHA-256" in err[0], err
     assert not out.exists()
+
+
+def test_report_names_the_shipped_sample_by_folder_licence_and_hashes():
+    from ntpflow.experiments.stories_report import _corpus_text
+
+    text = _corpus_text("sample")
+    assert text.startswith("data/tinystories-sample") and "CDLA-Sharing-1.0" in text
+    for name in ("train.txt", "valid.txt"):
+        assert f"{name} {hashlib.sha256((SAMPLE / name).read_bytes()).hexdigest()[:12]}…" in text
+    assert _corpus_text(text) == text  # a re-render from summary.json keeps it
+    assert _corpus_text("/home/me/stories") == "local folder 'stories'"

@@ -30,6 +30,7 @@ from ntpflow.experiments.formats import (
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
 from ntpflow.stats import mean_of, paired, stat_rows, stats
+from ntpflow.tasks.stories.corpus import SAMPLE_SHA256
 
 REGIMES = ("vanilla", "myopic")
 GROUPS = ("tags", "deps", "position", "syntax")  # "syntax" = tags + deps, added by summarize
@@ -49,9 +50,13 @@ PAPER_SETTINGS = {"corpus": "TinyStoriesV2-GPT4 (hub)", "tokenizer": "TinyStorie
 
 
 def _corpus_text(corpus) -> str:
-    """The corpus source as the report shows it: a local folder by its name only (the path is the user's machine's)."""
+    """The corpus source as the report shows it: the shipped sample by its folder, licence and hashes; a local folder
+    by its name only (the path is the user's machine's)."""
     c = str(corpus or "?")
-    keep = c in ("hf", "?") or c.startswith(("hf:", "generated", "local folder"))
+    if c == "sample":
+        hashes = ", ".join(f"{name} {digest[:12]}…" for name, digest in SAMPLE_SHA256.items())
+        return f"data/tinystories-sample, shipped in the repository, CDLA-Sharing-1.0, SHA-256 {hashes}"
+    keep = c in ("hf", "?") or c.startswith(("hf:", "generated", "local folder", "data/tinystories-sample"))
     return c if keep else f"local folder '{Path(c).name}'"
 
 
