@@ -34,9 +34,9 @@ from ntpflow.stats import has_ci, stats
 # ------------------------------------------------------------------ when each rule was fixed, and against what data
 # (fixed, against): the date and commit, and the results that had been seen when the rule was written
 
-NOW = "2026-12-03, before the rerun of issue 33"
+NOW = "2026-12-03, before the reruns with the exact account"
 FIXED_MARGIN = (NOW, "none: the margin comes from the claim's meaning, not from any result")
-FIXED_INTERVAL = (NOW, "the committed docs/results (the issue asking for it cites them); the change only demands an "
+FIXED_INTERVAL = (NOW, "the committed docs/results of that day; the change only demands an "
                        "interval instead of a mean and has no threshold to tune")
 FIXED_TOY = ("2026-11-29 (commit 156d4bd, the first toy report; worded as now on 2026-12-01, 60fa0e1)",
              "not recorded: written with the first toy report, alongside its small-scale runs (since removed)")
@@ -44,7 +44,7 @@ FIXED_TOY_GATES = ("2026-12-01 (commit 60fa0e1)", "the toy-small results of the 
                                                    "toy-medium results")
 FIXED_OTHELLO = ("2026-12-01 (commits 47be267, 2782a0a)", "othello-small (committed 2026-11-30)")
 FIXED_OTHELLO_GATES = ("2026-12-03 (commit d424929)", "smoke runs and othello-small (which fail the gates)")
-FIXED_FRAGILITY = ("2026-12-03 (issue 32, item 5)", "smoke runs only: no fragility result of a model with a world model")
+FIXED_FRAGILITY = ("2026-12-03 (with the fragility test)", "smoke runs only: no fragility result of a model with a world model")
 FIXED_STORIES = ("2026-11-30 (commit d0b8a9d, with the TinyStories experiment)",
                  "not recorded: written in the commit that made the experiment's first small-scale results")
 FIXED_LLM = ("2026-11-30 (commit b78c836, with the LLM experiment)",
@@ -54,7 +54,7 @@ FIXED_BALANCE = ("2026-12-02 (commit 3e655ec)", "the overshoots read at θ_t of 
                  "toy-medium-cond-tracked (44×), before the balance audit measured anything (docs/balance.md)")
 FIXED_ROWS = ("2026-12-02 (commit 65a139f)", "the TinyStories midpoint rows and two rows of the majority midpoint "
                                               "replays (docs/balance.md); its form follows from the factor 2")
-FIXED_ACCOUNT = ("2026-12-03 (issue 30's residual_line: 1%)", "no experiment's run: only the 60-step toy run of "
+FIXED_ACCOUNT = ("2026-12-03 (with the exact account's residual line: 1%)", "no experiment's run: only the 60-step toy run of "
                  "docs/balance.md (largest residual 5e-6 of R_H(θ_0)) had been replayed with the exact account")
 
 BALANCE = 2.0  # every influence claim: Σ full influence within this factor of the mismatch removed (docs/balance.md)
