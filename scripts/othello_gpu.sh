@@ -38,7 +38,7 @@ start=$(date +%s)
 HF_HUB_OFFLINE=1 "$PYTHON" -m ntpflow -q reproduce othello --scale "$scale" --out "$work" --device "$device" "${extra[@]}"
 if [[ "$scale" == paper-gpu ]]; then
   mkdir -p docs/results/othello-paper/figures
-  cp "$work"/report.md "$work"/summary.json "$work"/data.json "$work"/timings.json docs/results/othello-paper/
+  cp "$work"/report.md "$work"/summary.json "$work"/stamp.json "$work"/data.json "$work"/timings.json docs/results/othello-paper/
   cp "$work"/figures/*.png "$work"/figures/*.svg docs/results/othello-paper/figures/ 2>/dev/null || true
 fi
 echo "othello ($scale) finished in $(( $(date +%s) - start )) s; report: $work/report.md"

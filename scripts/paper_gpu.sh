@@ -29,7 +29,7 @@ start=$(date +%s)
 HF_HUB_OFFLINE=1 "$PYTHON" -m ntpflow -q reproduce toy --scale "$scale" --out "$work" --device "$device" "${extra[@]}"
 if [[ "$scale" == paper ]]; then
   mkdir -p docs/results/toy-paper/figures
-  cp "$work"/report.md "$work"/summary.json docs/results/toy-paper/
+  cp "$work"/report.md "$work"/summary.json "$work"/stamp.json docs/results/toy-paper/
   cp "$work"/figures/*.png "$work"/figures/*.svg docs/results/toy-paper/figures/
 fi
 echo "toy study ($scale) finished in $(( $(date +%s) - start )) s; report: $work/report.md"
