@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's OthelloGPT on one GPU (issue 32): 6 layers, d 256, 4 heads, batch 1024, 5000 steps, lr 1e-3, one epoch
+# The paper's OthelloGPT on one GPU: 6 layers, d 256, 4 heads, batch 1024, 5000 steps, lr 1e-3, one epoch
 # of fresh random games (5.12 M, token-only in memory: 549 B a game); ridge probes and 3-way classifiers of the 64
 # squares for the final and the step-0 weights on 20,480 evaluation games; the report (scale "paper-gpu" of
 # ntpflow/experiments/othello.py). With replays: the tracked replay with the exact account (a readout of 256
