@@ -22,8 +22,8 @@ from ntpflow.experiments.claims import (
     within_margin,
 )
 from ntpflow.experiments.figure_style import ci_label, clip
-from ntpflow.experiments.formats import residual_share
 from ntpflow.experiments.render import read_blocks, to_html, to_markdown, write_documents
+from ntpflow.replay.attribution import residual_lines, residual_share
 
 
 def ci(lo, hi):
@@ -113,6 +113,19 @@ def test_exact_account_check_and_paper_reading_marks():
     zero = account_check(residual_share([{"residual": 1e-9, "R0_eval": 0.0}]), "rows")  # nothing to remove, yet a residual
     assert not zero.ok
     assert not account_check(None, "rows").ok
+
+
+def test_residual_lines_decide_as_the_claims_do():
+    """The log line of `attribute` agrees with the claims' check: a feature constant on the readout (R_H(θ_0) = 0, no
+    residual) is set aside, not an infinite ratio; R_H(θ_0) = 0 with a residual fails."""
+    row = {"mismatch": "paper"}
+    lines = residual_lines([{**row, "residual": 0.004, "R0_eval": 2.0}, {**row, "residual": 0.0, "R0_eval": 0.0}])
+    assert lines == ["exact account, paper: largest |residual| / R_H(θ_0) 2.00e-03 PASS (≤ 0.01); "
+                     "1 rows with R_H(θ_0) = 0 and no residual, nothing to split"]
+    (line,) = residual_lines([{**row, "residual": 1e-9, "R0_eval": 0.0}])
+    assert line.startswith("exact account, paper: largest |residual| / R_H(θ_0) n/a FAIL") and "but a residual" in line
+    (line,) = residual_lines([{"mismatch": "centred", "residual": -0.03, "R0_eval": 1.0}, {"mismatch": "paper"}])
+    assert line == "exact account, centred: largest |residual| / R_H(θ_0) 3.00e-02 FAIL (≤ 0.01)"
     claim = {"verdict": REPRODUCED, "reading": PAPERS_READING}
     assert verdict_text(claim) == "reproduced (paper's reading)"
     assert verdict_text({**claim, "reading": EXACT}) == verdict_text({"verdict": REPRODUCED}) == "reproduced"

@@ -66,7 +66,7 @@ NEGLIGIBLE = 0.25  # a component "does not build" a feature: at most this share 
 def account_check(account: dict | None, where: str) -> Check:
     """The precondition of an influence claim decided on the exact account: every row's |residual| (full influence −
     exact change, summed over the steps) at most RESIDUAL_LIMIT of its R_H(θ_0). ``account``:
-    ``formats.residual_share`` of the claim's rows (``worst`` = the largest ratio, ``n`` rows, ``zero_R0`` rows with
+    ``replay.attribution.residual_share`` of the claim's rows (``worst`` = the largest ratio, ``n`` rows, ``zero_R0`` rows with
     R_H(θ_0) = 0 but a residual: these fail)."""
     worst = None if account is None else account.get("worst")
     bad = account is None or worst is None or account.get("zero_R0", 0) > 0

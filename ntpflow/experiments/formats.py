@@ -40,18 +40,6 @@ def mismatch_summary(paper: list[dict], centred: list[dict] | None, records: lis
                                  for key in sorted({key for key, _ in cell})], "centred_recorded": bool(centred)}
 
 
-def residual_share(records) -> dict | None:
-    """The exact account's check over ``records`` (attribution summary rows with ``residual`` = Σ_t (full influence −
-    exact change) and ``R0_eval`` = R_H(θ_0)): ``{"worst": the largest |residual| / R_H(θ_0), "n": rows, "zero_R0":
-    rows with R_H(θ_0) = 0 and a non-zero residual}``; None when no row has a residual (the paper's reading)."""
-    rows = [r for r in records if r.get("residual") is not None and r.get("R0_eval") is not None]
-    if not rows:
-        return None
-    ratios = [abs(r["residual"]) / r["R0_eval"] for r in rows if r["R0_eval"] > 0]
-    return {"worst": max(ratios, default=None), "n": len(rows),
-            "zero_R0": sum(1 for r in rows if r["R0_eval"] <= 0 and r["residual"] != 0)}
-
-
 def fmt(x, digits=3) -> str:
     """``x`` with ``digits`` decimals, or "n/a" for None."""
     return "n/a" if x is None else f"{x:.{digits}f}"

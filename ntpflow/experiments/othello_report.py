@@ -26,11 +26,11 @@ from ntpflow.experiments.formats import (
     mismatch_summary,
     plain_number,
     read_at_settings,
-    residual_share,
     select,
     sites_text,
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.replay.attribution import residual_share
 from ntpflow.stats import finite, mean_of, slope, stat_rows, stats
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")

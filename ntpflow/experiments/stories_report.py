@@ -23,12 +23,12 @@ from ntpflow.experiments.formats import (
     COMPONENTS,
     mismatch_summary,
     read_at_settings,
-    residual_share,
     select,
     sites_text,
     train_settings,
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
+from ntpflow.replay.attribution import residual_share
 from ntpflow.stats import mean_of, paired, stat_rows, stats
 from ntpflow.tasks.stories.corpus import SAMPLE_SHA256
 

@@ -40,13 +40,13 @@ from ntpflow.experiments.formats import (
     COMPONENTS,
     plain_number,
     read_at_settings,
-    residual_share,
     select,
     sites_text,
     train_settings,
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
 from ntpflow.model.sites import feature_name
+from ntpflow.replay.attribution import residual_share
 from ntpflow.runs.config import REGIMES
 from ntpflow.stats import mean_of, paired, r_stats, stat_rows, stats
 

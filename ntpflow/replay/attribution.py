@@ -507,15 +507,36 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
 
 def residual_lines(summary: list[dict], limit: float = 0.01) -> list[str]:
     """One line per mismatch of an exact account: the largest |residual| / R_H(θ_0) over its rows and PASS/FAIL
-    against ``limit`` (the influence claims' precondition)."""
+    against ``limit`` (the influence claims' precondition), as :func:`residual_share` decides it: a row with
+    R_H(θ_0) = 0 and no residual (a feature constant on the readout) has nothing to split and is counted aside; one
+    with R_H(θ_0) = 0 but a residual fails."""
     lines = []
     for mismatch in MISMATCHES:
-        worst = max((abs(e["residual"]) / e["R0_eval"] if e["R0_eval"] else float("inf")
-                     for e in summary if e["mismatch"] == mismatch and "residual" in e), default=None)
-        if worst is not None:
-            lines.append(f"exact account, {mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} "
-                         f"{'PASS' if worst <= limit else 'FAIL'} (≤ {limit:g})")
+        rows = [e for e in summary if e["mismatch"] == mismatch]
+        share = residual_share(rows)
+        if share is None:
+            continue
+        worst, zero = share["worst"], share["zero_R0"]
+        ok = zero == 0 and worst is not None and worst <= limit
+        empty = sum(1 for e in rows if e.get("residual") == 0 and e.get("R0_eval") == 0)
+        notes = ([f"{zero} rows with R_H(θ_0) = 0 but a residual"] if zero else []) + (
+            [f"{empty} rows with R_H(θ_0) = 0 and no residual, nothing to split"] if empty else [])
+        lines.append(f"exact account, {mismatch}: largest |residual| / R_H(θ_0) "
+                     f"{'n/a' if worst is None else f'{worst:.2e}'} {'PASS' if ok else 'FAIL'} (≤ {limit:g})"
+                     + (f"; {'; '.join(notes)}" if notes else ""))
     return lines
+
+
+def residual_share(records) -> dict | None:
+    """The exact account's check over ``records`` (attribution summary rows with ``residual`` = Σ_t (full influence −
+    exact change) and ``R0_eval`` = R_H(θ_0)): ``{"worst": the largest |residual| / R_H(θ_0), "n": rows, "zero_R0":
+    rows with R_H(θ_0) = 0 and a non-zero residual}``; None when no row has a residual (the paper's reading)."""
+    rows = [r for r in records if r.get("residual") is not None and r.get("R0_eval") is not None]
+    if not rows:
+        return None
+    ratios = [abs(r["residual"]) / r["R0_eval"] for r in rows if r["R0_eval"] > 0]
+    return {"worst": max(ratios, default=None), "n": len(rows),
+            "zero_R0": sum(1 for r in rows if r["R0_eval"] <= 0 and r["residual"] != 0)}
 
 
 def _balance_text(summary: list[dict]) -> str:
