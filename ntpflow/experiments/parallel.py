@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -32,7 +33,9 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progr
         for job in bar:
             bar.set_postfix_str(finished_runs(fn(*job, stages=stages)))
         return
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # CUDA cannot be re-initialized in a forked child: once this process has touched the GPU, start fresh workers
+    spawn = multiprocessing.get_context("spawn") if torch.cuda.is_initialized() else None
+    with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
         futures = [pool.submit(fn, *job, stages=stages) for job in jobs]
         bar = progress_of(as_completed(futures), desc=desc, total=len(futures), unit="job", enabled=progress)
         for f in bar:
