@@ -33,8 +33,9 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progr
         for job in bar:
             bar.set_postfix_str(finished_runs(fn(*job, stages=stages)))
         return
-    # CUDA cannot be re-initialized in a forked child: once this process has touched the GPU, start fresh workers
-    spawn = multiprocessing.get_context("spawn") if torch.cuda.is_initialized() else None
+    # CUDA cannot be initialized in a forked child of a process that touched it: where there is a GPU, start fresh
+    # workers (on a CPU-only machine the pool forks as before)
+    spawn = multiprocessing.get_context("spawn") if torch.cuda.is_available() else None
     with ProcessPoolExecutor(max_workers=workers, mp_context=spawn) as pool:
         futures = [pool.submit(fn, *job, stages=stages) for job in jobs]
         bar = progress_of(as_completed(futures), desc=desc, total=len(futures), unit="job", enabled=progress)
