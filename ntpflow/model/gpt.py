@@ -10,10 +10,12 @@ group this is exactly GPT-2. Grouped layers run as one batched matmul over posit
 
 import math
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ntpflow.model.config import MYOPIC_MODES, GPTConfig, Groups, Myopic
 from ntpflow.model.hf import gpt_from_hf, gpt_to_hf, gpt_to_hooked_transformer, load_hf_gpt2
@@ -95,7 +97,10 @@ class Attention(nn.Module):
             q = q[:, :, -1:]
             q_groups = _last(groups)
         if myopic == "none" and not self.hook_pattern.active:
-            z = F.scaled_dot_product_attention(q, k, v, is_causal=not last_only)
+            # on CUDA the plain (math) kernel: the fused ones fail under the run groups' batching (an H200 run:
+            # "LSE is not correctly aligned"), and at these lengths they gain little
+            with sdpa_kernel(SDPBackend.MATH) if q.is_cuda else nullcontext():
+                z = F.scaled_dot_product_attention(q, k, v, is_causal=not last_only)
         else:
             if myopic == "kv":
                 k_off, v_off = k.detach(), v.detach()
