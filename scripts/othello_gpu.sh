@@ -10,7 +10,8 @@
 # Cost (benchmarks/othello_gpu_flops.py: matmul FLOPs by torch's dispatch formulas, counted at batch 8/16 and scaled):
 # a plain step is 1.77 TFLOP at batch 1024, so training is 5000 x 1.77e12 = 8.9e15 FLOPs: about 3.7 min at 40 TFLOP/s
 # (float32 without TF32 on an H200, whose float32 peak is about 67 TFLOP/s), 5 min at 30; the probes add well under a
-# minute. So `--no-replays` is the one call that fits well inside 10 minutes. The replay does not: a tracked step at
+# minute. Measured on one H200 (2026-12-04): step 3500 of 5000 after 300 s, about 21 TFLOP/s (the math attention
+# kernel on CUDA), so training takes about 7 min: `--no-replays` fits inside 10 minutes, not well inside. The replay does not: a tracked step at
 # these 6 sites is 6.1 plain steps for the batch plus 3.7 per 128 readout games (7.5 at 256), 13.6 in all, 1.2e17
 # FLOPs over 5000 steps (about 50-70 min at 30-40 TFLOP/s; the paper's 84 sites several times that). Run it as
 # further calls without --no-replays: each resumes from the replay's last resume point (every 500 steps), so cut
