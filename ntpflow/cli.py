@@ -464,8 +464,9 @@ def _add_reproduce(sub) -> None:
                     "world model, two runs of ~3 core-hours each; hours on a CPU) | medium-6x6 (othello: the 6×6 "
                     "fallback board, not the paper's setting) | paper (the paper's sizes: GPU)")
     rp.add_argument("--out", help="results folder (default results/<experiment>-<scale>)")
-    rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores; on a CPU each run trains on "
-                    "one torch thread, so its result does not depend on this)")
+    rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores; othello: its two training "
+                    "runs side by side, default 2 on a CPU, 1 on a GPU; on a CPU each run trains on one torch thread, "
+                    "so its result does not depend on this)")
     rp.add_argument("--corpus", help="stories: a folder or file of stories, 'sample' (the TinyStories sample in the "
                     "repository, data/tinystories-sample), 'generated[:N]' or 'hf' (default: generated at smoke, "
                     "sample at small, hf at paper)")

@@ -24,7 +24,7 @@ from ntpflow.stats import slope, stats
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("othello") / "smoke"
-    assert run_othello("smoke", out, device="cpu", progress=False) == out
+    assert run_othello("smoke", out, device="cpu", progress=False, workers=2) == out  # the two runs side by side
     return out
 
 
@@ -125,6 +125,18 @@ def test_report_of_the_vanilla_run_comes_before_the_myopic_training(smoke, tmp_p
     assert "## Fragility" not in report and "## Fragility" in (smoke / "report.md").read_text()
     data, full = json.loads((out / "data.json").read_text()), json.loads((smoke / "data.json").read_text())
     assert data["probes"] == full["probes"] and data["fragility"] is None
+
+
+def test_runs_trained_side_by_side_are_those_trained_in_turn(smoke, tmp_path):
+    """workers=2 trains the vanilla and the myopic run in worker processes at the same time; each one's weights are
+    byte for byte those of the same run trained in this process, in turn (workers=1), and each worker's CPU time is
+    recorded as its stage's."""
+    out = tmp_path / "turns"
+    run_othello("smoke", out, device="cpu", progress=False, replays=False, workers=1)
+    for run in ("run", "myopic/run"):
+        assert (out / run / "model.safetensors").read_bytes() == (smoke / run / "model.safetensors").read_bytes(), run
+    timings = json.loads((smoke / "timings.json").read_text())
+    assert all(timings["cpu_s"][stage] > 0 and timings[stage] > 0 for stage in ("train", "train_myopic"))
 
 
 def test_myopic_run_is_the_vanilla_config_in_regime_myopic(smoke):

@@ -20,14 +20,17 @@ the final LayerNorm); a site ⟨k, p⟩ is ``resid[k]`` at position ``p``, the s
 are the board from the view of the player to move next (+1 own, −1 opponent, 0 empty); their per-example type is
 0 empty, 1 NTP-useless, 2 NTP-useful.
 
-Stage wall times and CPU times (of this process; only of stages that did work in a call) are accumulated in
-``out/timings.json``: ``{stage: wall seconds, "cpu_s": {stage: CPU seconds}}``.
+Stage wall times and CPU times (of the process that did the stage's work; only of stages that did work in a call) are
+accumulated in ``out/timings.json``: ``{stage: wall seconds, "cpu_s": {stage: CPU seconds}}``. With ``workers`` ≥ 2
+the two training runs (stages 1 and 4) train side by side, each in its own worker process on the scale's threads,
+so each run's bits are those of training it alone.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,9 +42,9 @@ import pyarrow.parquet as pq
 from ntpflow.experiments.othello_fragility import FRAGILITY_JSON, run_fragility
 from ntpflow.experiments.othello_probes import ClassifierProbes, load_or_classify
 from ntpflow.experiments.othello_report import write_report
-from ntpflow.experiments.parallel import on_threads
+from ntpflow.experiments.parallel import on_threads, run_jobs
 from ntpflow.experiments.scales import resolve_scale, site_grid
-from ntpflow.files import InFolder, ensure_writable_dir, read_json, write_json
+from ntpflow.files import InFolder, ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute, influence_read_at
@@ -207,14 +210,27 @@ class _Timer:
         t0, c0 = time.perf_counter(), time.process_time()
         yield
         if not done:
-            cpu = self.data.setdefault("cpu_s", {})
-            self.data[name] = round(self.data.get(name, 0.0) + time.perf_counter() - t0, 3)
-            cpu[name] = round(cpu.get(name, 0.0) + time.process_time() - c0, 3)
-            write_json(self.path, self.data)
+            self.add(name, time.perf_counter() - t0, time.process_time() - c0)
+
+    def add(self, name: str, wall_s: float, cpu_s: float) -> None:
+        """Add ``wall_s`` and ``cpu_s`` seconds to stage ``name`` and write the record."""
+        cpu = self.data.setdefault("cpu_s", {})
+        self.data[name] = round(self.data.get(name, 0.0) + wall_s, 3)
+        cpu[name] = round(cpu.get(name, 0.0) + cpu_s, 3)
+        write_json(self.path, self.data)
+
+
+def _train_job(cfg_dict: dict, run_dir: str, threads: int | None, *, stages: bool = False) -> dict:
+    """The job of one training run (for ``run_jobs``): train (or resume) it on ``threads`` torch threads; returns its
+    ``run_dir`` and the wall and CPU seconds (of the worker process) it took."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    with on_threads(threads):
+        train(TrainConfig.from_dict(cfg_dict), run_dir, progress=stages)
+    return {"run_dir": run_dir, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
 def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "auto", progress: bool = True,
-                reading: str = "exact", replays: bool = True) -> Path:
+                reading: str = "exact", replays: bool = True, workers: int | None = None) -> Path:
     """Run (or resume) every stage of ``scale`` into ``out`` and write the report. Returns ``out``.
 
     ``out/run`` is the run directory (:class:`OthelloOut`: the layout); ``out/data.json``, ``out/report.{md,html}``, ``out/summary.json`` and
@@ -225,15 +241,27 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     ``replays=False`` skips only the tracked replay (stage 5; the influence claims then read not testable); a later
     call with replays adds it. The myopic run and the fragility test (stage 4) run in either case. A first report is
     written as soon as the vanilla run is trained and probed (claim (i) and the gates), before the myopic run.
+    ``workers`` ≥ 2 trains the vanilla and the myopic run side by side in worker processes (default: 2 on a CPU
+    with 2 cores or more, 1 on a GPU, where the runs take turns); the first report then waits for both.
     """
     scale = resolve_scale(scale, SCALES, OthelloScale)
     layout = OthelloOut(ensure_writable_dir(out))
     cfg, myopic_cfg = scale.config(device), scale.config(device, "myopic")
     timer = _Timer(layout.timings)
+    trainings = (("vanilla", cfg, layout.run_dir, "train"), ("myopic", myopic_cfg, layout.myopic_dir, "train_myopic"))
+    pending = [t for t in trainings if not Run(t[2], t[1]).done]
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1) if resolve_device(device).type == "cpu" else 1
+    if workers > 1 and len(pending) > 1:
+        if progress:
+            log.info("othello %s: training %s side by side", scale.name, ", ".join(str(t[2]) for t in pending))
+        done = run_jobs(_train_job, [(c.to_dict(), str(d), scale.threads) for _, c, d, _ in pending], workers,
+                        f"othello {scale.name} training", progress)
+        for (*_, stage), r in zip(pending, done):
+            timer.add(stage, r["wall_s"], r["cpu_s"])
     with on_threads(scale.threads):
         runs = {}
-        for name, c, stage in (("vanilla", cfg, "train"), ("myopic", myopic_cfg, "train_myopic")):
-            run_dir = layout.run_dir if name == "vanilla" else layout.myopic_dir
+        for name, c, run_dir, stage in trainings:
             with timer.stage(stage, Run(run_dir, c).done):
                 if progress:
                     log.info("othello %s: training %s (%s)", scale.name, run_dir, name)

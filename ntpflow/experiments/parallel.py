@@ -21,18 +21,19 @@ from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import train
 
 
-def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progress: bool = True) -> None:
+def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progress: bool = True) -> list:
     """Call ``fn(*job, stages=...)`` for every job: in order in this process when ``workers == 1``, else in a pool
-    of ``workers`` processes (``fn`` must be a module-level function). A progress bar (stage lines without a
+    of ``workers`` processes (``fn`` must be a module-level function); returns the results in the order of ``jobs``. A progress bar (stage lines without a
     terminal) counts finished jobs and names the runs of the last (its result's ``run_dir`` or ``run_dirs``); the
     first job that raises re-raises here. Without a terminal each job also writes its own loops' stage lines
     (``stages``: they name their run, so the lines of parallel jobs stay apart; on a terminal the job bar alone)."""
     stages = progress and not on_terminal()
     if workers == 1:
-        bar = progress_of(jobs, desc=desc, unit="job", enabled=progress)
-        for job in bar:
-            bar.set_postfix_str(finished_runs(fn(*job, stages=stages)))
-        return
+        results = []
+        for job in (bar := progress_of(jobs, desc=desc, unit="job", enabled=progress)):
+            results.append(fn(*job, stages=stages))
+            bar.set_postfix_str(finished_runs(results[-1]))
+        return results
     # CUDA cannot be initialized in a forked child of a process that touched it: where there is a GPU, start fresh
     # workers (on a CPU-only machine the pool forks as before)
     spawn = multiprocessing.get_context("spawn") if torch.cuda.is_available() else None
@@ -41,6 +42,7 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progr
         bar = progress_of(as_completed(futures), desc=desc, total=len(futures), unit="job", enabled=progress)
         for f in bar:
             bar.set_postfix_str(finished_runs(f.result()))
+        return [f.result() for f in futures]
 
 
 def finished_runs(result) -> str:
