@@ -296,3 +296,8 @@ def test_exact_account_decides_influence_claims(tmp_path):
     md = (d / "report.md").read_text()
     assert "| reproduced (paper's reading) |" in md and "Rules were fixed before the numbers were seen" not in md
     assert "against the overshoots read at θ_t" in md  # the balance rule's record
+    assert "a first-order sum that overshoots" in md and "fixed readout set" not in md  # the balance says how it reads
+    exact = write_data(tmp_path / "exact", make_data(residual=0.009))
+    write_report(exact)
+    md = (exact / "report.md").read_text()
+    assert "on the fixed readout set" in md and "a first-order sum that overshoots" not in md
