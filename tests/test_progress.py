@@ -116,3 +116,13 @@ def test_jobs_write_their_own_stage_lines_only_without_a_terminal(monkeypatch, c
         parallel.run_jobs(record, [("a",), ("b",)], 1, "jobs", progress)
         assert seen == [expect, expect]
     capsys.readouterr()
+
+
+def test_a_run_named_run_is_logged_with_its_parent_folder():
+    """Experiments keep runs in OUT/run and OUT/myopic/run: their log lines must tell them apart (hand-worked)."""
+    from ntpflow.runs.config import TrainConfig
+    from ntpflow.runs.run import Run
+
+    cfg = TrainConfig(task="majority")
+    assert [Run(Path(d), cfg).name for d in ("out/othello-6x6/run", "out/othello-6x6/myopic/run", "runs/maj-run")] \
+        == ["othello-6x6/run", "myopic/run", "maj-run"]

@@ -184,7 +184,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
             first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
             threads_at = locks.enter_context(follow_threads(runs[0].dir, dev))  # the group trained as one
             for step in progress_of(range(first, steps), initial=first, total=steps, enabled=progress,
-                                    desc=f"attribute the group of {runs[0].dir.name} ({len(todo)} runs)"):
+                                    desc=f"attribute the group of {runs[0].name} ({len(todo)} runs)"):
                 threads_at(step)
                 active = [(r, m) for r, m in todo if m.start <= step]  # a member resumed later joins at its state
                 for r, m in active:
@@ -245,7 +245,7 @@ def _replay(run: Run, out: Path, sites: list[Site], features, dev, device, block
     alone = not run.in_group  # then track()'s backward is train_step's, bit for bit
     with follow_threads(run.dir, dev) as threads_at:
         for step in progress_of(range(m.start, run.cfg.steps), initial=m.start, total=run.cfg.steps,
-                                enabled=progress, desc=f"attribute {run.dir.name}"):
+                                enabled=progress, desc=f"attribute {run.name}"):
             threads_at(step)
             tokens, mask = m.track(step)
             if alone:
@@ -494,7 +494,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
     write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra, "stamp": stamp(),
                                       "sign": "positive = the component moved the feature toward its final value"})
     tmp.replace(folder.influence)
-    what = (f"{run.dir.name}: attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
+    what = (f"{run.name}: attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
             f"{run.cfg.steps} steps")
     if readout is None:
         log.info(f"{what}; {_balance_text(summary)}")
@@ -502,7 +502,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
     log.info(f"{what} with the exact account on a readout of {readout}; {tracker.refined}/{run.cfg.steps} steps "
              f"refined ({tracker.subdivided} split into pieces)")
     for line in residual_lines(summary):
-        log.info(f"{run.dir.name}: {line}")
+        log.info(f"{run.name}: {line}")
 
 
 def residual_lines(summary: list[dict], limit: float = 0.01) -> list[str]:

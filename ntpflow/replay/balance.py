@@ -135,7 +135,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
         advance, order = replay_stepper(run, model, opt, dev), DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
         threads_at = locks.enter_context(follow_threads(run.dir, dev))
         for step in progress_of(range(start, cfg.steps), initial=start, total=cfg.steps, enabled=progress,
-                                desc=f"balance {run.dir.name}"):
+                                desc=f"balance {run.name}"):
             threads_at(step)
             i = order(step).to(dev)
             tokens, mask = data["tokens"][i], data["loss_mask"][i]

@@ -36,7 +36,7 @@ def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train
     model = run.load_model(which, resolve_device(device))
     _, eval_set = run.datasets()
     start = time.monotonic()
-    log.info("%s: probing the %s weights on %d eval sequences", run.dir.name, which, len(eval_set.tokens))
+    log.info("%s: probing the %s weights on %d eval sequences", run.name, which, len(eval_set.tokens))
     resid = collect_resid(model, torch.as_tensor(eval_set.tokens))
     ft = None if eval_set.feature_types is None else torch.as_tensor(eval_set.feature_types).long()
     probes = fit_probes(resid, torch.as_tensor(eval_set.features), alpha=alpha, train_frac=train_frac,
@@ -45,7 +45,7 @@ def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train
     out = run.probes_dir(which)
     out.mkdir(exist_ok=True)
     probes.save(out)
-    log.info("%s: probed the %s weights in %s", run.dir.name, which, duration(time.monotonic() - start))
+    log.info("%s: probed the %s weights in %s", run.name, which, duration(time.monotonic() - start))
     return probes
 
 

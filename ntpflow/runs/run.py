@@ -246,6 +246,12 @@ class Run(RunPaths):
         except (ValueError, TypeError) as e:
             raise ValueError(f"{path}: {e}") from None
 
+    @property
+    def name(self) -> str:
+        """The run's name in log lines: its folder's name, with the folder above for a folder named ``run`` (as an
+        experiment's ``OUT/run`` and ``OUT/myopic/run``), so that runs logging side by side stay apart."""
+        return f"{self.dir.parent.name}/{self.dir.name}" if self.dir.name == "run" else self.dir.name
+
     @cached_property
     def task(self) -> Task:
         """The run's task (built once)."""

@@ -245,7 +245,7 @@ def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: b
         _truncate_metrics(run.metrics_path, start)
     logs = [MetricsLog(run.metrics_path, make_sinks(track, run.dir, run.cfg.to_dict())) for run in runs]
     try:
-        desc = runs[0].dir.name if len(runs) == 1 else f"group of {len(runs)}: {runs[0].dir.name}"
+        desc = runs[0].name if len(runs) == 1 else f"group of {len(runs)}: {runs[0].name}"
         bar = progress_of(range(start, cfg.steps), initial=start, total=cfg.steps, enabled=progress, desc=desc)
         finite = torch.ones(len(runs), dtype=torch.bool, device=device)  # each member's losses so far (no sync)
         checked = start  # the last step known good
