@@ -249,12 +249,12 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     cfg, myopic_cfg = scale.config(device), scale.config(device, "myopic")
     timer = _Timer(layout.timings)
     trainings = (("vanilla", cfg, layout.run_dir, "train"), ("myopic", myopic_cfg, layout.myopic_dir, "train_myopic"))
-    pending = [t for t in trainings if not Run(t[2], t[1]).done]
+    pending = [(name, c, run_dir, stage) for name, c, run_dir, stage in trainings if not Run(run_dir, c).done]
     if workers is None:
         workers = min(2, os.cpu_count() or 1) if resolve_device(device).type == "cpu" else 1
     if workers > 1 and len(pending) > 1:
         if progress:
-            log.info("othello %s: training %s side by side", scale.name, ", ".join(str(t[2]) for t in pending))
+            log.info("othello %s: training %s side by side", scale.name, ", ".join(str(run_dir) for _, _, run_dir, _ in pending))
         done = run_jobs(_train_job, [(c.to_dict(), str(d), scale.threads) for _, c, d, _ in pending], workers,
                         f"othello {scale.name} training", progress)
         for (*_, stage), r in zip(pending, done):
