@@ -302,7 +302,7 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
                          "pieces)")
     for line, mismatch in ((paper, "paper"), (centred, "centred")):
         worst = max(abs(e["residual"]) / e["R0_eval"] for e in summary["probes"] if e["mismatch"] == mismatch)
-        assert line == f"run: exact account, {mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} PASS (≤ 0.01)"
+        assert line == f"{tmp_path.name}/run: exact account, {mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} PASS (≤ 0.01)"
     # resumed from the state after step 10 (the last one lost): the same summary, counters included
     (out / "influence.parquet").unlink()
     (out / "summary.json").unlink()
