@@ -126,3 +126,5 @@ def test_a_run_named_run_is_logged_with_its_parent_folder():
     cfg = TrainConfig(task="majority")
     assert [Run(Path(d), cfg).name for d in ("out/othello-6x6/run", "out/othello-6x6/myopic/run", "runs/maj-run")] \
         == ["othello-6x6/run", "myopic/run", "maj-run"]
+    from ntpflow.experiments.parallel import finished_runs
+    assert finished_runs({"run_dirs": ["out/x/run", "out/x/myopic/run"]}) == "finished x/run, myopic/run"

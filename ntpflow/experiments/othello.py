@@ -262,8 +262,9 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     with on_threads(scale.threads):
         runs = {}
         for name, c, run_dir, stage in trainings:
-            with timer.stage(stage, Run(run_dir, c).done):
-                if progress:
+            trained = Run(run_dir, c).done
+            with timer.stage(stage, trained):
+                if progress and not trained:
                     log.info("othello %s: training %s (%s)", scale.name, run_dir, name)
                 runs[name] = train(c, run_dir, progress=progress)
             if name == "vanilla":  # claim (i) and the gates need only the vanilla run: report them before the myopic

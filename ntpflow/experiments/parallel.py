@@ -7,7 +7,6 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
@@ -17,6 +16,7 @@ from ntpflow.progress import on_terminal, progress_of
 from ntpflow.replay.attribution import attribute
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
+from ntpflow.runs.run import run_name
 from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import train
 
@@ -49,7 +49,7 @@ def finished_runs(result) -> str:
     """``"finished majority-vanilla-s0, majority-vanilla-s1"`` from a job's result naming its ``run_dir`` or
     ``run_dirs``; empty for any other result."""
     dirs = (result.get("run_dirs") or [result.get("run_dir")]) if isinstance(result, dict) else []
-    names = [Path(d).name for d in dirs if d]
+    names = [run_name(d) for d in dirs if d]
     return f"finished {', '.join(names)}" if names else ""
 
 

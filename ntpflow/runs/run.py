@@ -101,6 +101,12 @@ class RunPaths:
         return Path(out) if out is not None else self.dir / "balance"
 
 
+def run_name(run_dir: str | Path) -> str:
+    """A run's name in log lines (:attr:`Run.name`): its folder's name, with the folder above for one named ``run``."""
+    run_dir = Path(run_dir)
+    return f"{run_dir.parent.name}/{run_dir.name}" if run_dir.name == "run" else run_dir.name
+
+
 def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
     """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
     T = task.seq_len
@@ -250,7 +256,7 @@ class Run(RunPaths):
     def name(self) -> str:
         """The run's name in log lines: its folder's name, with the folder above for a folder named ``run`` (as an
         experiment's ``OUT/run`` and ``OUT/myopic/run``), so that runs logging side by side stay apart."""
-        return f"{self.dir.parent.name}/{self.dir.name}" if self.dir.name == "run" else self.dir.name
+        return run_name(self.dir)
 
     @cached_property
     def task(self) -> Task:
