@@ -381,7 +381,7 @@ def _fig_influence(summary, kind):
                 ax.set_xlabel("training step")
                 ax.set_ylabel("cumulative influence\n(probe units²)")
             ax.axhline(0, color="#000000", lw=0.8)
-            ax.set_title(f"{TASK_TITLES[t]}: {MISMATCH_LABELS[m]}")
+            ax.set_title(f"{TASK_TITLES[t]}:\n{MISMATCH_LABELS[m]}")  # two lines: one would run past the panel
             if m == "centred":  # the mismatch claim c is decided on carries its precondition
                 fs.account_note(ax, *account_text(*toy_influence_checks(summary, t)))
     if kind == "bars":
