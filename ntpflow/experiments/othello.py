@@ -253,10 +253,11 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     if workers is None:
         workers = min(2, os.cpu_count() or 1) if resolve_device(device).type == "cpu" else 1
     if workers > 1 and len(pending) > 1:
+        dirs = [str(run_dir) for _, _, run_dir, _ in pending]
         if progress:
-            log.info("othello %s: training %s side by side", scale.name, ", ".join(str(run_dir) for _, _, run_dir, _ in pending))
-        done = run_jobs(_train_job, [(c.to_dict(), str(d), scale.threads) for _, c, d, _ in pending], workers,
-                        f"othello {scale.name} training", progress)
+            log.info("othello %s: training %s side by side", scale.name, ", ".join(dirs))
+        done = run_jobs(_train_job, [(c.to_dict(), d, scale.threads) for (_, c, _, _), d in zip(pending, dirs)],
+                        workers, f"othello {scale.name} training", progress)
         for (*_, stage), r in zip(pending, done):
             timer.add(stage, r["wall_s"], r["cpu_s"])
     with on_threads(scale.threads):

@@ -25,8 +25,9 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progr
     """Call ``fn(*job, stages=...)`` for every job: in order in this process when ``workers == 1``, else in a pool
     of ``workers`` processes (``fn`` must be a module-level function); returns the results in the order of ``jobs``.
     A progress bar (stage lines without a terminal) counts finished jobs and names the runs of the last (its result's
-    ``run_dir`` or ``run_dirs``); the first job that raises re-raises here. Without a terminal each job also writes its own loops' stage lines
-    (``stages``: they name their run, so the lines of parallel jobs stay apart; on a terminal the job bar alone)."""
+    ``run_dir`` or ``run_dirs``); the first job that raises re-raises here. Without a terminal each job also writes
+    its own loops' stage lines (``stages``: they name their run, so the lines of parallel jobs stay apart; on a
+    terminal the job bar alone)."""
     stages = progress and not on_terminal()
     if workers == 1:
         results = []
