@@ -272,3 +272,27 @@ def test_one_palette_per_meaning():
 
     assert toy_report.REGIME_COLORS == fs.REGIME_COLORS and othello_report.TYPE_COLORS == fs.TYPE_COLORS
     assert all(stories_report.REGIME_COLORS[r] == fs.REGIME_COLORS[r] for r in stories_report.REGIMES)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_account_note_covers_no_data(shared):
+    """The account note sits above every data point of its panel (and of a panel sharing its y axis), however tall the
+    note: the highest bar's top, in display units, lies below the note's lower edge; without the note the bar would
+    reach into its corner."""
+    from ntpflow.experiments import figure_style as fs
+
+    with fs.style():
+        fig, axes = fs.figure(6.0, 2.5, 1, 2, sharey=shared)
+        bars = [ax.bar([0, 1, 2], [9.0, 1.0, -2.0 * (i + 1)], label="b") for i, ax in enumerate(axes[0])]
+        note_ax = axes[0][1] if shared else axes[0][0]
+        fs.account_note(note_ax, "a long account note\nover\nseveral\nlines", ok=True)
+        fs.finish(fig, "t")
+        fig.draw_without_rendering()
+        note = next(t for t in note_ax.texts if t.get_gid() == fs.NOTE_GID)
+        note_bottom = note.get_window_extent().y0
+        for i, ax in enumerate(axes[0]):
+            if shared or ax is note_ax:
+                assert bars[i][0].get_window_extent().y1 < note_bottom
+        # the whole data range stays visible
+        lo, hi = note_ax.get_ylim()
+        assert lo <= -2.0 * (1 + shared) and hi > 9.0

@@ -36,6 +36,7 @@ GROUP_COLORS = {"formal": DOMAIN_COLORS["code"], "other": DOMAIN_COLORS["stories
                 "high": "#661100", "low": "#6699CC", "baseline": BASELINE}  # high- / low-Q latents
 PALETTES = {"regime": REGIME_COLORS, "component": COMPONENT_COLORS, "type": TYPE_COLORS, "domain": DOMAIN_COLORS,
             "group": GROUP_COLORS}
+NOTE_GID = "account-note"  # marks the text of an account note (:func:`account_note`)
 FAIL_COLOR = "#CC0000"  # the mark of a decomposition that fails its precondition (nothing else is this red)
 SIGN = "Sign convention: positive influence = the component moved the feature toward its final value."
 RC = {"svg.hashsalt": "ntpflow-report", "svg.fonttype": "path", "font.size": 10, "axes.titlesize": 10,
@@ -90,6 +91,24 @@ def finish(fig, title: str, handles=None, labels=None, ncol: int = 1) -> None:
         fits = max(1, int(fig.get_figwidth() / entry))
         fig.legend(list(unique.values()), list(unique), loc="outside lower center",
                    ncol=max(1, min(ncol, len(unique), fits)), frameon=False)
+    _clear_account_notes(fig)
+
+
+def _clear_account_notes(fig) -> None:
+    """Raise the top of every panel that carries an account note (and of the panels sharing its y axis) until no data
+    lies under the note: the data's current y range ends just below the note's lower edge."""
+    notes = [(ax, t) for ax in fig.axes for t in ax.texts if t.get_gid() == NOTE_GID]
+    if not notes:
+        return
+    fig.draw_without_rendering()  # the layout fixes each panel's size, hence the note's height in panel units
+    below = {}  # one y axis (its first sibling) -> the lowest note's lower edge, in panel units
+    for ax, note in notes:
+        key = min(ax.get_shared_y_axes().get_siblings(ax), key=fig.axes.index)
+        edge = note.get_window_extent().transformed(ax.transAxes.inverted()).y0 - 0.02
+        below[key] = min(below.get(key, 1.0), edge)
+    for ax, edge in below.items():
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(lo, lo + (hi - lo) / max(edge, 0.3))
 
 
 def clip(lo, hi, bounds):
@@ -161,7 +180,7 @@ def mark_off_axis(ax, xs, ys, lo=None, hi=None, color="#000000") -> int:
 def account_note(ax, text: str, ok: bool) -> None:
     """State an influence panel's account in its top-left corner (``text``: the exact account's largest
     |residual| / R_H(θ_0), or "paper's reading, balance x"; lines wrapped to the panel's width); a failed
-    precondition frames the panel in red and says so."""
+    precondition frames the panel in red and says so. :func:`finish` makes room above the data for it."""
     fig = ax.get_figure()
     chars = max(20, int(ax.get_position().width * fig.get_figwidth() * 14))  # 8-pt characters across the panel
     lines = [w for line in (text if ok else f"✗ precondition fails: {text}").split("\n")
@@ -170,6 +189,7 @@ def account_note(ax, text: str, ok: bool) -> None:
                    color="#000000" if ok else FAIL_COLOR, zorder=6,
                    bbox={"facecolor": "white", "edgecolor": "none" if ok else FAIL_COLOR, "alpha": 0.85, "pad": 1.5})
     note.set_in_layout(False)  # the note sits inside the panel; the layout must not make room for it
+    note.set_gid(NOTE_GID)  # finish() raises the panel's top so that no data lies under the note
     if not ok:
         for side in ax.spines.values():
             side.set_visible(True)
