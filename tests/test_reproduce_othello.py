@@ -310,6 +310,24 @@ def _hand_data(direct_useless=(-1.0, 0.0, 1.0)):
             "timings": {"train": 10.0, "attribution": 50.0}}
 
 
+def test_influence_claims_without_a_replay_name_it_as_their_reason():
+    """A run made with --no-replays (no influence rows, no exact account): claims (ii)-(iv) are not testable with one
+    failing check, the missing replay, and no unit counts or balance; claim (i) does not depend on it. With the
+    replay's rows the unit counts come back and the replay check is gone."""
+    bare = summarize({**_hand_data(), "influence": [], "curves": [], "sanity": []})
+    claims = {c["id"]: c for c in bare["claims"]}
+    for cid in ("ii", "iii", "iv"):
+        names = [p["name"] for p in claims[cid]["preconditions"]]
+        failing = [p["name"] for p in claims[cid]["preconditions"] if not p["ok"]]
+        assert claims[cid]["verdict"] == NOT_TESTABLE and claims[cid]["measured"] == "no tracked replay", cid
+        assert failing == ["a tracked replay of the run (rerun without --no-replays to add it)"], cid
+        assert not any("units of" in n or "balance" in n for n in names), cid
+    assert claims["i"]["verdict"] != NOT_TESTABLE
+    replayed = {c["id"]: c for c in summarize(_hand_data())["claims"]}
+    names = [p["name"] for p in replayed["ii"]["preconditions"]]
+    assert any("units of" in n for n in names) and not any("tracked replay" in n for n in names)
+
+
 def test_report_statistics_on_hand_made_data(tmp_path):
     s = summarize(_hand_data())
     t975_2 = 4.302652729911275  # Student t, 0.975 quantile, 2 degrees of freedom

@@ -57,6 +57,9 @@ FIXED_ROWS = ("2026-12-02 (commit 65a139f)", "the TinyStories midpoint rows and 
 FIXED_ACCOUNT = ("2026-12-03 (with the exact account's residual line: 1%)", "no experiment's run: only the 60-step toy run of "
                  "docs/balance.md (largest residual 5e-6 of R_H(θ_0)) had been replayed with the exact account")
 
+FIXED_NO_REPLAY = ("2026-12-05", "othello-medium (8×8), whose report listed its missing replay as failing unit counts "
+                                  "and balance; the check only names why, it has no threshold")
+
 BALANCE = 2.0  # every influence claim: Σ full influence within this factor of the mismatch removed (docs/balance.md)
 ROW_LIMIT = 2 * (BALANCE - 1) / (BALANCE + 1)  # the same, row by row: see row_balance_check
 RESIDUAL_LIMIT = 0.01  # the exact account: every row's |residual| at most this share of its R_H(θ_0)
@@ -82,6 +85,8 @@ def account_text(reading: str, checks) -> tuple[str, bool]:
     """What an influence figure states about its decomposition, and whether it passes its precondition:
     "exact account: largest |residual| / R_H(θ_0) = x" or "paper's reading, balance x× (rows e)"."""
     ok = all(c.ok for c in checks)
+    if not reading:
+        return "no tracked replay", False
     if reading == EXACT:
         return f"exact account: largest |residual| / R_H(θ_0) = {checks[0].value}", ok
     values = [c.value for c in checks]
@@ -90,9 +95,15 @@ def account_text(reading: str, checks) -> tuple[str, bool]:
     return f"paper's reading, balance {factor}{rows}", ok
 
 
-def influence_checks(account: dict | None, balance, where: str) -> tuple[str, tuple[Check, ...]]:
+def influence_checks(account: dict | None, balance, where: str, replayed: bool = True
+                     ) -> tuple[str, tuple[Check, ...]]:
     """``(reading, checks)`` of an influence claim: the exact account's residual check when the replay has one
-    (``account`` not None), else the paper's reading with the first-order balance checks ``balance()``."""
+    (``account`` not None), else the paper's reading with the first-order balance checks ``balance()``; with no
+    replay at all (``replayed`` False: a run made with ``--no-replays``), no reading and the one failing check that
+    says so."""
+    if not replayed:
+        return "", (Check("a tracked replay of the run (rerun without --no-replays to add it)", "not run", False,
+                          *FIXED_NO_REPLAY, short="tracked replay", need="a replay"),)
     if account is not None:
         return EXACT, (account_check(account, where),)
     return PAPERS_READING, tuple(balance())
@@ -327,11 +338,13 @@ def othello_gates(summary) -> tuple[Check, Check]:
 def othello_influence_checks(summary) -> tuple[str, tuple[Check, ...]]:
     """``(reading, checks)`` of the Othello influence claims: the exact account's residual check on every tracked
     row of R where the replay has one, else the paper's reading with the balance check (sum over the sites; the
-    summary keeps no rows)."""
+    summary keeps no rows); a run without a replay has the one check that says so."""
     sanity = summary.get("sanity") or {}
+    replayed = summary.get("exact_account") is not None or any(r.get("n") for r in summary["influence"].values())
     return influence_checks(summary.get("exact_account"), lambda: (balance_check(
         (sanity.get("adam_full") or {}).get("mean"), (sanity.get("R0_minus_RT_eval") or {}).get("mean"),
-        "R of the whole batch, mean over the tracked sites and squares"),), "R, every tracked site × square")
+        "R of the whole batch, mean over the tracked sites and squares"),), "R, every tracked site × square",
+        replayed)
 
 
 def othello_claims(summary) -> list[Claim]:
@@ -351,14 +364,17 @@ def othello_claims(summary) -> list[Claim]:
     row = {k: _othello_row(summary, k) for k in ("direct/useful", "direct/useless", "pre_cached/useless",
                                           "pre_cached/useful", "shared/useful", "shared/useless", "full/useless")}
 
+    reading, checks = othello_influence_checks(summary)
+
     def infl(*keys):
+        if not reading:
+            return "no tracked replay"
         return "; ".join(f"{k.replace('_', '-').replace('/', ' ')} {fmt_ci(row[k], fmt_g)} (n={row[k]['n']})"
                          for k in keys)
 
-    reading, checks = othello_influence_checks(summary)
-
     def units(*keys):
-        return (*gates, *(at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys), *checks)
+        counts = (at_least(f"units of {k.replace('/', ' ')}", row[k]["n"], 2) for k in keys) if reading else ()
+        return (*gates, *counts, *checks)
 
     def above(t, label, key):
         return interval_above(f"{t}-square {label} influence", key, 0.0, fixed=FIXED_OTHELLO[0],
