@@ -504,6 +504,25 @@ def test_fragility_predictions_are_decided_by_their_intervals_and_gated():
     assert summarize(_hand_data())["fragility"] is None  # before the test: no section
 
 
+def test_rerendering_judges_the_fragility_predictions_again(tmp_path):
+    """A report re-rendered from its summary.json alone judges the fragility predictions again from the stored
+    numbers: the same claims as the first rendering, and a stale stored verdict does not survive."""
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "data.json").write_text(json.dumps({**_hand_data(), "fragility": _fragility_record(
+        (0.1, 0.02, 0.2), (-0.1, -0.2, -0.01))}))
+    write_report(out)
+    first = json.loads((out / "summary.json").read_text())["fragility"]["claims"]
+    assert [c["verdict"] for c in first] == ["reproduced", "not reproduced"]
+    (out / "data.json").unlink()
+    stale = json.loads((out / "summary.json").read_text())
+    for c in stale["fragility"]["claims"]:
+        c["verdict"] = "stale"
+    (out / "summary.json").write_text(json.dumps(stale))
+    write_report(out)
+    assert json.loads((out / "summary.json").read_text())["fragility"]["claims"] == first
+
+
 def test_report_links_the_pilots_and_lists_the_settings(tmp_path):
     data = {**_hand_data(), "pilots": "pilots", "readout": 16,
             "config": {"n_layer": 2, "steps": 5, "batch_size": 4, "n_train": 10, "warmup": 2, "decay": "cosine",

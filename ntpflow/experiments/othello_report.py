@@ -157,15 +157,24 @@ def _fragility(record: dict | None, summary: dict) -> dict | None:
     if not record:
         return None
     my = record.get("myopic") or {}
-    myopic = {"run": {"legal_acc": my.get("legal_acc")},
-              "probe_by_layer": [{"metric": "r", "weights": "final", "type": "useful", "layer": r["layer"],
-                                  "mean": r["mean"]} for r in my.get("useful_r_by_layer") or []]}
-    claims = othello_fragility_claims(record, summary, myopic)
-    return {**{k: record.get(k) for k in ("t", "t0", "depth", "n_games", "seed", "n_boot", "pairs",
-                                          "mean_differing_stones")},
-            "rows": [{"regime": regime, **r} for regime, rows in (record.get("rows") or {}).items() for r in rows],
-            "comparisons": record.get("comparisons") or [], "metric": FRAGILITY_METRIC,
-            "myopic_legal_acc": my.get("legal_acc"), "claims": [c.to_dict() for c in claims]}
+    fragility = {**{k: record.get(k) for k in ("t", "t0", "depth", "n_games", "seed", "n_boot", "pairs",
+                                               "mean_differing_stones")},
+                 "rows": [{"regime": regime, **r} for regime, rows in (record.get("rows") or {}).items()
+                          for r in rows],
+                 "comparisons": record.get("comparisons") or [], "metric": FRAGILITY_METRIC,
+                 "myopic_legal_acc": my.get("legal_acc"),
+                 "myopic_useful_r_by_layer": [{"layer": r["layer"], "mean": r["mean"]}
+                                              for r in my.get("useful_r_by_layer") or []]}
+    return {**fragility, "claims": _fragility_claims(fragility, summary)}
+
+
+def _fragility_claims(fragility: dict, summary: dict) -> list[dict]:
+    """The fragility predictions judged on the report's fragility section (its comparisons, pair counts and the
+    myopic model's legal-move accuracy and useful squares' ridge r by layer) and the vanilla summary's gates."""
+    myopic = {"run": {"legal_acc": fragility.get("myopic_legal_acc")},
+              "probe_by_layer": [{"metric": "r", "weights": "final", "type": "useful", **r}
+                                 for r in fragility.get("myopic_useful_r_by_layer") or []]}
+    return [c.to_dict() for c in othello_fragility_claims(fragility, summary, myopic)]
 
 
 def _probe_quality(pr: _Probes, probes: list[dict]) -> tuple[list, list, list, dict]:
@@ -412,6 +421,10 @@ FIGURES = {"training": _fig_training, "probe_by_layer": _fig_probe_by_layer, "pr
 
 
 def _document(summary: dict, figures) -> list[tuple]:
+    """The report's blocks; every claim judged again from the numbers, the fragility predictions too where the
+    summary keeps the myopic model's ridge r by layer (summaries written before 2026-12-05 keep their own)."""
+    if "myopic_useful_r_by_layer" in (summary.get("fragility") or {}):
+        summary["fragility"]["claims"] = _fragility_claims(summary["fragility"], summary)
     return template_blocks("othello", [c.to_dict() for c in othello_claims(summary)], s=summary, sign=SIGN,
                            unit=INFLUENCE_UNIT, metrics=METRICS, types=PROBE_TYPES, components=COMPONENTS,
                            labels=COMPONENT_LABELS, paper_ci=PAPER_CI)
