@@ -15,7 +15,8 @@ from ntpflow.experiments.render import CLAIM_HEADER, CLAIMS_ID, stored_summary, 
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 COMMITTED = {"toy-medium": toy_report, "toy-medium-cond": toy_report,
-             "toy-medium-cond-exact": toy_report, "othello-small": othello_report,
+             "toy-medium-cond-exact": toy_report, "toy-paper": toy_report, "othello-small": othello_report,
+             "othello-medium": othello_report, "othello-medium-6x6": othello_report,
              "stories-small": stories_report, "llm-small": llm_report}
 # A failing precondition's short form names the quantity in a few words, its value and its threshold ("legal acc
 # 0.7298 (needs ≥ 0.97)": 31 characters; the longest, the exact account's, 55). 60 characters a failing check is one

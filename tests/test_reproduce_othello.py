@@ -514,6 +514,7 @@ def test_rerendering_judges_the_fragility_predictions_again(tmp_path):
     write_report(out)
     first = json.loads((out / "summary.json").read_text())["fragility"]["claims"]
     assert [c["verdict"] for c in first] == ["reproduced", "not reproduced"]
+    assert "holds here: NTP-useless differences" in (out / "report.md").read_text()  # the acronym kept
     (out / "data.json").unlink()
     stale = json.loads((out / "summary.json").read_text())
     for c in stale["fragility"]["claims"]:
