@@ -154,7 +154,7 @@ SCALES = {
          "decay": "cosine", "final_lr_frac": 0.1, "n_train": 7000 * 256, "n_eval": 4096, "eval_every": 200,
          "ckpt_every": 100, "log_every": 50},
         site_grid((2, 3), (24, 36)), threads=1, curve_every=50, readout=16, pilots="pilots",
-        note="a CPU scale with a world model, not the paper's setting"),
+        note="a CPU scale chosen to reach a world model, not the paper's setting"),
     # issue 32's fallback: the medium model on a 6x6 board (Othello(board_size=6): 32 game tokens, 36 squares), the
     # same LR schedule as medium (warmup 200, cosine to 0.1). Steps from the 6x6 pilot
     # (docs/results/othello-medium/pilots/six-by-six.md): legal-move accuracy 0.929 after 1,200 steps at 0.72 CPU-s a
@@ -168,7 +168,7 @@ SCALES = {
          "lr": 1e-3, "warmup": 200, "decay": "cosine", "final_lr_frac": 0.1, "n_train": SIX_STEPS * 256,
          "n_eval": 4096, "eval_every": 200, "ckpt_every": 100, "log_every": 50},
         site_grid((2, 3), (12, 18)), threads=1, curve_every=50, readout=16, pilots="../othello-medium/pilots",
-        note="a 6×6 board: NOT the paper's setting (4 layers, d 128, batch 256)"),
+        note="the medium model (4 layers, d 128, batch 256) on a 6×6 board: NOT the paper's setting"),
     # the paper's training on one GPU (scripts/othello_gpu.sh), with the replay's exact account on 256 evaluation
     # games at 6 of the paper's 84 sites (layers 3-4 x positions 20, 28, 36: the middle of the network and of the
     # game): a tracked step there costs 13.6 plain steps, the 84 sites several times more (benchmarks/
