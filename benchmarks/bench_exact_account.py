@@ -12,6 +12,7 @@ R_H(θ_0) per mismatch) and refined steps come from its summary.json.
 
     python benchmarks/bench_exact_account.py                      # 60 steps, sites 1:4,1:6,1:8,1:14, 2 rounds
     python benchmarks/bench_exact_account.py --sites 1-2:2-19 --steps 100 --rounds 3
+    python benchmarks/bench_exact_account.py --steps 3000 --rounds 1 --skip-paper   # a whole medium-length run
 """
 
 import argparse
@@ -40,6 +41,7 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="timed rounds (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--matrices", action="store_true", help="also time the exact account with influence matrices")
+    p.add_argument("--skip-paper", action="store_true", help="leave out the paper's reading (long runs)")
     p.add_argument("--root", help="folder for the run and the replays (default: a temporary one)")
     return p.parse_args(argv)
 
@@ -48,6 +50,8 @@ def variants(args) -> dict[str, dict]:
     """{name: attribute options} of the timed replays (Adam rows only, as the experiments replay)."""
     out = {"midpoint": {"reading": "midpoint"}, "paper": {"reading": "paper"},
            "exact": {"reading": "exact", "readout": args.readout}}
+    if args.skip_paper:
+        del out["paper"]
     if args.matrices:
         if "matrices" not in inspect.signature(attribute).parameters:
             raise SystemExit("this version of attribute has no influence matrices (--matrices)")
