@@ -12,10 +12,10 @@
 # (float32 without TF32 on an H200, whose float32 peak is about 67 TFLOP/s), 5 min at 30; the probes add well under a
 # minute. Measured on one H200 (2026-12-04): step 3500 of 5000 after 300 s, about 21 TFLOP/s (the math attention
 # kernel on CUDA), so training takes about 7 min: `--no-replays` fits inside 10 minutes, not well inside. The replay does not: a tracked step at
-# these 6 sites is 6.1 plain steps for the batch plus 3.7 per 128 readout games (7.5 at 256), 13.6 in all, 1.2e17
-# FLOPs over 5000 steps (about 50-70 min at 30-40 TFLOP/s; the paper's 84 sites several times that). Run it as
-# further calls without --no-replays: each resumes from the replay's last resume point (every 500 steps), so cut
-# calls (timeout) lose at most one block.
+# these 6 sites is 2.85 plain steps for the batch plus 1.11 for the 256 readout games, 3.96 in all (a refined step
+# adds 0.53 a quadrature point), 3.5e16 FLOPs over 5000 steps unrefined (about 28 min at the 21 TFLOP/s measured
+# for the training). Run it as further calls without --no-replays: each resumes from the replay's last resume point
+# (every 500 steps), so cut calls (timeout) lose at most one block.
 #
 #   scripts/othello_gpu.sh --no-replays [WORK_DIR]   training, probes, report: the 10-minute call
 #   scripts/othello_gpu.sh [WORK_DIR]                the same plus the tracked replays (resumes; about an hour in all)

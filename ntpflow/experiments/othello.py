@@ -146,7 +146,7 @@ SCALES = {
     # cosine decay to 1e-4, one epoch of fresh games (7000 x 256 = 1.79 M, token-only: 0.98 GB), about 3.2
     # core-hours at the pilots' 0.56 M games a core-hour (the pilots' short curves extrapolate below the gates at 3
     # core-hours, so the run takes a little more). Tracked: layers 2-3 (the middle of 4) x positions 24, 36, the 16
-    # central squares, the exact account on 16 evaluation games (the replay: 5.9 plain steps a step, counted by
+    # central squares, the exact account on 16 evaluation games (the replay: 2.5 plain steps a step, counted by
     # benchmarks/othello_gpu_flops.py). NOT the paper's setting (smaller model, fewer games).
     "medium": OthelloScale(
         "medium",
@@ -171,7 +171,7 @@ SCALES = {
         note="the medium model (4 layers, d 128, batch 256) on a 6×6 board: NOT the paper's setting"),
     # the paper's training on one GPU (scripts/othello_gpu.sh), with the replay's exact account on 256 evaluation
     # games at 6 of the paper's 84 sites (layers 3-4 x positions 20, 28, 36: the middle of the network and of the
-    # game): a tracked step there costs 13.6 plain steps, the 84 sites several times more (benchmarks/
+    # game): a tracked step there costs 3.96 plain steps, unrefined, the 84 sites more (benchmarks/
     # othello_gpu_flops.py). Training set: one epoch of fresh games (5000 x 1024, token-only).
     "paper-gpu": OthelloScale(
         "paper-gpu",
