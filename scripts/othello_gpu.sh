@@ -14,7 +14,7 @@
 # kernel on CUDA), so training takes about 7 min: `--no-replays` fits inside 10 minutes, not well inside. The replay does not: a tracked step at
 # these 6 sites is 2.85 plain steps for the batch plus 1.11 for the 256 readout games, 3.96 in all (a refined step
 # adds 0.53 a quadrature point), 3.5e16 FLOPs over 5000 steps unrefined (about 28 min at the 21 TFLOP/s measured
-# for the training). Run it as further calls without --no-replays: each resumes from the replay's last resume point
+# for the training; the paper's 84 sites: 32.8 plain steps, 2.9e17 FLOPs, about 4 h). Run it as further calls without --no-replays: each resumes from the replay's last resume point
 # (every 500 steps), so cut calls (timeout) lose at most one block.
 #
 #   scripts/othello_gpu.sh --no-replays [WORK_DIR]   training, probes, report: the 10-minute call

@@ -113,6 +113,12 @@ def test_forward_mode_tangents_match_vjps(kw):
                          every[site.layer][:, :, site.pos]):
             got = (tangents * u).sum((1, 2))
             assert (got - ref).abs().max() <= 1e-12 * ref.abs().max(), site
+    # a forward that stops at the sites' highest layer: the same numbers, bit for bit
+    for top in (0, 1):
+        short = Primals(model, tokens, top)
+        assert len(short.resid) == top + 1 and len(short.blocks) == top
+        assert all(torch.equal(a, b) for a, b in zip(short.resid, primals.resid))
+        assert torch.equal(site_tangents(short, top, T - 1, directions), site_tangents(primals, top, T - 1, directions))
 
 
 @pytest.mark.parametrize("kw", REGIMES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "vanilla")

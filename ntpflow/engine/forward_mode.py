@@ -63,7 +63,9 @@ def _bias(b: torch.Tensor, shared: bool, lead: int) -> torch.Tensor:
 class Primals:
     """The ordinary forward of ``model`` on ``tokens`` [batch, pos], with what the tangent rules need (no graph).
 
-    ``resid[k]``: [batch, pos, d_model] for k = 0..n_layer (same convention as ``GPT.forward``).
+    ``resid[k]``: [batch, pos, d_model] for k = 0..n_layer (same convention as ``GPT.forward``); ``n_layer``: run
+    only the blocks below it (default: all), for a reader of no higher residual (tangents and risks at sites of layer
+    ≤ n_layer): ``resid`` then stops at ``resid[n_layer]``, with the same values.
 
     **Embedding table.** Block 0's input resid[0][b, p] depends on (token, position) only, so its ln1 and its q/k/v
     projection (a quarter of the block's matmuls) take at most vocab distinct rows per position. When the vocabulary
@@ -73,7 +75,7 @@ class Primals:
     are summed into table rows (``bin``) before the weight gradients. Exact: sums are only regrouped.
     """
 
-    def __init__(self, model: GPT, tokens: torch.Tensor):
+    def __init__(self, model: GPT, tokens: torch.Tensor, n_layer: int | None = None):
         cfg = model.cfg
         self.model, self.tokens = model, tokens
         self.n_head, self.eps = cfg.n_head, cfg.layer_norm_eps
@@ -92,7 +94,7 @@ class Primals:
             r_tab = self.embed(self.table_tokens)
             r = self.gather(r_tab)
             self.resid, self.blocks = [r], []
-            for b in range(cfg.n_layer):
+            for b in range(cfg.n_layer if n_layer is None else n_layer):
                 c = self._block(p, f"blocks.{b}.", r, r_tab if b == 0 else None)
                 self.blocks.append(c)
                 r = c["out"]

@@ -204,6 +204,7 @@ class InfluenceTracker:
         self.final_model = final_model.eval()
         self.probes = list(probes)
         self.sites = checked_sites((p.site for p in self.probes), final_model.cfg.n_layer, final_model.cfg.n_ctx)
+        self.top_layer = max((s.layer for s in self.sites), default=0)  # the highest residual any reader reads
         d = final_model.cfg.d_model
         for p in self.probes:
             if p.w.shape != (d,):
@@ -538,7 +539,7 @@ class InfluenceTracker:
         The tensor work is :meth:`exact_integral`; this adds the host's part: the refinement and the rows."""
         ro, w = self.readout, self.directions
         if self._start is None:  # θ_0: its plain forward (later starts are the previous step's end)
-            primals = Primals(model, ro.tokens)
+            primals = Primals(model, ro.tokens, self.top_layer)
             self._start = self._readout_risks(primals, ro.final_proj, ro.types, w)[1]
             self._r0 = self._start.abs()
             if self.matrices is not None:
@@ -547,7 +548,7 @@ class InfluenceTracker:
         for level, (n, pieces) in enumerate(ro.rules):
             scratch = itertools.count()  # scratch weights: the end, then n per piece (a piece's are done before the next)
             points = lambda step, s: Primals(self._point(model, step, s, next(scratch) % (n + 1)),  # noqa: E731
-                                             ro.tokens)
+                                             ro.tokens, self.top_layer)
             mats = None if self.matrices is None else {}
             values, end, full, layout = self.exact_integral(passes, lr, adam, points, n, ro.final_proj, w, ro.types,
                                                             update=level == 0, mats=mats, pieces=pieces)
@@ -649,7 +650,7 @@ class InfluenceTracker:
             for m, p, s in zip(self._middle.parameters(), model.parameters(),
                                step.split([p.numel() for p in model.parameters()])):
                 torch.sub(p, s.view_as(p), alpha=0.5, out=m)
-        return Primals(self._middle, tokens)
+        return Primals(self._middle, tokens, self.top_layer)
 
     def _risks_by_site(self, risks: list, w: torch.Tensor, device: torch.device) -> dict:
         """{site: (its risks, its probes' directions [d_model, probes], column of each risk's probe [risks])}: the
