@@ -114,7 +114,7 @@ def main() -> None:
         per_point = (t4 - t1) / 2 / 8  # one more quadrature point, per readout game
         plain = per_row_plain * a.batch
         tracked = per_row_track * a.batch + per_readout * a.readout
-        print(f"{name}: {len(sites)} sites x 16 squares; plain step {plain / 1e9:.1f} GFLOP at batch {a.batch}; "
+        print(f"{name}: {len(sites)} sites x {len(SCALES[name].squares)} squares; plain step {plain / 1e9:.1f} GFLOP at batch {a.batch}; "
               f"tracked step {tracked / 1e9:.1f} GFLOP with a readout of {a.readout}, unrefined "
               f"(= {tracked / plain:.2f} plain steps: batch part {per_row_track * a.batch / plain:.2f}, readout part "
               f"{per_readout * a.readout / plain:.2f}; each point a refined step adds: "
@@ -125,6 +125,7 @@ def main() -> None:
             print(f"{name}: measured at batch {a.batch}, readout {a.readout}, one thread, median of {a.time} "
                   f"alternated: plain step {sp:.2f} CPU-s, tracked step {st:.2f} CPU-s (= {st / sp:.2f} plain steps); "
                   f"{a.steps} steps: replay {st * a.steps / 3600:.1f} core-hours unrefined")
+
 
 if __name__ == "__main__":
     main()

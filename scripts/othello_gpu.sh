@@ -12,8 +12,8 @@
 # (float32 without TF32 on an H200, whose float32 peak is about 67 TFLOP/s), 5 min at 30; the probes add well under a
 # minute. Measured on one H200 (2026-12-04): step 3500 of 5000 after 300 s, about 21 TFLOP/s (the math attention
 # kernel on CUDA), so training takes about 7 min: `--no-replays` fits inside 10 minutes, not well inside. The replay does not: a tracked step at
-# these 6 sites is 2.85 plain steps for the batch plus 1.11 for the 256 readout games, 3.96 in all (a refined step
-# adds 0.53 a quadrature point), 3.5e16 FLOPs over 5000 steps unrefined (about 28 min at the 21 TFLOP/s measured
+# these 6 sites is 2.85 plain steps for the batch plus 1.06 for the 256 readout games, 3.91 in all (a refined step
+# adds 0.51 a quadrature point), 3.5e16 FLOPs over 5000 steps unrefined (about 28 min at the 21 TFLOP/s measured
 # for the training; the paper's 84 sites: 32.8 plain steps, 2.9e17 FLOPs, about 4 h). Run it as further calls without --no-replays: each resumes from the replay's last resume point
 # (every 500 steps), so cut calls (timeout) lose at most one block.
 #

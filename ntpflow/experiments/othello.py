@@ -171,7 +171,7 @@ SCALES = {
         note="the medium model (4 layers, d 128, batch 256) on a 6×6 board: NOT the paper's setting"),
     # the paper's training on one GPU (scripts/othello_gpu.sh), with the replay's exact account on 256 evaluation
     # games at 6 of the paper's 84 sites (layers 3-4 x positions 20, 28, 36: the middle of the network and of the
-    # game): a tracked step there costs 3.96 plain steps, unrefined, the 84 sites 32.8 (benchmarks/
+    # game): a tracked step there costs 3.91 plain steps, unrefined, the 84 sites 32.8 (benchmarks/
     # othello_gpu_flops.py). Training set: one epoch of fresh games (5000 x 1024, token-only).
     "paper-gpu": OthelloScale(
         "paper-gpu",
