@@ -224,6 +224,39 @@ def find_pairs_at_other_t():
     return find_pairs(10, 20, 2, seed=3)
 
 
+@pytest.mark.parametrize("args, scale, work, dest", [
+    ([], "paper-gpu", "results/othello-paper-gpu", "docs/results/othello-paper"),
+    (["--six", "--no-replays"], "medium-6x6", "results/othello-medium-6x6-gpu", "docs/results/othello-medium-6x6-gpu"),
+    (["--smoke", "w"], "paper-gpu-smoke", "w", None)])
+def test_othello_gpu_script_runs_the_scale_its_options_name_and_copies_its_report(tmp_path, args, scale, work, dest):
+    """``scripts/othello_gpu.sh``'s dispatch, on a copy of the script whose Python is a stand-in that records its
+    arguments and writes the report's files: the scale, the work folder, --no-replays passed on, and the copy into
+    docs/results/ (none for the smoke scale)."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(root / "scripts" / "othello_gpu.sh", tmp_path / "scripts")
+    fake = tmp_path / "python"
+    fake.write_text('#!/usr/bin/env bash\necho "$@" > args.txt\n'
+                    'while [[ $# -gt 0 ]]; do [[ $1 == --out ]] && out=$2; shift; done\n'
+                    'mkdir -p "$out/figures"\nfor f in report.md summary.json stamp.json data.json timings.json; do\n'
+                    '  echo "$f" > "$out/$f"; done\ntouch "$out/figures/a.png" "$out/figures/a.svg"\n')
+    fake.chmod(0o755)
+    res = subprocess.run(["bash", "scripts/othello_gpu.sh", *args], cwd=tmp_path, capture_output=True, text=True,
+                         env={**os.environ, "PYTHON": str(fake)}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    called = (tmp_path / "args.txt").read_text().split()
+    assert called[called.index("--scale") + 1] == scale and called[called.index("--out") + 1] == work
+    assert ("--no-replays" in called) == ("--no-replays" in args)
+    copied = sorted(p.relative_to(tmp_path).as_posix() for p in (tmp_path / "docs").rglob("*") if p.is_file()) \
+        if (tmp_path / "docs").exists() else []
+    assert copied == ([] if dest is None else sorted(f"{dest}/{f}" for f in (
+        "report.md", "summary.json", "stamp.json", "data.json", "timings.json", "figures/a.png", "figures/a.svg")))
+
+
 def test_othello_gpu_script_smoke(tmp_path):
     """``scripts/othello_gpu.sh --smoke``: the paper-gpu code path (6 layers, token-only training set, probes, the
     tracked replay with the exact account at layers 3-4, the report) at smoke size on the CPU."""
