@@ -112,8 +112,8 @@ class RunAxisTracker:
         ro_proj = torch.stack([tr.readout.final_proj for tr in trackers])  # [R, N, n_probes]
         if first._start is None:  # θ_0 of every member: a plain forward on its readout set
             def start(params, ro_tokens, ro_proj, w):
-                return self._call(params, stack, lambda m: first._readout_risks(Primals(m, ro_tokens), ro_proj,
-                                                                                None, w)[1])
+                return self._call(params, stack, lambda m: first._readout_risks(
+                    Primals(m, ro_tokens, first.top_layer), ro_proj, None, w)[1])
 
             for tr, r in zip(trackers, _vmapped(start)(params, ro_tokens, ro_proj, self._directions)):
                 tr._start, tr._r0 = r, r.abs()
@@ -184,7 +184,8 @@ class RunAxisTracker:
         moved = {f"model.{n}": torch.sub(p, d.view_as(p), alpha=s)
                  for (n, p), d in zip(named.items(), step.split([p.numel() for p in named.values()]))}
         buffers = {f"model.{n}": b for n, b in model.named_buffers()}
-        return functional_call(self._bound, (moved, buffers), (lambda m: Primals(m, tokens),))
+        top = self.trackers[0].top_layer  # the members' sites are the same
+        return functional_call(self._bound, (moved, buffers), (lambda m: Primals(m, tokens, top),))
 
 
 def _readout_key(tracker: InfluenceTracker) -> tuple | None:
