@@ -257,6 +257,7 @@ def test_othello_gpu_script_runs_the_scale_its_options_name_and_copies_its_repor
         "report.md", "summary.json", "stamp.json", "data.json", "timings.json", "figures/a.png", "figures/a.svg")))
 
 
+@pytest.mark.one_thread
 def test_othello_gpu_script_smoke(tmp_path):
     """``scripts/othello_gpu.sh --smoke``: the paper-gpu code path (6 layers, token-only training set, probes, the
     tracked replay with the exact account at layers 3-4, the report) at smoke size on the CPU."""

@@ -312,6 +312,7 @@ def test_medium_six_by_six_scale_is_labelled():
     assert scale.config("cpu").board_size == 6
 
 
+@pytest.mark.one_thread
 def test_reproduce_othello_on_a_six_by_six_smoke_scale(tmp_path):
     """The whole pipeline (train, probes, classifier, replay, report) on a 6×6 board at smoke size."""
     smoke = SCALES["smoke"]

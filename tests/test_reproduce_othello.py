@@ -28,6 +28,7 @@ def smoke(tmp_path_factory):
     return out
 
 
+@pytest.mark.one_thread
 def test_smoke_files_and_schema(smoke):
     for name in ("data.json", "summary.json", "report.md", "report.html", "timings.json"):
         assert (smoke / name).exists(), name
@@ -91,6 +92,7 @@ def test_smoke_files_and_schema(smoke):
     assert "not recorded in this run" not in md
 
 
+@pytest.mark.one_thread
 def test_second_call_does_not_redo_stages(smoke):
     run = smoke / "run"
     watched = [run / "model.safetensors", run / "probes" / "probes.safetensors", run / "probes_init" /
@@ -106,6 +108,7 @@ def test_second_call_does_not_redo_stages(smoke):
         assert p.read_bytes() == content, p.name
 
 
+@pytest.mark.one_thread
 def test_report_of_the_vanilla_run_comes_before_the_myopic_training(smoke, tmp_path, monkeypatch):
     """Claim (i) and the gates need only the vanilla run: its report is written before the myopic run trains, so a
     myopic training that fails (or is stopped) leaves it."""
@@ -127,6 +130,7 @@ def test_report_of_the_vanilla_run_comes_before_the_myopic_training(smoke, tmp_p
     assert data["probes"] == full["probes"] and data["fragility"] is None
 
 
+@pytest.mark.one_thread
 def test_runs_trained_side_by_side_are_those_trained_in_turn(smoke, tmp_path):
     """workers=2 trains the vanilla and the myopic run in worker processes at the same time; each one's weights are
     byte for byte those of the same run trained in this process, in turn (workers=1), and each worker's CPU time is
@@ -139,6 +143,7 @@ def test_runs_trained_side_by_side_are_those_trained_in_turn(smoke, tmp_path):
     assert all(timings["cpu_s"][stage] > 0 and timings[stage] > 0 for stage in ("train", "train_myopic"))
 
 
+@pytest.mark.one_thread
 def test_myopic_run_is_the_vanilla_config_in_regime_myopic(smoke):
     vanilla, myopic = (json.loads((d / "config.json").read_text()) for d in (smoke / "run", smoke / "myopic" / "run"))
     assert myopic["train"]["regime"] == "myopic" and vanilla["train"]["regime"] == "vanilla"
@@ -159,6 +164,7 @@ def _fmt_ci(r, m):
     return f"{r[m]:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None else f" (n={r['n_pairs']})")
 
 
+@pytest.mark.one_thread
 def test_fragility_section_shows_the_files_numbers(smoke):
     frag = json.loads((smoke / "fragility" / "fragility.json").read_text())
     md = (smoke / "report.md").read_text()

@@ -45,6 +45,7 @@ def smoke(tmp_path_factory):
 
 
 @needs_extra
+@pytest.mark.one_thread
 def test_smoke_files_schema_and_claims(smoke):
     out, _ = smoke
     for name in ("data.json", "samples.json", "summary.json", "report.md", "report.html"):
@@ -92,6 +93,7 @@ def test_smoke_files_schema_and_claims(smoke):
 
 
 @needs_extra
+@pytest.mark.one_thread
 def test_rerun_does_not_retrain_and_gives_same_report(smoke):
     out, _ = smoke
     before = {p: p.read_bytes() for p in (out / "report.md", out / "summary.json", out / "report.html",
@@ -105,6 +107,7 @@ def test_rerun_does_not_retrain_and_gives_same_report(smoke):
 
 
 @needs_extra
+@pytest.mark.one_thread
 def test_reproduction_gives_the_caller_its_thread_count_back(smoke):
     """In this process (workers=1) every run trains on one torch thread; the caller's count comes back after."""
     out, _ = smoke

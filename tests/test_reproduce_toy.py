@@ -19,6 +19,7 @@ def smoke(tmp_path_factory):
     return out
 
 
+@pytest.mark.one_thread
 def test_smoke_structure(smoke):
     for name in ("data.json", "summary.json", "report.md", "report.html"):
         assert (smoke / name).exists(), name
@@ -40,6 +41,7 @@ def test_smoke_structure(smoke):
     assert 'id="claims"' in (smoke / "report.html").read_text()
 
 
+@pytest.mark.one_thread
 def test_rerun_reuses_runs_and_regenerates_same_report(smoke):
     before = {p: p.read_bytes() for p in (smoke / "report.md", smoke / "summary.json", smoke / "report.html")}
     mtimes = {p: p.stat().st_mtime_ns for p in (smoke / "runs").glob("*/model.safetensors")}
@@ -49,6 +51,7 @@ def test_rerun_reuses_runs_and_regenerates_same_report(smoke):
     assert {p: p.stat().st_mtime_ns for p in (smoke / "runs").glob("*/model.safetensors")} == mtimes
 
 
+@pytest.mark.one_thread
 def test_reproduction_gives_the_caller_its_thread_count_back(smoke):
     """In this process (--workers 1) every run trains on one torch thread; the caller's count comes back after."""
     before = torch.get_num_threads()
@@ -58,6 +61,25 @@ def test_reproduction_gives_the_caller_its_thread_count_back(smoke):
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_pipelines_pin_a_cpu_run_to_one_thread_whatever_the_callers_count(tmp_path):
+    """The premise of the ``one_thread`` mark (pyproject.toml), which lets .ci/run's two-thread pass skip the smoke
+    pipelines: a run trained by ``reproduce`` on a CPU records one thread in its threads.json, under a caller on 3."""
+    from ntpflow.experiments.othello import SCALES
+    from ntpflow.experiments.parallel import run_threads
+
+    assert [run_threads("cpu", w) for w in (1, 2, 16)] == [1, 1, 1]
+    assert SCALES["smoke"].threads == SCALES["paper-gpu-smoke"].threads == 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        assert main(["-q", "reproduce", "toy", "--scale", "smoke", "--tasks", "majority", "--regimes", "vanilla",
+                     "--seeds", "0", "--no-replays", "--out", str(tmp_path / "toy"), "--workers", "1"]) == 0
+    finally:
+        torch.set_num_threads(before)
+    records = [json.loads(p.read_text()) for p in (tmp_path / "toy" / "runs").glob("*/threads.json")]
+    assert len(records) == 1 and records[0]["segments"] == [[0, 1]]
 
 
 def test_unknown_scale_is_a_clean_error(tmp_path, capsys):
@@ -71,6 +93,7 @@ def test_unknown_scale_is_a_clean_error(tmp_path, capsys):
     assert "--seeds takes comma-separated integers" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
+@pytest.mark.one_thread
 def test_no_replays_skips_the_tracked_replays_and_a_rerun_adds_them(tmp_path, capsys):
     out = tmp_path / "toy"
     args = ["-q", "reproduce", "toy", "--scale", "smoke", "--tasks", "majority", "--regimes", "myopic,vanilla",

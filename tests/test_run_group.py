@@ -352,6 +352,7 @@ def test_bad_groups_are_clean_errors_and_write_nothing(tmp_path):
         train_group(configs(), [tmp_path / "alone", tmp_path / "other"], progress=False)
 
 
+@pytest.mark.one_thread
 def test_paper_script_smoke(tmp_path):
     """``scripts/paper_gpu.sh --smoke``: the paper scale's code path (run groups, tracked vanilla replays, report),
     first with ``--no-replays`` (train and probe only), then again without it, which adds the replays."""
