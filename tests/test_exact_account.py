@@ -76,7 +76,7 @@ def setup(opt_name, kw=None, levels=(32,), rtol=1e-3, floor=1e-6, pieces=(), cap
     tracker.use_readout(held, levels=levels, rtol=rtol, floor=floor, pieces=pieces, cap=cap)
     lr = 1e-2 if opt_name == "adam" else 1e-1
     opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam"
-           else torch.optim.SGD(model.parameters(), lr=lr))
+           else torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9 if opt_name == "momentum" else 0.0))
     return model, final, probes, tracker, held, opt, lr
 
 
@@ -86,18 +86,21 @@ def value(rows, p, m, optimizer, component):
     return v
 
 
-@pytest.mark.parametrize("opt_name", ["adam", "sgd"])
+@pytest.mark.parametrize("opt_name", ["adam", "sgd", "momentum"])
 @pytest.mark.parametrize("kw", [{}, {"myopic": "kv"}])
 def test_path_integrals_match_autograd_and_add_up_to_the_exact_change(opt_name, kw):
-    """Each component's integral (SGD rows: lr·∫∇R_H·g_c with the decomposition's g_c at θ_t; the full Adam or SGD
+    """Each component's integral (SGD rows: lr·∫∇R_H·g_c with the decomposition's g_c at θ_t; momentum rows:
+    lr·∫∇R_H·m_c with m_c ← 0.9 m_c + g_c summed here from the decomposition's parts; the full Adam, SGD or momentum
     step: ∫∇R_H·Δ) against a 64-point autograd path integral of the definition (the gradient integrated along the
     step, then dotted with each direction); the components add up to the full;
     with 32 points the residual against the exact change is at rounding level; risk rows are R_H(θ_t)."""
     model, final, probes, tracker, held, opt, lr = setup(opt_name, kw)
+    buffers = {c: 0.0 for c in ("direct", "pre_cached", "shared")}  # momentum: the components' own buffers
     for step in range(3):
         tokens, mask = tokens_of(step, 6)
         theta = flat(model)
         parts = decompose(model, tokens, [probes[0].site], mask)[probes[0].site].as_dict()
+        buffers = {c: 0.9 * b + parts[c] for c, b in buffers.items()}
         rows = tracker.track(model, opt, tokens, mask)
         tracker.optimizer_step(model, opt)
         real = theta - flat(model)  # the subtracted step
@@ -121,6 +124,9 @@ def test_path_integrals_match_autograd_and_add_up_to_the_exact_change(opt_name, 
                     for c in ("direct", "pre_cached", "shared"):
                         ref_c = lr * torch.dot(grads[p.name, m], parts[c]).item()
                         assert value(rows, p, m, "sgd", c) == pytest.approx(ref_c, rel=1e-8, abs=1e-13)
+                        if opt_name == "momentum":
+                            ref_m = lr * torch.dot(grads[p.name, m], buffers[c]).item()
+                            assert value(rows, p, m, "momentum", c) == pytest.approx(ref_m, rel=1e-8, abs=1e-13)
 
 
 def test_changes_telescope_and_refinement_counts():
@@ -301,7 +307,14 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
         assert e["residual"] == pytest.approx(e["adam_full"] - e["change"], rel=1e-6, abs=1e-9 * e["R0_eval"])
         assert e["change"] == pytest.approx(e["R0_minus_RT_eval"], rel=1e-3, abs=1e-5 * e["R0_eval"])
         assert abs(e["residual"]) <= 0.01 * e["R0_eval"]
-    *_, head, paper, centred = caplog.messages
+    *_, head, paper, centred, kappa_paper, kappa_centred = caplog.messages
+    for line, mismatch in ((kappa_paper, "paper"), (kappa_centred, "centred")):  # κ of both readings, and signs
+        rows = [e for e in summary["probes"] if e["mismatch"] == mismatch]
+        worst = max(e["kappa_adam"] for e in rows)
+        assert line.startswith(f"{tmp_path.name}/run: conditioning, {mismatch}: κ (adam) median ")
+        assert f"largest {worst:.3g}; κ_steps (adam)" in line and "κ (sgd)" in line
+        agree = sum(v for e in rows for v in e["signs_agree"].values())
+        assert line.endswith(f"adam and sgd agree in sign on {agree}/{3 * len(rows)} components")
     assert head.endswith("with the exact account on a readout of 64; "
                          f"{summary['refined_steps']}/12 steps refined ({summary['subdivided_steps']} split into "
                          "pieces)")

@@ -14,9 +14,13 @@ one (its gradient has the per-example cotangent 2(d_b − d̄)/n, so it comes fr
 component c at a step is ``∇θR · Δ_c``, where Δ_c is that component's share of the parameter update *as it is
 subtracted* (θ ← θ − Σ_c Δ_c). **Positive influence means the component moved the feature toward its final value.**
 
-- SGD variant: Δ_c = lr · g_c.
-- Adam variant (reference): one first moment per site and component, the optimizer's second moment shared, so
-  Δ_direct + Δ_pre_cached + Δ_shared equals the real Adam step.
+- SGD variant: Δ_c = lr · g_c (rows ``optimizer="sgd"``: the SGD direction, in any run).
+- Adam variant (reference, rows ``"adam"``): one first moment per site and component, the optimizer's second
+  moment shared, so Δ_direct + Δ_pre_cached + Δ_shared equals the real Adam step. Every component is multiplied by
+  the full gradient's per-parameter scale lr/(√v̂+ε): where the components' gradients cancel that scale is large,
+  and the split can be ill-conditioned (κ ≫ 1, ``ntpflow.replay.conditioning``).
+- SGD with momentum μ (rows ``"momentum"``): one momentum buffer per site and component, m_c ← μ m_c + g_c, and
+  Δ_c = lr · m_c; the step is linear in the gradients, so the split is the step's own, with no scale to amplify it.
 """
 
 import copy
@@ -63,9 +67,10 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
         raise ValueError("influence tracking needs maximize=False (a maximizing optimizer flips every sign)")
     if isinstance(opt, torch.optim.Adam) and not g.get("amsgrad", False):
         return "adam", g
-    if type(opt) is torch.optim.SGD and g.get("momentum", 0) == 0 and not g.get("nesterov", False):
-        return "sgd", g
-    raise ValueError(f"influence tracking supports Adam and plain SGD, not {type(opt).__name__} with these options")
+    if type(opt) is torch.optim.SGD and not g.get("nesterov", False) and g.get("dampening", 0) == 0:
+        return ("momentum" if g.get("momentum", 0) else "sgd"), g
+    raise ValueError(f"influence tracking supports Adam and SGD (with momentum, no dampening or Nesterov), not "
+                     f"{type(opt).__name__} with these options")
 
 
 def gauss_legendre(n: int) -> list[tuple[float, float]]:
@@ -148,10 +153,15 @@ class AdamStep:
     eps: float
     m_full: torch.Tensor
     m_sites: torch.Tensor
+    name = "adam"  # the optimizer column of its rows
 
     @property
     def beta1(self) -> float:
         return self.betas[0]
+
+    def advance(self, m: torch.Tensor, g: torch.Tensor) -> None:
+        """Update the first moment(s) ``m`` in place with the gradient(s) ``g``: β1·m + (1−β1)·g, rounded as Adam."""
+        m.mul_(self.beta1).add_((1 - self.beta1) * g)
 
     def scale(self, lr: float, g_full: torch.Tensor) -> torch.Tensor:
         """The per-parameter step scale lr/(1−β1^t)/(sqrt(v̂)+eps) [n_params], v the second moment updated with
@@ -159,6 +169,26 @@ class AdamStep:
         beta1, beta2 = self.betas
         v = beta2 * self.v_prev + (1 - beta2) * g_full * g_full
         return lr / (1 - beta1**self.t) / ((v / (1 - beta2**self.t)).sqrt() + self.eps)
+
+
+@dataclass(frozen=True)
+class MomentumStep:
+    """One step of SGD with momentum as the tracker sees it: the buffers m ← ``momentum`` · m + g (zero before the
+    first step, so the first gives g, as torch's SGD without dampening) and the step lr · m; the tracker's buffers
+    ``m_full`` [n_params] and ``m_sites`` [n_sites, 2 (direct, pre-cached), n_params] as in :class:`AdamStep`."""
+
+    momentum: float
+    m_full: torch.Tensor
+    m_sites: torch.Tensor
+    name = "momentum"
+
+    def advance(self, m: torch.Tensor, g: torch.Tensor) -> None:
+        """Update the buffer(s) ``m`` in place with the gradient(s) ``g``: momentum · m + g."""
+        m.mul_(self.momentum).add_(g)
+
+    def scale(self, lr: float, g_full: torch.Tensor) -> float:
+        """The step scale: lr, the same for every parameter (the step is lr · m)."""
+        return lr
 
 
 def adam_second_moment(opt: torch.optim.Adam, params: Sequence[torch.Tensor], rows: torch.Tensor | None = None
@@ -393,11 +423,14 @@ class InfluenceTracker:
         params = list(model.parameters())
         passes = SitePasses(model, tokens, self.sites, loss_mask)  # backward, own cotangents, cached forward
         self._last_grads = (model, passes.param_grads)
-        adam = None
+        adam = None  # the optimizer's own moment-based split (Adam, or SGD with momentum); None for plain SGD
         if kind == "adam":
             self._ensure_moments(passes.full)
             adam = AdamStep(*adam_second_moment(opt, params), group["betas"], group["eps"], self._m_full,
                             self._m_sites)
+        elif kind == "momentum":
+            self._ensure_moments(passes.full)
+            adam = MomentumStep(group["momentum"], self._m_full, self._m_sites)
         if self.readout is not None:
             return self._exact_step(model, passes, group["lr"], adam)
         final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
@@ -447,8 +480,8 @@ class InfluenceTracker:
         if adam is not None:
             scale = adam.scale(lr, g_full)
             if update:
-                adam.m_full.mul_(adam.beta1).add_((1 - adam.beta1) * g_full)
-            shared_dirs.append(scale * adam.m_full)  # the real Adam step
+                adam.advance(adam.m_full, g_full)
+            shared_dirs.append(scale * adam.m_full)  # the real step
         return torch.stack(shared_dirs), scale, sgd
 
     def _values(self, risks: list, pending: list, sgd: bool, adam: AdamStep | None, like: torch.Tensor):
@@ -456,7 +489,7 @@ class InfluenceTracker:
         values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
                            + [v.flatten().to(torch.float64) for *_, v in pending]) if risks else like.new_zeros(0)
         sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
-        layout = ([r[:3] for r in risks], sites, sgd, adam is not None)  # (probe, type, mismatch) of each value
+        layout = ([r[:3] for r in risks], sites, sgd, _own(adam))  # (probe, type, mismatch) of each value
         return values, layout
 
     def _integrate(self, passes: SitePasses, nodes: list, w: torch.Tensor, shared_dirs: torch.Tensor, scale,
@@ -493,7 +526,7 @@ class InfluenceTracker:
             if adam is not None:
                 moments = adam.m_sites[bucket, :n_own]  # a view [n, n_own, n_params]
                 if update:
-                    moments.mul_(adam.beta1).add_((1 - adam.beta1) * parts[:, :n_own])  # as β1·m + (1−β1)·g rounds
+                    adam.advance(moments, parts[:, :n_own])
                 dirs[:, at:at + n_own] = scale * moments
                 at += n_own
             if not once:
@@ -592,7 +625,7 @@ class InfluenceTracker:
         full = along[torch.as_tensor(order, device=along.device).argsort()]  # risk order (each risk once)
         values = torch.cat([v.flatten().to(torch.float64) for *_, v in pending])
         sites = [([r[:3] for r in mine], with_pre, v.shape[1]) for mine, with_pre, v in pending]
-        return values, end, full, ([r[:3] for r in risks], sites, sgd, adam is not None)
+        return values, end, full, ([r[:3] for r in risks], sites, sgd, _own(adam))
 
     def exact_rows(self, values: torch.Tensor, end: torch.Tensor, full: torch.Tensor, layout: tuple, lr: float,
                    level: int) -> list[dict]:
@@ -602,7 +635,7 @@ class InfluenceTracker:
         host = torch.cat([self._start, values.to(self._start), change, full - change]).tolist()
         n_risks = len(layout[0])
         rows = self.rows(host[:len(host) - 2 * n_risks], layout, lr)
-        kind = "adam" if layout[3] else "sgd"
+        kind = layout[3] or "sgd"
         for (p, t, m), c, r in zip(layout[0], host[-2 * n_risks:-n_risks], host[-n_risks:]):
             rows += [self._row(p, t, m, "change", "none", c), self._row(p, t, m, "residual", kind, r)]
         rules = self.readout.rules
@@ -686,9 +719,10 @@ class InfluenceTracker:
     def _influence_rows(self, p, t, m, v, with_pre, sgd, adam, lr) -> list[dict]:
         """Rows from ∇R·δ for the site's directions [(g_dir, g_pre)?, (Δ_dir, Δ_pre)?, (g_full)?, (Δ_full)?]."""
         n_own = 2 if with_pre else 1
-        own, shared = v[:len(v) - sgd - adam], v[len(v) - sgd - adam:]
+        n_shared = sgd + bool(adam)
+        own, shared = v[:len(v) - n_shared], v[len(v) - n_shared:]
         rows = []
-        for name, on in (("sgd", sgd), ("adam", adam)):
+        for name, on in (("sgd", sgd), (adam, bool(adam))):
             if not on:
                 continue
             scale = lr if name == "sgd" else 1.0
@@ -709,3 +743,8 @@ class InfluenceTracker:
         return {"step": self.step, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,
                 "feature_type": t, "mismatch": mismatch, "component": component, "optimizer": optimizer,
                 "value": value}
+
+
+def _own(step: "AdamStep | MomentumStep | None") -> str:
+    """The optimizer column of the rows of the optimizer's own split ("adam", "momentum"); "" without one."""
+    return "" if step is None else step.name

@@ -40,6 +40,7 @@ from ntpflow.files import (
 )
 from ntpflow.model.sites import Site, checked_sites, feature_name
 from ntpflow.progress import progress_of
+from ntpflow.replay.conditioning import condition, conditioning_lines, step_kappas
 from ntpflow.replay.directions import direction_probes, direction_records
 from ntpflow.replay.matrices import save_matrices
 from ntpflow.runs.data import DataOrder, to_torch
@@ -375,7 +376,8 @@ class _Tracked:
         check_replay(self.run, self.model)
         if self.tracker.matrices is not None:  # before influence.parquet, which marks the folder done
             save_matrices(self.out, self.tracker, {"readout": self.readout, "steps": self.run.cfg.steps,
-                                                   "config_hash": self.run.cfg.hash(), "optimizer": "adam"})
+                                                   "config_hash": self.run.cfg.hash(),
+                                                   "optimizer": self.run.cfg.own_rows})
         _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev, self.readout)
 
 
@@ -464,6 +466,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
         r_star = tracker.final_model(tokens, return_resid=True, myopic="none")[1]
         r0 = run.load_model("init", dev)(tokens, return_resid=True, myopic="none")[1]
     last = table.filter(pa.compute.equal(table["step"], pa.compute.max(table["step"]))).to_pylist()
+    steps, own = step_kappas(table), run.cfg.own_rows
     summary = []
     for p in probes:
         k, i = p.site.layer, p.site.pos
@@ -480,6 +483,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
                     entry[r["component"]] = r["cumulative"]
                 elif r["component"] != "risk":
                     entry[f"{r['optimizer']}_{r['component']}"] = r["cumulative"]
+            entry.update(condition(entry, steps, (k, i, p.name, -1, mismatch), own))
             summary.append(entry)
     extra = {} if readout is None else {
         "readout": readout, "refined_steps": tracker.refined, "subdivided_steps": tracker.subdivided,
@@ -491,17 +495,23 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
                 f"first kept only if it cuts the worst excess by {tracker.readout.stall:g}",
         "exact": "R0_eval = R_H(θ_0) and R0_minus_RT_eval on the readout set; change = Σ_t R_H(θ_t) − R_H(θ_t+1); "
                  "residual = Σ_t (full influence − change)"}
-    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, **extra, "stamp": stamp(),
+    write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, "own_rows": own, **extra,
+                                "conditioning": "kappa_o = (|o_direct| + |o_pre_cached| + |o_shared|) / |o_full| "
+                                                "of reading o; kappa_steps_o the same summed over the steps' own "
+                                                "values; signs_agree: the run's own reading and sgd per component",
+                                "stamp": stamp(),
                                       "sign": "positive = the component moved the feature toward its final value"})
     tmp.replace(folder.influence)
     what = (f"{run.name}: attributed {len({p.site for p in probes})} sites × {len({p.name for p in probes})} features over "
             f"{run.cfg.steps} steps")
     if readout is None:
-        log.info(f"{what}; {_balance_text(summary)}")
+        log.info(f"{what}; {_balance_text(summary, own)}")
+        for line in conditioning_lines(summary, own):
+            log.info(f"{run.name}: {line}")
         return
     log.info(f"{what} with the exact account on a readout of {readout}; {tracker.refined}/{run.cfg.steps} steps "
              f"refined ({tracker.subdivided} split into pieces)")
-    for line in residual_lines(summary):
+    for line in residual_lines(summary) + conditioning_lines(summary, own):
         log.info(f"{run.name}: {line}")
 
 
@@ -539,11 +549,11 @@ def residual_share(records) -> dict | None:
             "zero_R0": sum(1 for r in rows if r["R0_eval"] <= 0 and r["residual"] != 0)}
 
 
-def _balance_text(summary: list[dict]) -> str:
+def _balance_text(summary: list[dict], own: str = "adam") -> str:
     """The paper's reading's balance check: integrated full Adam influence against the mismatch removed on held-out
     data, R(θ_0) − R(θ_T) (equal to first order only), as a median over the probes."""
-    ratios = sorted(e["adam_full"] / e["R0_minus_RT_eval"] for e in summary
-                    if e["mismatch"] == "paper" and "adam_full" in e and e["R0_minus_RT_eval"] != 0)
+    ratios = sorted(e[f"{own}_full"] / e["R0_minus_RT_eval"] for e in summary
+                    if e["mismatch"] == "paper" and f"{own}_full" in e and e["R0_minus_RT_eval"] != 0)
     return (f"integrated full influence / (R(θ_0) − R(θ_T)) on held-out data: median "
             f"{ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes (1 = balanced to first order)"
             if ratios else "balance check: no probe with a nonzero mismatch removed")

@@ -40,6 +40,8 @@ class TrainConfig:
     steps: int = 3000
     batch_size: int = 256
     lr: float = 1e-3
+    optimizer: Literal["adam", "sgd"] = "adam"  # Adam (the paper's), or SGD with ``momentum`` (linear in the
+    momentum: float = 0.0  # gradients, so the optimizer's own split of a step into the components is well-posed)
     beta1: float = 0.9
     beta2: float = 0.999
     adam_eps: float = 1e-8
@@ -56,7 +58,7 @@ class TrainConfig:
     device: str = "auto"
 
     def __post_init__(self):
-        for name in ("lr", "beta1", "beta2", "adam_eps", "final_lr_frac"):  # 1 and 1.0 must hash alike
+        for name in ("lr", "momentum", "beta1", "beta2", "adam_eps", "final_lr_frac"):  # 1 and 1.0 must hash alike
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.task.startswith("file:"):  # a task file: its absolute path, so that any working directory reopens it
             object.__setattr__(self, "task", "file:" + str(Path(self.task.removeprefix("file:")).resolve()))
@@ -76,7 +78,13 @@ class TrainConfig:
             raise ValueError(f"batch_size={self.batch_size} exceeds n_train={self.n_train}")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"lr must be positive and finite, got {self.lr}")
-        for name in ("beta1", "beta2"):
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose 'adam' or 'sgd'")
+        if self.momentum and self.optimizer != "sgd":
+            raise ValueError("momentum applies to optimizer=sgd (Adam's first moment is beta1)")
+        if self.optimizer == "sgd" and self.scheduled:
+            raise ValueError("optimizer=sgd takes a constant learning rate: drop warmup/decay")
+        for name in ("momentum", "beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")
         if not 0 < self.adam_eps < math.inf:
@@ -109,6 +117,12 @@ class TrainConfig:
         x = min(1.0, max(0.0, (step - self.warmup) / max(1, self.steps - 1 - self.warmup)))
         shape = 1 - x if self.decay == "linear" else 0.5 * (1 + math.cos(math.pi * x))
         return self.lr * ramp * (self.final_lr_frac + (1 - self.final_lr_frac) * shape)
+
+    @property
+    def own_rows(self) -> str:
+        """The ``optimizer`` column of the influence rows that split this run's real steps: "adam", "momentum" (SGD
+        with momentum) or "sgd" (plain SGD, whose split is the SGD direction itself)."""
+        return "adam" if self.optimizer == "adam" else "momentum" if self.momentum else "sgd"
 
     @property
     def myopic(self) -> str:
@@ -149,6 +163,8 @@ class TrainConfig:
         if not self.scheduled:  # the schedule's fields are off: runs from before they existed keep their hash
             for k in _SCHEDULE:
                 d.pop(k)
+        if self.optimizer == "adam":  # Adam, the default: runs from before the optimizer choice keep their hash
+            d.pop("optimizer"), d.pop("momentum")
         if self.board_size == 8:  # the 8x8 board: runs from before board_size existed keep their hash
             d.pop("board_size")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()

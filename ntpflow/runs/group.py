@@ -104,6 +104,8 @@ def check_group(cfgs: Sequence[TrainConfig]) -> None:
         raise ValueError("a run group needs at least one run")
     if cfgs[0].scheduled:
         raise ValueError("a run group has no learning-rate schedule (warmup/decay): train such runs alone")
+    if cfgs[0].optimizer != "adam":
+        raise ValueError("a run group trains with Adam: train optimizer=sgd runs alone")
     base = {k: v for k, v in cfgs[0].to_dict().items() if k not in PER_RUN}
     for c in cfgs[1:]:
         diff = sorted(k for k, v in c.to_dict().items() if k not in PER_RUN and base[k] != v)

@@ -123,17 +123,20 @@ def task_for(cfg: TrainConfig) -> Task:
     return make_task(cfg.task, **{f: getattr(cfg, f) for f in task_class(cfg.task).config_fields})
 
 
-def save_state(path: Path, model: GPT, opt: torch.optim.Adam, meta: dict,
+def save_state(path: Path, model: GPT, opt: torch.optim.Optimizer, meta: dict,
                extra: dict[str, torch.Tensor] | None = None) -> None:
-    """Save model and Adam state (and ``extra`` tensors) to ``path`` with a JSON sidecar holding ``meta``."""
+    """Save model and optimizer state (and ``extra`` tensors) to ``path`` with a JSON sidecar holding ``meta``: Adam's
+    moments and step (``adam_step``), or SGD's momentum buffers (``momentum``: whether they exist yet)."""
     tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | (extra or {})
-    adam_step = 0
+    adam_step, momentum = 0, False
     for name, p in zip([n for n, _ in model.named_parameters()], opt.param_groups[0]["params"]):
         st = opt.state.get(p)
-        if st:
+        if st and "exp_avg" in st:
             tensors[f"adam.exp_avg.{name}"], tensors[f"adam.exp_avg_sq.{name}"] = st["exp_avg"], st["exp_avg_sq"]
             adam_step = int(st["step"])
-    save_tensors(path, tensors, {**meta, "adam_step": adam_step})
+        elif st and st.get("momentum_buffer") is not None:
+            tensors[f"sgd.momentum_buffer.{name}"], momentum = st["momentum_buffer"], True
+    save_tensors(path, tensors, {**meta, "adam_step": adam_step, **({"momentum": True} if momentum else {})})
 
 
 def read_state(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -146,6 +149,11 @@ def apply_state(model: GPT, opt: torch.optim.Adam, meta: dict, tensors: dict[str
     """Restore a state read by :func:`read_state` into ``model`` and ``opt`` (``load_latest`` reads every member's
     first, then restores them)."""
     model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+    if meta.get("momentum"):
+        sd = opt.state_dict()
+        names = [n for n, _ in model.named_parameters()]
+        sd["state"] = {i: {"momentum_buffer": tensors[f"sgd.momentum_buffer.{n}"]} for i, n in enumerate(names)}
+        opt.load_state_dict(sd)
     if meta["adam_step"]:
         sd = opt.state_dict()
         names = [n for n, _ in model.named_parameters()]

@@ -119,7 +119,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     A loss or weights becoming non-finite raise :class:`TrainingDiverged` (the checkpoints before stay; no DONE).
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
-    no weight decay; a constant learning rate, or the schedule of ``cfg.warmup``/``cfg.decay`` (:class:`ScheduledAdam`).
+    no weight decay; a constant learning rate, or the schedule of ``cfg.warmup``/``cfg.decay`` (:class:`ScheduledAdam`);
+    or SGD with momentum (``cfg.optimizer``, :func:`make_optimizer`).
     """
     run = Run(Path(run_dir), cfg)
     check_sinks(track)  # missing packages or credentials fail before anything is written
@@ -317,10 +318,14 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor, los
     return loss
 
 
-def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Adam:
+def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Adam without weight decay; the fused kernel on CPU and CUDA (one pass over an untied model's many copies).
-    With a learning-rate schedule (``cfg.scheduled``) a :class:`ScheduledAdam`."""
+    With a learning-rate schedule (``cfg.scheduled``) a :class:`ScheduledAdam`. ``cfg.optimizer == "sgd"``: SGD
+    with ``cfg.momentum`` (no dampening, no Nesterov, no decay): each step is lr · m with m = momentum · m + g, linear
+    in the gradients, so the components' steps lr · m_c add up to it with no per-parameter scale."""
     fused = next(model.parameters()).device.type in ("cpu", "cuda")
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     kw = {"betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps, "fused": fused}
     if cfg.scheduled:
         return ScheduledAdam(model.parameters(), cfg, **kw)

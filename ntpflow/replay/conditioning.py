@@ -1,0 +1,84 @@
+"""How well-posed a split of the training steps into the three components is (docs/balance.md#conditioning).
+
+The components of a row add up to its full influence, I_direct + I_pre_cached + I_shared = I_full, but they may do
+so by cancelling. The row's conditioning number
+
+    κ = (|I_direct| + |I_pre_cached| + |I_shared|) / |I_full|  ≥ 1
+
+says how much: at κ = 1 no component works against the net change; in general the components that do sum to
+(κ − 1)/2 of it. Its step-level form, κ_steps = Σ_t Σ_c |I_c,t| / Σ_t |I_full,t|, counts the cancellation within
+each step, not only over the run. Both are computed for each reading a replay writes: the optimizer's own split
+(``adam``, or ``momentum`` for SGD with momentum), where every component is multiplied by the full gradient's step
+scale, and the SGD direction (``sgd``, lr · g_c along the same path). Where the two readings give a component
+opposite signs, the optimizer's scale, not the gradient paths, decided its sign.
+"""
+
+from collections.abc import Sequence
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+PARTS = ("direct", "pre_cached", "shared")
+ROW = ("layer", "pos", "feature", "feature_type", "mismatch", "optimizer")  # one row of influence.parquet's totals
+
+
+def kappa(parts: Sequence[float], full: float) -> float | None:
+    """Σ_c |parts_c| / |full|; None when ``full`` is 0 (nothing to split)."""
+    return sum(abs(p) for p in parts) / abs(full) if full else None
+
+
+def step_kappas(table: pa.Table) -> dict[tuple, float | None]:
+    """κ_steps of every row of an influence table (its per-step ``value`` column): {ROW key: Σ_t Σ_c |I_c,t| /
+    Σ_t |I_full,t|}, None where every step's full influence is 0."""
+    table = table.select([*ROW, "component", "value"]).filter(pc.is_in(table["component"],
+                                                                      pa.array([*PARTS, "full"])))
+    table = table.append_column("abs", pc.abs(table["value"]))
+    table = table.append_column("is_full", pc.equal(table["component"], "full"))
+    sums = table.group_by([*ROW, "is_full"]).aggregate([("abs", "sum")]).to_pylist()
+    parts, full = {}, {}
+    for r in sums:
+        (full if r["is_full"] else parts)[tuple(r[k] for k in ROW)] = r["abs_sum"]
+    return {k: (parts.get(k, 0.0) / f if f else None) for k, f in full.items()}
+
+
+def readings(entry: dict) -> list[str]:
+    """The readings whose totals a summary entry holds (``{optimizer}_{component}`` keys), in a fixed order."""
+    return [o for o in ("adam", "momentum", "sgd") if f"{o}_full" in entry]
+
+
+def condition(entry: dict, steps: dict[tuple, float | None], key: tuple, own: str) -> dict:
+    """The conditioning of one summary entry (totals ``{optimizer}_{component}``): ``kappa_{o}`` and
+    ``kappa_steps_{o}`` for each reading o, and where the run's own reading ``own`` and the SGD direction are both
+    there, ``signs_agree`` {component: whether they have the same sign (two exact zeros agree)}. ``key``: the
+    entry's (layer, pos, feature, feature_type, mismatch), to look up ``steps`` (:func:`step_kappas`)."""
+    out: dict = {}
+    for o in readings(entry):
+        out[f"kappa_{o}"] = kappa([entry[f"{o}_{c}"] for c in PARTS], entry[f"{o}_full"])
+        out[f"kappa_steps_{o}"] = steps.get((*key, o))
+    if own != "sgd" and {own, "sgd"} <= set(readings(entry)):
+        out["signs_agree"] = {c: _sign(entry[f"{own}_{c}"]) == _sign(entry[f"sgd_{c}"]) for c in PARTS}
+    return out
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def conditioning_lines(summary: list[dict], own: str) -> list[str]:
+    """One line per mismatch: each reading's κ (median and largest over the rows, from the totals and the steps) and
+    how many components of how many the two readings give the same sign."""
+    lines = []
+    for mismatch in ("paper", "centred"):
+        rows = [e for e in summary if e["mismatch"] == mismatch]
+        parts = []
+        for o in dict.fromkeys(o for e in rows for o in readings(e)):
+            for what, key in (("κ", f"kappa_{o}"), ("κ_steps", f"kappa_steps_{o}")):
+                values = sorted(e[key] for e in rows if e.get(key) is not None)
+                if values:
+                    parts.append(f"{what} ({o}) median {values[len(values) // 2]:.3g}, largest {values[-1]:.3g}")
+        agree = [v for e in rows for v in (e.get("signs_agree") or {}).values()]
+        if agree:
+            parts.append(f"{own} and sgd agree in sign on {sum(agree)}/{len(agree)} components")
+        if parts:
+            lines.append(f"conditioning, {mismatch}: " + "; ".join(parts))
+    return lines
