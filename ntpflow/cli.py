@@ -1,4 +1,4 @@
-"""Command line: ``ntpflow {train,probe,attribute,discover,balance,reproduce,sweep,qscan,demo} ...``.
+"""Command line: ``ntpflow {train,probe,attribute,discover,balance,breakdown,reproduce,sweep,qscan,demo} ...``.
 
 Parses input, builds configs, calls library functions."""
 
@@ -15,6 +15,7 @@ from ntpflow.model.sites import Site, feature_name, parse_sites
 from ntpflow.probes import probe_table, write_r_table
 from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.replay.balance import audit_balance
+from ntpflow.replay.breakdown import breakdown, parse_steps
 from ntpflow.replay.directions import parse_direction, sae_directions
 from ntpflow.replay.discover import discover
 from ntpflow.runs.config import REGIMES, TrainConfig, apply_overrides
@@ -183,6 +184,18 @@ def cmd_balance(args) -> int:
     return 0
 
 
+def cmd_breakdown(args) -> int:
+    """``ntpflow breakdown``: split chosen steps' component influences over the parameter tensors; print the out
+    folder (the lines per step, site and feature go to the log)."""
+    run = Run.open(args.run_dir)
+    features = [f for f in args.features.split(",") if f] if args.features else None
+    out = breakdown(args.run_dir, parse_steps(args.steps, run.cfg.steps), parse_sites(args.sites), features,
+                    readout=args.readout, warm=args.warm, points=args.points, out_dir=args.out,
+                    device=args.device or "auto")
+    print(out)
+    return 0
+
+
 def _int_list(text: str, option: str) -> tuple[int, ...]:
     """``"0,1,2"`` → (0, 1, 2); anything else is a one-line error naming ``option``."""
     try:
@@ -289,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     p.add_argument("--version", action="version", version=f"ntpflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_probe, _add_attribute, _add_balance, _add_reproduce, _add_sweep, _add_qscan, _add_demo):
+    for add in (_add_train, _add_probe, _add_attribute, _add_balance, _add_breakdown, _add_reproduce, _add_sweep, _add_qscan, _add_demo):
         add(sub)
     _add_discover(sub)
     return p
@@ -452,6 +465,31 @@ def _add_balance(sub) -> None:
     b.add_argument("--out", help="output folder (default RUN_DIR/balance)")
     b.add_argument("--device", help="auto (default), cpu, cuda, ...")
     b.set_defaults(fn=cmd_balance)
+
+
+def _add_breakdown(sub) -> None:
+    """The ``ntpflow breakdown`` subcommand."""
+    b = sub.add_parser("breakdown", help="why a row cancels: chosen steps' component influences split over the "
+                       "parameter tensors, with the optimizer's scale",
+                       epilog="example: ntpflow breakdown runs/maj-vanilla-s0 --steps 2820-2822 --sites 1:4,1:6,1:8 "
+                              "--features is_majority_0\n"
+                              "Python: ntpflow.replay.breakdown.breakdown('runs/maj-vanilla-s0', range(2820, 2823), "
+                              "ntpflow.parse_sites('1:4'), ['is_majority_0'])\n"
+                              "writes OUT/breakdown.parquet (a row per tensor) and OUT/summary.json (each "
+                              "component's total and largest tensors per step, site, feature, mismatch, reading)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("run_dir", help="a finished run directory (ntpflow train)")
+    b.add_argument("--steps", required=True, help="steps to split, e.g. 2820-2822,1542 (0-based, as in "
+                   "influence.parquet)")
+    b.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:4,1:6")
+    b.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
+    b.add_argument("--readout", type=int, metavar="N", help="the readout set (default as attribute: 256)")
+    b.add_argument("--warm", type=int, default=200, help="steps of moments summed before the first step "
+                   "(default 200: their truncation is at most β1^200, recorded)")
+    b.add_argument("--points", type=int, default=8, help="Gauss–Legendre points along each step (default 8)")
+    b.add_argument("--out", help="output folder (default RUN_DIR/breakdown)")
+    b.add_argument("--device", help="auto (default), cpu, cuda, ...")
+    b.set_defaults(fn=cmd_breakdown)
 
 
 def _add_reproduce(sub) -> None:
