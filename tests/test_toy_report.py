@@ -36,7 +36,10 @@ def wiggle(seed: int, ri: int, scale: float) -> float:
 
 
 def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_OK, centred=INFL_OK, paper=INFL_BAD,
-              first_acc=1.0, steps=4, overshoot=1.0, row_skew=0.0, probe_noise=0.004, residual=None) -> dict:
+              first_acc=1.0, steps=4, overshoot=1.0, row_skew=0.0, probe_noise=0.004, residual=None,
+              sgd=0.01) -> dict:
+    """Synthetic data.json records; the replays' SGD direction is ``sgd`` × the Adam totals (None: not kept, a
+    negative factor: every component of the opposite sign)."""
     runs, probes, influence, curves, mismatch, eval_curves = [], [], [], [], [], []
     for task in tasks:
         for ri, regime in enumerate(REGIMES):
@@ -69,6 +72,9 @@ def make_data(seeds=(0, 1, 2), tasks=("majority", "cond_majority"), gains=GAIN_O
                             site = {"layer": layer, "pos": pos, "feature": f, "mismatch": m}
                             for c, v in comp.items():
                                 influence.append({**key, **site, "component": c, "total": v, "useful": useful})
+                                if sgd is not None:
+                                    influence.append({**key, **site, "component": c, "total": sgd * v,
+                                                      "useful": useful, "optimizer": "sgd"})
                                 for s in range(1, steps + 1):
                                     curves.append({**key, **site, "step": s, "component": c,
                                                    "cumulative": v * s / steps})
@@ -301,3 +307,24 @@ def test_exact_account_decides_influence_claims(tmp_path):
     write_report(exact)
     md = (exact / "report.md").read_text()
     assert "on the fixed readout set" in md and "a first-order sum that overshoots" not in md
+
+
+def test_a_split_that_cancels_or_flips_is_ill_posed():
+    """The meaning checks of claim c (per seed, means over the useless sites × features): κ above 2 (direct +3 and
+    shared −2.5 for a net 0.8 at every useless site: κ = 5.8/0.8 ≈ 7.25) or the SGD direction of the opposite sign
+    give "ill-posed under Adam"; without the SGD direction a well-conditioned split is not testable, a cancelling
+    one still ill-posed."""
+    cancel = {"direct": 3.0, "pre_cached": 0.3, "shared": -2.5}
+    for data in (make_data(centred=cancel), make_data(centred=cancel, sgd=None), make_data(sgd=-0.01)):
+        s = summarize(data)
+        assert verdicts(s)[("c", "majority")] == verdicts(s)[("c", "cond_majority")] == "ill-posed under Adam"
+        assert verdicts(s)[("a", "majority")] == "reproduced"
+    c = next(c for c in summarize(make_data(centred=cancel))["claims"] if (c["id"], c["context"]) == ("c", "majority"))
+    kappa = next(p for p in c["preconditions"] if p["name"].startswith("conditioning"))
+    per_seed = [(abs(3.0 + wiggle(sd, 0, 0.01)) + abs(0.3 + wiggle(sd, 1, 0.01)) + abs(-2.5 + wiggle(sd, 2, 0.01)))
+                / (0.8 + sum(wiggle(sd, j, 0.01) for j in range(3))) for sd in range(3)]
+    assert kappa["value"] == pytest.approx(max(per_seed), rel=1e-3) and not kappa["ok"]
+    s = summarize(make_data(sgd=None))
+    assert verdicts(s)[("c", "majority")] == NOT_TESTABLE
+    signs = next(p for c in s["claims"] if c["id"] == "c" for p in c["preconditions"] if p["name"].startswith("the adam"))
+    assert signs["value"] == "not measured"

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from ntpflow.experiments.claims import (
     EXACT,
+    ILL_POSED,
     INCONCLUSIVE,
     NOT_REPRODUCED,
     PAPERS_READING,
     REPRODUCED,
+    UNMEASURED,
     Check,
     Claim,
     Rule,
@@ -57,6 +59,12 @@ FIXED_ROWS = ("2026-12-02 (commit 65a139f)", "the TinyStories midpoint rows and 
 FIXED_ACCOUNT = ("2026-12-03 (with the exact account's residual line: 1%)", "no experiment's run: only the 60-step toy run of "
                  "docs/balance.md (largest residual 5e-6 of R_H(θ_0)) had been replayed with the exact account")
 
+FIXED_MEANING = ("2026-12-06, before the momentum-SGD control runs and before any experiment's replay wrote the SGD "
+                 "direction beside Adam's rows",
+                 "the committed Adam rows of claim c: toy-medium (majority, R_c: direct +10.4, shared −10.1 for a net "
+                 "0.22) and toy-medium-cond-exact (direct 2.09, pre-cached 2.53, shared −4.42, net 0.197); κ of tiny "
+                 "majority runs (up to 38 for R, 7.9 for R_c, against 1.00–1.15 for the SGD direction); no momentum-SGD "
+                 "run and no sign agreement of an experiment's rows")
 FIXED_NO_REPLAY = ("2026-12-05", "othello-medium (8×8), whose report listed its missing replay as failing unit counts "
                                   "and balance; the check only names why, it has no threshold")
 
@@ -64,6 +72,42 @@ BALANCE = 2.0  # every influence claim: Σ full influence within this factor of 
 ROW_LIMIT = 2 * (BALANCE - 1) / (BALANCE + 1)  # the same, row by row: see row_balance_check
 RESIDUAL_LIMIT = 0.01  # the exact account: every row's |residual| at most this share of its R_H(θ_0)
 NEGLIGIBLE = 0.25  # a component "does not build" a feature: at most this share of the whole change (full influence)
+KAPPA_LIMIT = 2.0  # a "built by" claim: κ = Σ_c |I_c| / |I_full| of every row it reads at most this
+KAPPA_WHY = ("at κ ≤ 2 the components working against the net change add up to at most half of it ((κ − 1)/2), so "
+             "no component's sign or size is an artefact of cancellation")
+OPTIMIZER_NAMES = {"adam": "Adam", "momentum": "SGD with momentum", "sgd": "SGD"}
+PARTS = ("direct", "pre_cached", "shared")
+
+
+def _kappa(row: dict) -> float | None:
+    """κ of one row {component: influence} (None when its full influence is 0)."""
+    full = row.get("full")
+    return sum(abs(row[c]) for c in PARTS) / abs(full) if full else None
+
+
+def meaning_checks(rows: list[dict], own: str, where: str) -> tuple[Check, Check]:
+    """The two checks that a split into components means what it says (docs/balance.md#conditioning), on the rows a
+    "built by" claim reads: each ``{"own": {component: I}, "sgd": {component: I} or None}`` (the optimizer's reading
+    ``own`` and the SGD direction lr · g_c, e.g. per seed the means over the claim's sites × features). κ of every
+    row at most KAPPA_LIMIT, and the two readings of the same sign for every row and component (two exact zeros
+    agree). A failure makes the claim "ill-posed under <optimizer>"; a row without the SGD direction (a replay made
+    with --adam-only, or before it was kept) leaves the agreement unmeasured (not testable)."""
+    ill = f"{ILL_POSED} under {OPTIMIZER_NAMES.get(own, own)}"
+    kappas = [_kappa(r["own"]) for r in rows]
+    worst = None if not rows or None in kappas else max(kappas)
+    kappa_check = Check(f"conditioning: κ = Σ|direct, pre-cached, shared| / |full| of the {own} reading at most "
+                        f"{KAPPA_LIMIT:g} on every row ({where}; the largest): {KAPPA_WHY}",
+                        UNMEASURED if worst is None else float(f"{worst:.3g}"),
+                        worst is not None and worst <= KAPPA_LIMIT, *FIXED_MEANING, short=f"κ ({own})",
+                        need=f"≤ {KAPPA_LIMIT:g}", ill_posed=ill)
+    pairs = [(r["own"][c], r["sgd"][c]) for r in rows if r.get("sgd") for c in PARTS]
+    measured = bool(rows) and all(r.get("sgd") for r in rows)
+    agree = sum((a > 0) - (a < 0) == (b > 0) - (b < 0) for a, b in pairs)
+    sign_check = Check(f"the {own} reading and the SGD direction give every component the same sign on every row "
+                       f"({where})", f"{agree}/{len(pairs)} agree" if measured else UNMEASURED,
+                       measured and agree == len(pairs), *FIXED_MEANING, short="signs agree (own vs SGD)",
+                       need="all", ill_posed=ill)
+    return kappa_check, sign_check
 
 
 def account_check(account: dict | None, where: str) -> Check:
@@ -87,12 +131,13 @@ def account_text(reading: str, checks) -> tuple[str, bool]:
     ok = all(c.ok for c in checks)
     if not reading:
         return "no tracked replay", False
+    meaning = "".join(f"; {c.short} {c.value}" for c in checks if c.ill_posed)
     if reading == EXACT:
-        return f"exact account: largest |residual| / R_H(θ_0) = {checks[0].value}", ok
-    values = [c.value for c in checks]
+        return f"exact account: largest |residual| / R_H(θ_0) = {checks[0].value}{meaning}", ok
+    values = [c.value for c in checks if not c.ill_posed]
     rows = f"; rows {values[1]}" if len(values) > 1 else ""
     factor = values[0] if isinstance(values[0], str) else f"{values[0]:g}×"
-    return f"paper's reading, balance {factor}{rows}", ok
+    return f"paper's reading, balance {factor}{rows}{meaning}", ok
 
 
 def influence_checks(account: dict | None, balance, where: str, replayed: bool = True
@@ -162,8 +207,25 @@ def toy_influence_checks(summary: dict, task: str) -> tuple[str, tuple[Check, ..
     """``(reading, checks)`` of claim c on ``task``: the exact account's residual check on its R_c rows (every tracked
     seed × NTP-useless site below the last layer × feature) where the replays have one, else the paper's reading
     with the balance checks (:func:`_toy_balance`)."""
-    return influence_checks((summary.get("exact_account") or {}).get(task), lambda: _toy_balance(summary, task),
-                            "R_c at the NTP-useless sites, every tracked seed")
+    reading, checks = influence_checks((summary.get("exact_account") or {}).get(task),
+                                       lambda: _toy_balance(summary, task),
+                                       "R_c at the NTP-useless sites, every tracked seed")
+    c = ((summary.get("influence") or {}).get(task) or {}).get("centred")
+    if reading and c:  # the split's meaning: per seed, the means over the claim's sites × features
+        checks = (*checks, *meaning_checks(seed_rows(c), summary.get("optimizer", "adam"),
+                                           "R_c per tracked seed, means over the NTP-useless sites × features"))
+    return reading, checks
+
+
+def seed_rows(reading: dict | None) -> list[dict]:
+    """The rows a claim reads, per seed, for :func:`meaning_checks`, from its influence record (components with
+    ``per_seed`` lists in seed order; the SGD direction under ``"sgd"`` where kept); [] without one."""
+    if not reading or not (reading.get("full") or {}).get("per_seed"):
+        return []
+    sgd = reading.get("sgd")
+    n = len(reading["full"]["per_seed"])
+    return [{"own": {c: reading[c]["per_seed"][j] for c in (*PARTS, "full")},
+             "sgd": {c: sgd[c]["per_seed"][j] for c in (*PARTS, "full")} if sgd else None} for j in range(n)]
 
 
 def _toy_balance(summary: dict, task: str) -> tuple[Check, Check]:
@@ -341,10 +403,18 @@ def othello_influence_checks(summary) -> tuple[str, tuple[Check, ...]]:
     summary keeps no rows); a run without a replay has the one check that says so."""
     sanity = summary.get("sanity") or {}
     replayed = summary.get("exact_account") is not None or any(r.get("n") for r in summary["influence"].values())
-    return influence_checks(summary.get("exact_account"), lambda: (balance_check(
+    reading, checks = influence_checks(summary.get("exact_account"), lambda: (balance_check(
         (sanity.get("adam_full") or {}).get("mean"), (sanity.get("R0_minus_RT_eval") or {}).get("mean"),
         "R of the whole batch, mean over the tracked sites and squares"),), "R, every tracked site × square",
         replayed)
+    if reading:  # the split's meaning, per square type: the means over the tracked squares (no SGD direction kept)
+        row = {f"{c}/{t}": _othello_row(summary, f"{c}/{t}")["mean"] for c in (*PARTS, "full")
+               for t in ("useful", "useless")}
+        rows = [{"own": {c: row[f"{c}/{t}"] for c in (*PARTS, "full")}, "sgd": None}
+                for t in ("useful", "useless") if None not in (row[f"{c}/{t}"] for c in (*PARTS, "full"))]
+        checks = (*checks, *meaning_checks(rows, summary.get("optimizer", "adam"),
+                                           "R per square type, means over the tracked sites × squares"))
+    return reading, checks
 
 
 def othello_claims(summary) -> list[Claim]:
@@ -362,7 +432,8 @@ def othello_claims(summary) -> list[Claim]:
                 f"mean over layers ≥ 1 {fmt_ci(sl['mean_layers_ge1'])}") if gl else "no final ridge probes"
     n_sq = gl[0]["n"] if gl else 0
     row = {k: _othello_row(summary, k) for k in ("direct/useful", "direct/useless", "pre_cached/useless",
-                                          "pre_cached/useful", "shared/useful", "shared/useless", "full/useless")}
+                                          "pre_cached/useful", "shared/useful", "shared/useless", "full/useless",
+                                          "full/useful")}
 
     reading, checks = othello_influence_checks(summary)
 
@@ -522,9 +593,28 @@ def _stories_checks(summary):
         where = f"R of the vanilla runs, {group} features"
         return (balance_check(full, removed, where), row_balance_check(rows, f"{where}; rows: layer × feature"))
 
-    return [(g, influence_checks((summary.get("exact_account") or {}).get(g), lambda g=g: balance(g),
-                                 f"R of the vanilla runs, {g} features, every seed × site"))
-            for g in ("syntax", "position")]
+    def checks(group):
+        reading, out = influence_checks((summary.get("exact_account") or {}).get(group), lambda: balance(group),
+                                        f"R of the vanilla runs, {group} features, every seed × site")
+        vanilla = infl.get(group, {}).get("per_regime", {}).get("vanilla")
+        if reading and vanilla:  # the split's meaning on the rows the claim reads: per seed, the group's totals of R
+            out = (*out, *meaning_checks(_stories_rows(vanilla), summary.get("optimizer", "adam"),
+                                         f"R of the vanilla runs, {group} features, per seed (means over sites)"))
+        return reading, out
+
+    return [(g, checks(g)) for g in ("syntax", "position")]
+
+
+def _stories_rows(regime: dict) -> list[dict]:
+    """The rows of :func:`meaning_checks` from a TinyStories group's regime record: per seed its raw totals (and the
+    SGD direction's, ``sgd_raw``); results written before the per-seed lists: one row of the means (no SGD)."""
+    raw, sgd = regime["raw"], regime.get("sgd_raw")
+    comps = (*PARTS, "full")
+    if not raw["full"].get("per_seed"):
+        return [{"own": {c: raw[c]["mean"] for c in comps}, "sgd": None}] if raw["full"].get("mean") else []
+    return [{"own": {c: raw[c]["per_seed"][j] for c in comps},
+             "sgd": {c: sgd[c]["per_seed"][j] for c in comps} if sgd else None}
+            for j in range(len(raw["full"]["per_seed"])) if raw["full"]["per_seed"][j] is not None]
 
 
 def stories_claims(summary) -> list[Claim]:

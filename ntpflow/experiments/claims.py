@@ -6,6 +6,10 @@ A :class:`Rule` pairs a decision function with its text; both come from one fact
 preconditions (:class:`Check`: a named requirement with its measured value, e.g. "at least 2 seeds: 1"). Verdicts:
 
 - ``"not testable at this scale"`` when a precondition fails (the rule is not applied);
+- ``"ill-posed under Adam"`` (or under the run's optimizer) when every precondition holds but a *meaning* check of an
+  influence claim fails: the split into components cancels (κ above its bound) or the optimizer's reading and the
+  SGD direction disagree in sign (:func:`meaning_checks` in ``claim_registry``), so "which part built the feature"
+  has no stable answer there; a meaning check that could not be measured makes the claim not testable instead;
 - otherwise what the rule returns: ``"reproduced"``, ``"not reproduced"`` or ``"inconclusive"`` (also when a
   number the rule needs is missing).
 
@@ -32,7 +36,9 @@ REPRODUCED = "reproduced"
 NOT_REPRODUCED = "not reproduced"
 INCONCLUSIVE = "inconclusive"
 NOT_TESTABLE = "not testable at this scale"
-VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_TESTABLE)
+UNMEASURED = "not measured"  # the value of a meaning check whose quantity the results do not hold
+ILL_POSED = "ill-posed"  # the verdict's first word; the whole verdict names the optimizer ("ill-posed under Adam")
+VERDICTS = (REPRODUCED, NOT_REPRODUCED, INCONCLUSIVE, NOT_TESTABLE, ILL_POSED)
 
 
 EXACT = "exact account"
@@ -44,7 +50,9 @@ class Check:
     """A precondition of a claim: ``name`` (what is required), the measured ``value`` and whether it holds; a
     threshold chosen by the project also records when it was ``fixed`` and ``against`` which data. ``short`` (the
     measured quantity in a few words, "legal acc") and ``need`` (its threshold, "≥ 0.97") are what the claims table
-    prints of a failing check; the report's rules list prints the whole ``name``."""
+    prints of a failing check; the report's rules list prints the whole ``name``. ``ill_posed``: for a check of the
+    split's meaning, the verdict its failure gives ("ill-posed under Adam") once every other check holds; a meaning
+    check whose ``value`` is :data:`UNMEASURED` fails as any other check (not testable)."""
 
     name: str
     value: Any
@@ -53,6 +61,7 @@ class Check:
     against: str = ""
     short: str = ""
     need: str = ""
+    ill_posed: str = ""
 
     def text(self) -> str:
         return f"{self.name} (measured: {self.value}{'' if self.ok else '; fails'})"
@@ -179,9 +188,13 @@ class Claim:
 
     @property
     def verdict(self) -> str:
-        if any(not c.ok for c in self.preconditions):
-            return NOT_TESTABLE
-        return self.rule.decide(self.numbers)
+        failing = [c for c in self.preconditions if not c.ok]
+        if not failing:
+            return self.rule.decide(self.numbers)
+        measured = [c for c in failing if c.ill_posed and c.value != UNMEASURED]  # the split's meaning fails
+        if measured and all(c.ill_posed for c in failing):  # every gate holds: the split, not the scale, fails
+            return measured[0].ill_posed
+        return NOT_TESTABLE
 
     def to_dict(self) -> dict:
         """The claim as written to summary.json (``claim`` = the statement)."""
@@ -190,7 +203,8 @@ class Claim:
                 "fixed": self.rule.fixed, "against": self.rule.against,
                 "preconditions": [{"name": c.name, "value": c.value, "ok": c.ok,
                                    **({"fixed": c.fixed, "against": c.against} if c.fixed else {}),
-                                   **({"short": c.short, "need": c.need} if c.short else {})}
+                                   **({"short": c.short, "need": c.need} if c.short else {}),
+                                   **({"ill_posed": c.ill_posed} if c.ill_posed else {})}
                                   for c in self.preconditions],
                 "numbers": dict(self.numbers)}
 

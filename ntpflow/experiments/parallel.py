@@ -72,7 +72,7 @@ def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features
         load_or_probe(run, "final", device)
         load_or_probe(run, "init", device)
         if sites:
-            attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=stages, sgd_rows=False,
+            attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=stages,
                       reading=reading)
     return {"run_dir": run_dir}
 

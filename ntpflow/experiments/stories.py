@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
@@ -239,6 +240,7 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
     group_of = {FEATURE_NAMES[i]: g for g, idx in FEATURE_GROUPS.items() for i in idx}
     tracked_pos = sorted({s.pos for s in scale.sites})
     runs, probes, profiles, influence, curves, influence_centred, mismatch = [], [], [], [], [], [], []
+    influence_sgd = []
     tokenizer = None
     for cfg in configs:
         run = Run(out / "runs" / run_dir_name(cfg), cfg)
@@ -269,12 +271,20 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                                          "r": _mean(_finite(r[layer, p, c].item()) for c in cols)})
         att = run.attribution()
         table = pq.read_table(att.influence)
-        table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
-        rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "cumulative"]).to_pylist()
+        own = cfg.own_rows  # the run's own split; the SGD direction ("sgd") beside it where the replay kept it
+        table = table.filter(pc.and_(pc.is_in(table["optimizer"], pa.array([own, "sgd"])),
+                                     pc.equal(table["feature_type"], -1)))
+        rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "optimizer",
+                             "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
         cacc = defaultdict(list)
         for r in rows:
             g = group_of.get(r["feature"], "other")
+            if r["optimizer"] != own:  # the SGD direction: its totals of R, for the claims' meaning checks
+                if r["step"] == last and r["mismatch"] == "paper":
+                    influence_sgd.append({**key, "layer": r["layer"], "pos": r["pos"], "feature": r["feature"],
+                                          "group": g, "component": r["component"], "total": r["cumulative"]})
+                continue
             if r["step"] == last and r["mismatch"] in ("paper", "centred"):  # the figures and claims: the paper's R
                 (influence if r["mismatch"] == "paper" else influence_centred).append(
                     {**key, "layer": r["layer"], "pos": r["pos"], "feature": r["feature"], "group": g,
@@ -305,7 +315,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                           "name": tokenizer.get("name") if tokenizer else None},
             "feature_groups": {g: [FEATURE_NAMES[i] for i in idx] for g, idx in FEATURE_GROUPS.items()},
             "runs": runs, "probes": probes, "profiles": profiles, "influence": influence, "curves": curves,
-            "influence_centred": influence_centred, "mismatch": mismatch, "samples": samples}
+            "influence_centred": influence_centred, "mismatch": mismatch, "samples": samples,
+            "influence_sgd": influence_sgd, "optimizer": configs[0].own_rows}
 
 
 def _mean(values):

@@ -106,7 +106,8 @@ def summarize(data: dict) -> dict:
         "ci": "two-sided 95% Student-t interval over seeds; lo/hi are null when n < 2",
         "loss": _loss(runs, regimes), "probe_quality": _probe_quality(probes, groups, regimes, seeds, layers),
         "probe_per_feature": _probe_per_feature(probes, groups, regimes, seeds, layers),
-        "probe_profiles": profile_rows, "influence": _influence(influence, groups, regimes, seeds),
+        "probe_profiles": profile_rows, "influence": _influence(influence, groups, regimes, seeds, data.get("influence_sgd")),
+        "optimizer": data.get("optimizer", "adam"),
         "influence_curves": curve_rows, **by_mismatch, "samples": data.get("samples") or None,
         "exact_account": {g: residual_share(r for r in mismatch if r.get("regime") == "vanilla"
                                             and r["mismatch"] == "paper" and r["feature"] in members)
@@ -203,12 +204,15 @@ def _shares(tot: dict, regime: str, seed: int, pairs: list) -> dict:
     return {c: mean_of(sh[c]) for c in COMPONENTS}
 
 
-def _influence(influence: list[dict], groups: dict, regimes, seeds) -> dict:
-    """Integrated influence per group and component, raw and as shares (stats over seeds), with the paired
-    differences of the shares."""
+def _influence(influence: list[dict], groups: dict, regimes, seeds, sgd: list[dict] | None = None) -> dict:
+    """Integrated influence per group and component, raw (with ``per_seed`` in seed order) and as shares (stats over
+    seeds), with the paired differences of the shares; ``sgd_raw`` the same raw totals of the SGD direction where the
+    replays kept it (``sgd``: its records)."""
     tot = {}
     for r in influence:
         tot[(r["regime"], r["seed"], r["layer"], r["pos"], r["feature"], r["component"])] = r["total"]
+    for r in sgd or ():
+        tot[(r["regime"], r["seed"], r["layer"], r["pos"], r["feature"], "sgd:" + r["component"])] = r["total"]
     pairs = sorted({(r["layer"], r["pos"], r["feature"]) for r in influence if r["component"] in COMPONENTS})
     infl = {}
     for g, members in groups.items():
@@ -226,8 +230,13 @@ def _influence(influence: list[dict], groups: dict, regimes, seeds) -> dict:
                     share[c][s] = v
             if not any(v is not None for v in raw["full"].values()):
                 continue
+            sgd_raw = {c: {s: mean_of(tot.get((rg, s, *x, "sgd:" + c)) for x in gp) for s in seeds}
+                       for c in ALL_COMPONENTS}
             entry["per_regime"][rg] = {
-                "raw": {c: stats(raw[c].values()) for c in raw},
+                "raw": {c: {**stats(raw[c].values()), "per_seed": [raw[c][s] for s in seeds]} for c in raw},
+                **({"sgd_raw": {c: {**stats(sgd_raw[c].values()), "per_seed": [sgd_raw[c][s] for s in seeds]}
+                                for c in ALL_COMPONENTS}}
+                   if all(v is not None for per in sgd_raw.values() for v in per.values()) else {}),
                 "share": {c: stats(share[c].values()) for c in COMPONENTS},
                 "direct_minus_pre_cached_share": paired(share["direct"], share["pre_cached"]),
                 "pre_cached_minus_direct_share": paired(share["pre_cached"], share["direct"]),

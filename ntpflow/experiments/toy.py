@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -127,7 +128,7 @@ def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: l
     on ``threads`` torch threads (the caller's count is restored); stage lines when ``stages``."""
     with on_threads(threads):
         attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=stages,
-                        sgd_rows=False, reading=reading)
+                        reading=reading)
     return {"run_dirs": run_dirs}
 
 
@@ -205,8 +206,11 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
         att = run.attribution()
         attributed.append(att.dir)
         table = pq.read_table(att.influence)
-        table = table.filter(pc.and_(pc.equal(table["optimizer"], "adam"), pc.equal(table["feature_type"], -1)))
-        rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "cumulative"]).to_pylist()
+        own = cfg.own_rows  # the run's own split; the SGD direction ("sgd") beside it where the replay kept it
+        table = table.filter(pc.and_(pc.is_in(table["optimizer"], pa.array([own, "sgd"])),
+                                     pc.equal(table["feature_type"], -1)))
+        rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "optimizer",
+                             "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
         stride = max(scale.curve_every, last // MAX_CURVE_POINTS)  # a long run keeps its curves (and data.json) small
         for r in rows:
@@ -214,8 +218,9 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
                     "mismatch": r["mismatch"]}
             if r["step"] == last:
                 influence.append({**key, **site, "component": r["component"], "total": r["cumulative"],
+                                  "optimizer": r["optimizer"],
                                   "useful": bool(task.useful[r["pos"], task.feature_names.index(feature_name(r["feature"]))])})
-            if r["step"] % stride == 0 or r["step"] == last:
+            if r["optimizer"] == own and (r["step"] % stride == 0 or r["step"] == last):
                 curves.append({**key, **site, "step": r["step"] + 1, "component": r["component"],
                                "cumulative": r["cumulative"]})
         for p in read_json(att.summary)["probes"]:  # held-out R(θ_0), R removed, offset
@@ -223,10 +228,12 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             mismatch.append({**key, **{k: p[k] for k in ("layer", "pos", "mismatch", "R0_eval",
                                                          "R0_minus_RT_eval", "offset_share_R0")}, "feature": name,
                              **{k: p[k] for k in ("change", "residual") if k in p},  # the exact account's
+                             **{k: v for k, v in p.items() if k.startswith("kappa") or k == "signs_agree"},
                              "useful": bool(task.useful[p["pos"], task.feature_names.index(name)])})
     tasks = sorted({c.task for c in configs}, key=TASKS.index)
     return {"scale": scale.name, "seeds": list(scale.seeds), "sites": [[s.layer, s.pos] for s in scale.sites],
             "influence_read_at": influence_read_at(attributed), "train": scale.train,
+            "optimizer": configs[0].own_rows,
             "task_train": {t: scale.task_train.get(t, {}) for t in tasks},
             "tracked": {t: list(TRACKED[t]) for t in tasks},
             "tracked_seeds": list(scale.tracked_seeds if scale.tracked_seeds is not None else scale.seeds)

@@ -74,7 +74,8 @@ def summarize(data: dict) -> dict:
     layers = sorted({p["layer"] for p in probes})
     profiles = _probe_profiles(probes, tasks, regimes, seeds, layers)
     probe_gain = _probe_gain(probes, tasks, regimes, seeds)
-    offset_rows, balance_rows, site_rows = _balance(influence, mismatch)
+    own = data.get("optimizer", "adam")  # the runs' own split; results before the option: Adam's
+    offset_rows, balance_rows, site_rows = _balance([r for r in influence if r.get("optimizer", own) == own], mismatch)
     summary = {"scale": data.get("scale"), "seeds": seeds, "n_seeds": len(seeds), "tasks": tasks,
                "regimes": regimes, "sites": data.get("sites") or [], "n_layer": n_layer,
                "tracked_seeds": data.get("tracked_seeds", seeds), "train": data.get("train") or {},
@@ -83,7 +84,8 @@ def summarize(data: dict) -> dict:
                "ci": "two-sided 95% Student-t interval over seeds (Pearson r: in Fisher z); null when n < 2",
                "task_success": success, "gates": gates, "learning": _learning(data.get("eval_curves") or [], tasks, seeds),
                "probe_layers": layers, "probe_profiles": profiles,
-               "probe_gain": probe_gain, "influence": _influence(influence, tasks, n_layer), "offset_share": offset_rows,
+               "optimizer": own, "probe_gain": probe_gain, "influence": _influence(influence, tasks, n_layer, own),
+               "offset_share": offset_rows, "conditioning": _conditioning(mismatch, tasks, n_layer),
                "balance": balance_rows, "sites_detail": site_rows,
                "influence_curves": _influence_curves(data.get("curves") or [], n_layer),
                "exact_account": {t: residual_share(r for r in mismatch if r["task"] == t and r["mismatch"] == "centred"
@@ -191,23 +193,57 @@ def _useless(r: dict, n_layer: int) -> bool:
     return not r["useful"] and r["layer"] < n_layer
 
 
-def _influence(influence: list[dict], tasks, n_layer: int) -> dict:
-    """Per task × mismatch: each component's integrated influence at the useless sites, stats over seeds."""
+def _influence(influence: list[dict], tasks, n_layer: int, own: str = "adam") -> dict:
+    """Per task × mismatch: each component's integrated influence at the useless sites in the run's own reading
+    ``own``, stats over seeds (``per_seed`` in seed order), and under ``"sgd"`` the same of the SGD direction where
+    the replays kept it."""
     acc = defaultdict(list)
     for r in influence:
         if _useless(r, n_layer):
-            acc[(r["task"], r["mismatch"], r["seed"], r["component"])].append(r["total"])
+            reading = r.get("optimizer", own)  # records before the SGD direction was kept: the own reading
+            acc[(r["task"], r["mismatch"], r["seed"], r["component"], reading)].append(r["total"])
     infl = {}
     for t in tasks:
         for m in MISMATCHES:
-            tracked_seeds = sorted({s for (tt, mm, s, _) in acc if (tt, mm) == (t, m)})
+            tracked_seeds = sorted({s for (tt, mm, s, _, o) in acc if (tt, mm, o) == (t, m, own)})
             if not tracked_seeds:
                 continue
-            per = {c: {s: mean_of(acc.get((t, m, s, c), ())) for s in tracked_seeds} for c in (*COMPONENTS, "full")}
-            row = {c: {**stats(per[c].values()), "per_seed": list(per[c].values())} for c in per}
-            row["pre_cached+shared"] = stats(per["pre_cached"][s] + per["shared"][s] for s in tracked_seeds)
+            rows = {}
+            for reading in (own, "sgd"):
+                per = {c: {s: mean_of(acc.get((t, m, s, c, reading), ())) for s in tracked_seeds}
+                       for c in (*COMPONENTS, "full")}
+                if reading != own and any(v is None for p in per.values() for v in p.values()):
+                    continue  # no SGD direction kept for every seed
+                rows[reading] = {c: {**stats(per[c].values()), "per_seed": list(per[c].values())} for c in per}
+            row = rows[own]
+            row["pre_cached+shared"] = stats(row["pre_cached"]["per_seed"][j] + row["shared"]["per_seed"][j]
+                                             for j in range(len(tracked_seeds)))
+            if "sgd" in rows and own != "sgd":
+                row["sgd"] = rows["sgd"]
+            row["seeds"] = tracked_seeds
             infl.setdefault(t, {})[m] = row
     return infl
+
+
+def _conditioning(mismatch: list[dict], tasks, n_layer: int) -> dict:
+    """Per task × mismatch, over the replays' rows (seed × useless site below the last layer × feature): κ of each
+    reading from its totals and from its steps (median and largest), and how many components the run's own reading
+    and the SGD direction give the same sign (docs/balance.md#conditioning). Empty for rows written before κ."""
+    out: dict = {}
+    for t in tasks:
+        for m in MISMATCHES:
+            rows = [r for r in mismatch if r["task"] == t and r["mismatch"] == m and _useless(r, n_layer)]
+            entry = {}
+            for key in sorted({k for r in rows for k in r if k.startswith("kappa")}):
+                values = sorted(r[key] for r in rows if r.get(key) is not None)
+                if values:
+                    entry[key] = {"median": values[len(values) // 2], "largest": values[-1], "n": len(values)}
+            agree = [v for r in rows for v in (r.get("signs_agree") or {}).values()]
+            if agree:
+                entry["signs_agree"] = {"agree": sum(agree), "n": len(agree)}
+            if entry:
+                out.setdefault(t, {})[m] = entry
+    return out
 
 
 def _balance(influence: list[dict], mismatch: list[dict]) -> tuple[list, list, list]:
