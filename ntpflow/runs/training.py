@@ -292,7 +292,9 @@ def _check_finite(finite: torch.Tensor, stepper: Stepper, runs: Sequence[Run], g
     cfg, bad = runs[0].cfg, [str(run.dir) for run, fine in zip(runs, ok.tolist()) if not fine]
     last = sorted(set.intersection(*(set(run.checkpoints()) for run in runs)))
     raise TrainingDiverged(f"training of {', '.join(bad)} diverged: the loss or the weights became non-finite between "
-                           f"steps {good} and {step} (lr={cfg.lr:g}, beta1={cfg.beta1:g}, beta2={cfg.beta2:g}); "
+                           f"steps {good} and {step} (lr={cfg.lr:g}, "
+                           + (f"beta1={cfg.beta1:g}, beta2={cfg.beta2:g}); " if cfg.optimizer == "adam"
+                              else f"SGD, momentum={cfg.momentum:g}); ")
                            + (f"its last good checkpoint is step {last[-1]}" if last else "no checkpoint was saved")
                            + ("; the group stops" if len(runs) > 1 else "") + "; no DONE written")
 
