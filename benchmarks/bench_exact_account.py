@@ -13,6 +13,7 @@ R_H(θ_0) per mismatch) and refined steps come from its summary.json.
     python benchmarks/bench_exact_account.py                      # 60 steps, sites 1:4,1:6,1:8,1:14, 2 rounds
     python benchmarks/bench_exact_account.py --sites 1-2:2-19 --steps 100 --rounds 3
     python benchmarks/bench_exact_account.py --steps 3000 --rounds 1 --skip-paper   # a whole medium-length run
+    python benchmarks/bench_exact_account.py --batch 64 --readout 64,256 --skip-paper   # cost against readout / batch
 """
 
 import argparse
@@ -37,7 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--task", default="majority", help="majority (default) or cond_majority")
     p.add_argument("--steps", type=int, default=60, help="training steps of the replayed run (default 60)")
     p.add_argument("--sites", default="1:4,1:6,1:8,1:14", help="tracked sites (default: the toy medium scale's)")
-    p.add_argument("--readout", type=int, default=256, help="the exact account's readout set (default 256)")
+    p.add_argument("--readout", default="256", help="the exact account's readout set; a comma-separated list times "
+                   "one exact replay per size (default 256)")
+    p.add_argument("--batch", type=int, default=256, help="the run's batch size (default 256, the paper's)")
     p.add_argument("--rounds", type=int, default=2, help="timed rounds (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--matrices", action="store_true", help="also time the exact account with influence matrices")
@@ -48,14 +51,15 @@ def parse_args(argv=None):
 
 def variants(args) -> dict[str, dict]:
     """{name: attribute options} of the timed replays (Adam rows only, as the experiments replay)."""
-    out = {"midpoint": {"reading": "midpoint"}, "paper": {"reading": "paper"},
-           "exact": {"reading": "exact", "readout": args.readout}}
+    sizes = [int(x) for x in str(args.readout).split(",")]
+    out = {"midpoint": {"reading": "midpoint"}, "paper": {"reading": "paper"}}
+    out |= {("exact" if len(sizes) == 1 else f"exact@{n}"): {"reading": "exact", "readout": n} for n in sizes}
     if args.skip_paper:
         del out["paper"]
     if args.matrices:
         if "matrices" not in inspect.signature(attribute).parameters:
             raise SystemExit("this version of attribute has no influence matrices (--matrices)")
-        out["exact+matrices"] = {"reading": "exact", "readout": args.readout, "matrices": True}
+        out["exact+matrices"] = {"reading": "exact", "readout": sizes[0], "matrices": True}
     return out
 
 
@@ -76,8 +80,10 @@ def main(argv=None) -> None:
         root = Path(args.root or tmp)
         # as many epochs as the medium scale's 3000 steps over 102,400 sequences (7.5), so that the batch readings'
         # θ* projection cache (filled on each example's first use) costs per step what it costs in a real replay
-        cfg = TrainConfig(task=args.task, steps=args.steps, n_train=max(256, round(args.steps * 256 / 7.5)),
-                          n_eval=max(1024, args.readout), eval_every=args.steps, ckpt_every=args.steps, device="cpu")
+        readouts = [int(x) for x in str(args.readout).split(",")]
+        cfg = TrainConfig(task=args.task, steps=args.steps, batch_size=args.batch,
+                          n_train=max(args.batch, round(args.steps * args.batch / 7.5)),
+                          n_eval=max(1024, *readouts), eval_every=args.steps, ckpt_every=args.steps, device="cpu")
         run = train(cfg, root / "run", progress=False)
         load_or_probe(run, "final", "cpu")
         sites = parse_sites(args.sites)
@@ -100,7 +106,7 @@ def main(argv=None) -> None:
                 print(f"  round {r + 1}/{args.rounds}: {name} {wall[name][-1]:.1f} s", flush=True)
     base_cpu, base_wall = statistics.median(cpu["midpoint"]), statistics.median(wall["midpoint"])
     print(f"\nwhole replays of {args.task}, {args.steps} steps, {len(sites)} sites × 1 feature ({feature}), Adam rows, "
-          f"readout {args.readout}, {args.threads} thread(s), medians of {args.rounds} rounds")
+          f"batch {args.batch}, readout {args.readout}, {args.threads} thread(s), medians of {args.rounds} rounds")
     print("| replay | CPU s | / midpoint | wall s | / midpoint | residuals (exact) |")
     print("|---|---:|---:|---:|---:|---|")
     for name in kinds:
