@@ -3,6 +3,7 @@
 Parses input, builds configs, calls library functions."""
 
 import argparse
+import hashlib
 import logging
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from ntpflow.replay.balance import audit_balance
 from ntpflow.replay.breakdown import breakdown, parse_steps
 from ntpflow.replay.directions import parse_direction, sae_directions
 from ntpflow.replay.discover import discover
-from ntpflow.runs.config import REGIMES, TrainConfig, apply_overrides
+from ntpflow.runs.config import REGIMES, config_from
 from ntpflow.runs.group import group_dirs
 from ntpflow.runs.probe import load_or_probe, probe_run
 from ntpflow.runs.run import AttributionDir, Run
@@ -79,13 +80,16 @@ def _config(args, task=None, regime=None, extra_set=()):
     fields = {"task": task or getattr(args, "task", None), "regime": regime or getattr(args, "regime", None),
               "seed": args.seed, "device": args.device}
     base = {k: v for k, v in fields.items() if v is not None}
-    return apply_overrides(TrainConfig(**base), [*extra_set, *(args.set or [])])
+    return config_from([*extra_set, *(args.set or [])], **base)  # built once: a task's own parameters included
 
 
 def cmd_train(args) -> int:
     """``ntpflow train``: train (or resume) one run, log its final scores and print its directory."""
     cfg = _config(args)
     task = cfg.task.rpartition(":")[2].rpartition(".")[2]  # a task's own class name when named by its import path
+    if cfg.task.startswith("file:"):  # a task file: its name and a digest of its path, unique to the file
+        path = cfg.task.removeprefix("file:")
+        task = f"{Path(path).stem}-{hashlib.sha256(path.encode()).hexdigest()[:6]}"
     out = Path(args.out or f"runs/{task}-{cfg.regime}-s{cfg.seed}")
     track = [t for t in (args.track or "").split(",") if t]
     run = train(cfg, out, progress=not args.quiet, track=track, force_unlock=args.force_unlock)

@@ -2,19 +2,22 @@
 
 import ast
 import hashlib
+import inspect
 import json
 import math
 import types
 import typing
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from ntpflow.tasks import task_class
+from ntpflow.tasks import TASKS, make_task, task_class
 from ntpflow.tasks.othello_engine import BOARD_SIZES
 
 REGIMES = ("vanilla", "myopic", "untied", "myopic-untied")
 _SCHEDULE = ("warmup", "decay", "final_lr_frac")
+BUILTIN_SPLIT_AT = 10  # the untied split of the built-in tasks (every run before split_at became the task's default)
+_BUILTIN_ONLY = {"corpus": "", "vocab_size": 4096, "board_size": 8}  # fields of built-in tasks, at their defaults
 
 
 @dataclass(frozen=True)
@@ -23,8 +26,10 @@ class TrainConfig:
 
     ``regime`` picks the ablation: ``myopic`` cuts pre-caching (attention mode ``myopic_mode``), ``untied`` cuts
     circuit sharing across the split: positions < ``split_at`` and >= ``split_at`` get separate parameters
-    (``split_at=0`` unties every position). ``seed`` drives the initialisation and the data order; ``data_seed``
-    (default: ``seed``) the generated train/eval sets.
+    (``split_at=0`` unties every position; default: 10 for the built-in tasks, the task's ``first_output_pos`` for a
+    task of one's own). ``seed`` drives the initialisation and the data order; ``data_seed`` (default: ``seed``) the
+    generated train/eval sets. ``task_args``: a task's own parameters, the names in its ``config_fields`` that are
+    no field here (``--set n_items=6``), each read by name like a field (``cfg.n_items``).
     """
 
     task: str = "majority"
@@ -33,7 +38,7 @@ class TrainConfig:
     board_size: int = 8  # the othello task's board: 8 (the paper's) or 6 (a fallback, not the paper's setting)
     regime: Literal["vanilla", "myopic", "untied", "myopic-untied"] = "vanilla"
     myopic_mode: Literal["kv", "resid"] = "kv"
-    split_at: int = 10
+    split_at: int | None = None  # None: the task's default (see above)
     n_layer: int = 2
     n_head: int = 4
     d_model: int = 128
@@ -56,13 +61,15 @@ class TrainConfig:
     ckpt_every: int = 500
     log_every: int = 50
     device: str = "auto"
+    task_args: dict = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         for name in ("lr", "momentum", "beta1", "beta2", "adam_eps", "final_lr_frac"):  # 1 and 1.0 must hash alike
             object.__setattr__(self, name, float(getattr(self, name)))
         if self.task.startswith("file:"):  # a task file: its absolute path, so that any working directory reopens it
             object.__setattr__(self, "task", "file:" + str(Path(self.task.removeprefix("file:")).resolve()))
-        task_class(self.task)  # a built-in task or an importable Task subclass (one-line ValueError otherwise)
+        cls = task_class(self.task)  # a built-in task or an importable Task subclass (one-line ValueError otherwise)
+        object.__setattr__(self, "task_args", _task_args(self.task, cls, self.task_args))
         if self.board_size not in BOARD_SIZES:
             raise ValueError(f"board_size must be 6 or 8, got {self.board_size!r}")
         if self.board_size != 8 and "board_size" not in task_class(self.task).config_fields:
@@ -101,6 +108,31 @@ class TrainConfig:
         for name in ("seed", "data_seed", "split_at"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.split_at is None and self.task in TASKS:
+            object.__setattr__(self, "split_at", BUILTIN_SPLIT_AT)
+        elif self.untied and self.task not in TASKS:
+            self._resolve_split(cls)
+
+    def _resolve_split(self, cls) -> None:
+        """A task of one's own, untied: ``split_at`` defaults to its ``first_output_pos`` and must fit its length."""
+        task = make_task(self.task, **{f: getattr(self, f) for f in cls.config_fields})
+        T = task.seq_len
+        if self.split_at is None:
+            if task.first_output_pos < 1:
+                raise ValueError(f"split_at: the task's first_output_pos is {task.first_output_pos}; give split_at "
+                                 f"(1..{T - 1}, or 0 to untie every position)")
+            object.__setattr__(self, "split_at", int(task.first_output_pos))
+            object.__setattr__(self, "_split_from_task", True)  # apply_overrides resolves it again
+        if self.split_at != 0 and not 0 < self.split_at < T:
+            raise ValueError(f"split_at must be 0 (untie every position) or in 1..{T - 1} (the task has {T} "
+                             f"positions), got {self.split_at}")
+
+    def __getattr__(self, name: str):
+        """A task's own parameter (``task_args``), read by name like a field (how the task is built)."""
+        args = self.__dict__.get("task_args") or {}
+        if name in args:
+            return args[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def scheduled(self) -> bool:
@@ -135,8 +167,17 @@ class TrainConfig:
         return self.regime.endswith("untied")
 
     def to_dict(self) -> dict:
-        """The fields as a plain dict."""
-        return asdict(self)
+        """The fields as a plain dict (``task_args`` only when set; for a task of one's own, without the built-in
+        tasks' ``corpus``, ``vocab_size`` and ``board_size`` at their defaults)."""
+        d = asdict(self)
+        if not d["task_args"]:
+            del d["task_args"]
+        if self.task not in TASKS:
+            own = task_class(self.task).config_fields
+            for k, default in _BUILTIN_ONLY.items():
+                if k not in own and d[k] == default:
+                    del d[k]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
@@ -152,14 +193,22 @@ class TrainConfig:
         """Like :meth:`from_dict` for values parsed from a file (JSON/TOML): each is checked against its field's type
         and coerced exactly as a ``--set key=value`` override (``steps = 30.0`` is refused, ``lr = 1`` becomes 1.0)."""
         types_ = typing.get_type_hints(cls)
-        unknown = set(d) - set(types_)
+        own = own_params(d.get("task", cls.task))
+        unknown = set(d) - set(types_) - set(own)
         if unknown:
-            raise ValueError(f"unknown config key(s) {sorted(unknown)}; known keys: {sorted(types_)}")
-        return cls(**{k: _check_type(k, v, v, types_[k]) for k, v in d.items()})
+            raise ValueError(f"unknown config key(s) {sorted(unknown)}; known keys: {sorted(types_)}"
+                             + (f"; the task's own: {', '.join(own)}" if own else ""))
+        args = {k: v for k, v in d.items() if k in own}
+        d = {k: _check_type(k, v, v, types_[k]) for k, v in d.items() if k not in own}
+        if args:  # the task's own parameters, given by name
+            d["task_args"] = {**d.get("task_args", {}), **args}
+        return cls(**d)
 
     def hash(self) -> str:
         """SHA-256 of the canonical JSON of the fields that change results (not ``device`` or logging)."""
-        d = {k: v for k, v in self.to_dict().items() if k not in ("device", "log_every")}
+        d = {k: v for k, v in asdict(self).items() if k not in ("device", "log_every")}
+        if not self.task_args:  # a task without parameters of its own: runs from before task_args keep their hash
+            d.pop("task_args")
         if not self.scheduled:  # the schedule's fields are off: runs from before they existed keep their hash
             for k in _SCHEDULE:
                 d.pop(k)
@@ -170,19 +219,71 @@ class TrainConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
 
 
+def own_params(task: str) -> tuple[str, ...]:
+    """The parameters of its own that task ``task`` is built with: its ``config_fields`` that are no TrainConfig
+    field (kept in ``task_args``)."""
+    names = {f.name for f in fields(TrainConfig)}
+    return tuple(f for f in task_class(task).config_fields if f not in names)
+
+
+def _task_args(task: str, cls, given: dict) -> dict:
+    """Every own parameter of ``task`` (class ``cls``): the ``given`` value, else its constructor's default; a
+    one-line ValueError for an unknown one or one without a default."""
+    own = own_params(task)
+    unknown = sorted(set(given) - set(own))
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {unknown} of task {task}; its own parameters (config_fields): "
+                         f"{', '.join(own) or 'none'}")
+    params = inspect.signature(cls).parameters if own else {}
+    out = {}
+    for name in own:
+        if name in given:
+            out[name] = given[name]
+        elif name in params and params[name].default is not inspect.Parameter.empty:
+            out[name] = params[name].default
+        else:
+            raise ValueError(f"task {task} needs its parameter {name} (--set {name}=...)")
+    return out
+
+
 def apply_overrides(cfg, overrides: list[str]):
-    """Return ``cfg`` with ``["key=value", ...]`` applied; values are Python literals, checked against the type."""
-    types_ = typing.get_type_hints(type(cfg))
-    changes = {}
+    """Return ``cfg`` with ``["key=value", ...]`` applied; values are Python literals, checked against the type. A
+    key that is one of the task's own parameters (:func:`own_params`) goes into ``task_args``."""
+    return _overridden(type(cfg), asdict(cfg), overrides, getattr(cfg, "_split_from_task", False))
+
+
+def config_from(overrides: list[str], **base) -> TrainConfig:
+    """The TrainConfig of the fields ``base`` with ``["key=value", ...]`` applied (:func:`apply_overrides`), built
+    once: a task of one's own is built only with its parameters set."""
+    return _overridden(TrainConfig, base, overrides, False)
+
+
+def _overridden(cls, base: dict, overrides: list[str], split_from_task: bool):
+    types_ = typing.get_type_hints(cls)
+    pairs = []
     for item in overrides:
         key, sep, raw = item.partition("=")
-        key = key.strip()
         if not sep:
             raise ValueError(f"override {item!r} is not of the form key=value")
-        if key not in types_:
-            raise ValueError(f"unknown config key {key!r}; known keys: {sorted(types_)}")
-        changes[key] = _coerce(key, raw.strip(), types_[key])
-    return replace(cfg, **changes)
+        pairs.append((key.strip(), raw.strip()))
+    raw_task = dict(pairs).get("task")
+    task = _coerce("task", raw_task, str) if raw_task is not None else base.get("task", getattr(cls, "task", None))
+    own = own_params(task) if "task_args" in types_ else ()
+    changes, args = {}, {}
+    for key, raw in pairs:
+        if key in own:
+            args[key] = _coerce(key, raw, object)
+        elif key in types_:
+            changes[key] = _coerce(key, raw, types_[key])
+        else:
+            raise ValueError(f"unknown config key {key!r}; known keys: {sorted(types_)}"
+                             + (f"; the task's own: {', '.join(own)}" if own else ""))
+    if "task_args" in types_:
+        kept = base.get("task_args", {}) if task == base.get("task", task) else {}  # another task: not its args
+        changes["task_args"] = {**kept, **args}
+    if split_from_task and "split_at" not in changes:  # the task's default, for the task as now set
+        changes["split_at"] = None
+    return cls(**{**base, **changes})
 
 
 def _coerce(key: str, raw: str, typ):
@@ -196,6 +297,8 @@ def _coerce(key: str, raw: str, typ):
 def _check_type(key: str, value, raw, typ):
     """``value`` if it fits the field type ``typ`` (an int where a float is expected becomes a float), else a
     ValueError naming ``key`` and the input ``raw``."""
+    if typ is object:  # a task's own parameter: any literal
+        return value
     allowed = typing.get_args(typ) if isinstance(typ, types.UnionType) or typing.get_origin(typ) else (typ,)
     if typing.get_origin(typ) is Literal:
         allowed = (str,)

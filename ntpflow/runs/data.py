@@ -4,7 +4,8 @@ import numpy as np
 import torch
 
 from ntpflow.runs.config import TrainConfig
-from ntpflow.tasks import Batch, Task
+from ntpflow.tasks import TASKS, Batch, Task
+from ntpflow.tasks.base import check_batch
 
 
 def make_datasets(cfg: TrainConfig, task: Task) -> tuple[Batch, Batch]:
@@ -12,6 +13,29 @@ def make_datasets(cfg: TrainConfig, task: Task) -> tuple[Batch, Batch]:
     (independent generated streams, or windows of a fixed corpus)."""
     seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
     return task.make_datasets(cfg.n_train, cfg.n_eval, seed)
+
+
+def check_task(cfg: TrainConfig, task: Task) -> None:
+    """Check a task of one's own (not a built-in one) before a run writes anything: the first batch its ``sample``
+    draws, or, for a task with its own ``make_datasets`` (a file task), both sets (its size included). A one-line
+    ValueError names the task and what is wrong (:func:`~ntpflow.tasks.base.check_batch`); an error raised by the
+    task's own code becomes one too."""
+    if cfg.task in TASKS:
+        return
+    seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    own_sets = type(task).make_datasets is not Task.make_datasets
+    try:
+        batches = (task.make_datasets(cfg.n_train, cfg.n_eval, seed) if own_sets
+                   else [task.sample(min(cfg.batch_size, cfg.n_train), np.random.default_rng([seed, 0]))])
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code failing is bad input, told in one line
+        call = "make_datasets()" if own_sets else "sample()"
+        raise ValueError(f"task {cfg.task}: {call} failed: {type(e).__name__}: {str(e).strip()}") from e
+    if own_sets and not (isinstance(batches, tuple | list) and len(batches) == 2):
+        raise ValueError(f"task {cfg.task}: make_datasets() must return (train, eval) Batches")
+    for batch in batches:
+        check_batch(task, batch, cfg.task)
 
 
 class DataOrder:

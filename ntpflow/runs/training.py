@@ -36,7 +36,7 @@ from ntpflow.model.gpt import GPT
 from ntpflow.model.loss import lm_loss
 from ntpflow.progress import progress_of
 from ntpflow.runs.config import TrainConfig
-from ntpflow.runs.data import DataOrder, make_datasets, to_torch
+from ntpflow.runs.data import DataOrder, check_task, make_datasets, to_torch
 from ntpflow.runs.metrics import MetricsLog, check_sinks, make_sinks
 from ntpflow.runs.run import Run, load_latest, save_state
 from ntpflow.runs.threads import continue_threads, kept_threads
@@ -99,6 +99,7 @@ def prepare_run_dir(run: Run, *, extend: bool = False) -> None:
                              "choose another output directory")
         return
     task = run.task
+    check_task(cfg, task)  # a task of one's own: its first batch (a file task: its size), before anything is written
     model = run.model_config().to_dict()  # validates before anything is written
     ensure_writable_dir(run.dir)
     run.ckpt_dir.mkdir(exist_ok=True)

@@ -43,8 +43,12 @@ def task_class(name: str) -> type[Task]:
         obj = importlib.import_module(module_name)
         for part in qualname.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as e:
-        raise ValueError(f"cannot import task {name!r}: {e}") from None
+    except ModuleNotFoundError as e:
+        raise ValueError(f"cannot import task {name!r}: {e}; is the folder that holds it on PYTHONPATH?") from None
+    except Exception as e:  # noqa: BLE001 - importing runs the module's code: any error there is the user's input
+        text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        kind = "" if isinstance(e, ImportError | AttributeError | ValueError) else f"{type(e).__name__}: "
+        raise ValueError(f"cannot import task {name!r}: {kind}{text}") from None
     if not (isinstance(obj, type) and Task in obj.__mro__):
         raise ValueError(f"{name!r} is not an ntpflow task: {name} must subclass ntpflow.Task (docs/tasks.md)")
     return obj

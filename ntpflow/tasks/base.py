@@ -22,7 +22,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["BOS_ID", "N_SPECIAL", "PAD_ID", "Batch", "Task", "concat_batches"]
+__all__ = ["BOS_ID", "N_SPECIAL", "PAD_ID", "Batch", "Task", "check_batch", "concat_batches"]
 
 PAD_ID = 0
 BOS_ID = 1
@@ -165,3 +165,41 @@ class Task(Protocol):
     def save_artifacts(self, run_dir: str | os.PathLike) -> None:
         """Write what a run needs beside its weights into the new ``run_dir`` (e.g. a tokenizer); default
         nothing."""
+
+
+def check_batch(task: Task, batch, label: str | None = None) -> Batch:
+    """``batch`` if it is a :class:`Batch` that fits ``task``, else a one-line ValueError naming the task (``label``,
+    default its ``name``) and what is wrong: its type, the shapes against ``seq_len``, ``vocab`` and
+    ``feature_names``, token ids outside the vocabulary, non-finite features, a loss mask that is not boolean or
+    counts no prediction. Training calls it on a task's first batch before anything is written."""
+    label = label or getattr(task, "name", type(task).__name__)
+    where = f"task {label}"
+    if not isinstance(batch, Batch):
+        raise ValueError(f"{where}: sample() must return an ntpflow Batch, got {type(batch).__name__}")
+    n, T = batch.tokens.shape
+    F, V = len(task.feature_names), len(task.vocab)
+    if T != task.seq_len:
+        raise ValueError(f"{where}: sequences of length {T}, but its seq_len is {task.seq_len}")
+    if not 0 <= task.first_output_pos < T - 1:
+        raise ValueError(f"{where}: first_output_pos {task.first_output_pos} must be in 0..{T - 2}")
+    if np.shape(task.useful) != (T, F):
+        raise ValueError(f"{where}: useful has shape {list(np.shape(task.useful))}, expected [{T}, {F}] (seq_len, "
+                         "feature_names)")
+    if not np.issubdtype(batch.tokens.dtype, np.integer):
+        raise ValueError(f"{where}: tokens must be integers, got {batch.tokens.dtype}")
+    if n and not 0 <= batch.tokens.min() <= batch.tokens.max() < V:
+        raise ValueError(f"{where}: token ids {batch.tokens.min()}..{batch.tokens.max()} outside its vocabulary "
+                         f"0..{V - 1}")
+    if batch.loss_mask.dtype != bool:
+        raise ValueError(f"{where}: loss_mask must be boolean, got {batch.loss_mask.dtype}")
+    if n and not batch.loss_mask[:, :T - 1].any():
+        raise ValueError(f"{where}: loss_mask counts no prediction (row p counts the prediction of token p + 1, "
+                         f"p < {T - 1})")
+    if batch.legal is not None and batch.legal.shape[2] != V:
+        raise ValueError(f"{where}: legal has {batch.legal.shape[2]} columns for a vocabulary of {V}")
+    if batch.features is not None:
+        if batch.features.shape[2] != F:
+            raise ValueError(f"{where}: features have {batch.features.shape[2]} columns for {F} feature_names")
+        if not np.issubdtype(batch.features.dtype, np.number) or not np.isfinite(batch.features).all():
+            raise ValueError(f"{where}: features must be finite numbers (NaN, inf or {batch.features.dtype} found)")
+    return batch

@@ -54,8 +54,9 @@ def read_arrays(path: Path) -> tuple[dict[str, np.ndarray], list[str] | None]:
             arrays = {c: np.asarray(table[c].to_pylist()).reshape(shapes.get(c, (-1,))) for c in table.column_names}
             names = meta.get(b"feature_names")
             return arrays, None if names is None else json.loads(names)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{path}: cannot read the task file ({str(e).splitlines()[0]})") from None
+    except Exception as e:  # noqa: BLE001 - an empty, truncated or foreign file, whatever its reader raises
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{path}: cannot read the task file ({reason})") from None
     raise ValueError(f"{path}: a task file is .npz, .safetensors or .parquet, not {suffix or 'without a suffix'}")
 
 
@@ -114,6 +115,9 @@ def _checked(path: Path, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]
         raise ValueError(f"{path}: field 'tokens' must be non-negative integers [N, T], got {tokens.dtype} "
                          f"{list(tokens.shape)}")
     n, T = tokens.shape
+    if n == 0 or T < 2:
+        raise ValueError(f"{path}: field 'tokens' holds {n} sequences of {T} positions; a task needs at least one "
+                         "sequence of two")
     F = arrays["features"].shape[-1] if arrays["features"].ndim == 3 else -1
     want = {"loss_mask": (n, T), "features": (n, T, F), "useful": (T, F), "feature_types": (n, T, F)}
     out = {"tokens": tokens.astype(np.int64)}
@@ -127,6 +131,13 @@ def _checked(path: Path, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]
         if arrays["legal"].ndim != 3 or arrays["legal"].shape[:2] != (n, T):
             raise ValueError(f"{path}: field 'legal' has shape {list(arrays['legal'].shape)}, expected [{n}, {T}, V]")
         out["legal"] = arrays["legal"].astype(bool)
+    mask = out["loss_mask"]
+    if not (mask.dtype == bool or np.issubdtype(mask.dtype, np.integer) and np.isin(mask, (0, 1)).all()):
+        raise ValueError(f"{path}: field 'loss_mask' must be boolean (or 0/1), got {mask.dtype}")
+    features = out["features"]
+    if not (np.issubdtype(features.dtype, np.number) or features.dtype == bool) or not np.isfinite(features).all():
+        raise ValueError(f"{path}: field 'features' must be finite numbers, got {features.dtype}"
+                         + (" with NaN or inf" if np.issubdtype(features.dtype, np.number) else ""))
     out["loss_mask"] = out["loss_mask"].astype(bool)
     out["features"] = out["features"].astype(np.float32)
     if "useful" in out:
