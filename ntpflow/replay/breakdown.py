@@ -1,8 +1,9 @@
 """Why a row cancels: one step's component influences split over the parameter tensors, with the optimizer's scale.
 
-``breakdown(run_dir, steps, sites)`` replays a finished run from its newest checkpoint at or before
-``min(steps) − warm`` to the last requested step (the run's own ``train_step``, bit for bit). Along the way it sums
-each site's component moments from the exact decomposition of every step's gradient (``decompose``): Adam's first
+``breakdown(run_dir, steps, sites)`` replays a finished run (the run's own ``train_step``, bit for bit) up to the last
+requested step, jumping to the newest checkpoint at or before ``warm`` steps ahead of each requested window. Within
+``warm`` steps of a requested step it sums each site's component moments from the exact decomposition of every step's
+gradient (``decompose``): Adam's first
 moments m_c ← β1 m_c + (1 − β1) g_c, or the momentum buffers m_c ← μ m_c + g_c. Moments started at a checkpoint
 instead of step 0 are short of their true value by a relative β1^warm at most (0.9^200 ≈ 7e-10, recorded as
 ``truncation``; exact when the replay starts at step 0). At each requested step t it reads, on the exact account's
@@ -99,8 +100,6 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
     cfg = run.cfg
     model = run.load_model("init", dev).train()
     opt = make_optimizer(model, cfg)
-    first = max(0, steps[0] - warm)
-    start = run.ckpts.load_latest(model, opt, dev, upto=first)[0] if first else 0
     train_set, eval_set = run.datasets()
     data = to_torch(train_set, dev)
     order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
@@ -111,12 +110,24 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
     own = cfg.own_rows
-    moments = None  # {site: {component: [n_params]}} and "full"
+    moments = None  # {site: {component: [n_params]}} and "full"; None outside the warm window of a requested step
     rows, summary = [], []
-    log.info(f"{run.name}: breakdown replays steps {start}..{steps[-1]} (moments from step {start})")
-    for step in range(start, steps[-1] + 1):
+    step, start = 0, 0  # the next step to take; the step the moments were started at
+    while step <= steps[-1]:
+        upcoming = next(s for s in steps if s >= step)
+        if moments is None and upcoming - warm > step:  # jump to the newest checkpoint before the window, if any
+            ckpt = max((c for c in run.checkpoints() if step < c <= upcoming - warm), default=None)
+            if ckpt is not None:
+                step = run.ckpts.load_latest(model, opt, dev, upto=ckpt)[0]
         i = order(step).to(dev)
         tokens, mask = data["tokens"][i], data["loss_mask"][i]
+        if upcoming - step > warm:  # before the window: a plain step
+            train_step(model, opt, tokens, mask)
+            step, moments = step + 1, None
+            continue
+        if moments is None:
+            start = step
+            log.info(f"{run.name}: breakdown of step {upcoming}: moments summed from step {start}")
         parts = decompose(model, tokens, sites, mask)
         g_full = next(iter(parts.values())).full
         if moments is None:
@@ -131,12 +142,14 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
         theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
         scale = step_of.scale(lr, g_full)
         train_step(model, opt, tokens, mask)
-        if step not in steps:
+        step += 1
+        if step - 1 not in steps:
             continue
+        step_taken = step - 1
         real = theta - torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # the step as subtracted
         grads, change = _path_gradients(model, theta, real, held, r_star, probes, points)
         sqrt_v = None if own != "adam" else _sqrt_vhat(opt, model)
-        truncation = 0.0 if start == 0 else _decay(opt, cfg) ** (step - start + 1)
+        truncation = 0.0 if start == 0 else _decay(opt, cfg) ** (step_taken - start + 1)
         for p in probes:
             for mismatch in MISMATCHES:
                 gr = grads[p.name, p.site, mismatch]
@@ -147,7 +160,7 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
                 for reading, d in dirs.items():
                     per = {c: (gr * d[c]).split(sizes) for c in (*PARTS[:2], "full")}
                     eps_share = None if sqrt_v is None else (sqrt_v < opt.param_groups[0]["eps"])
-                    entry = {"step": step, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,
+                    entry = {"step": step_taken, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,
                              "mismatch": mismatch, "reading": reading, "change": change[p.name, p.site, mismatch],
                              "truncation": truncation, "components": {}}
                     for c in PARTS:
@@ -155,7 +168,7 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
                                 if c == "shared" else per[c])
                         tensor_rows = []
                         for j, (name, v) in enumerate(zip(names, vals)):
-                            row = {"step": step, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,
+                            row = {"step": step_taken, "layer": p.site.layer, "pos": p.site.pos, "feature": p.name,
                                    "mismatch": mismatch, "reading": reading, "component": c, "tensor": name,
                                    "value": v.sum().item(), "abs": v.abs().sum().item(),
                                    "scale_median": None, "sqrt_vhat_median": None, "eps_share": None}
