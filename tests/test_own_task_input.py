@@ -262,3 +262,30 @@ def test_a_sweep_setting_can_be_a_task_parameter(own):
     assert TrainConfig.from_values({"task": "owntasks:Parity", "n_bits": 3, "steps": 5}).task_args == {"n_bits": 3}
     with pytest.raises(ValueError, match="unknown config key"):
         TrainConfig.from_values({"task": "owntasks:Parity", "n_items": 3})
+
+
+# ---- attribute and qscan -------------------------------------------------------------------------------------
+
+
+def test_attribute_an_unknown_feature_leaves_no_folder(own, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args("owntasks:Parity", run)) == 0
+    for out in (run / "attribution", tmp_path / "att"):
+        refused(capsys, ["attribute", str(run), "--sites", "1:3", "--features", "no_such", "--out", str(out),
+                         "--device", "cpu"], out, "unknown feature(s) ['no_such']")
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: p.write_text(""),
+    lambda p: p.write_text("\n  \n\t\n"),
+    lambda p: p.write_bytes(b"\xff\xfe text \x80"),
+    lambda p: (p.mkdir(), (p / "notes.md").write_text("text")),
+], ids=["empty", "blank", "not-utf8", "folder-without-txt"])
+def test_qscan_a_domain_without_text_leaves_no_folder(tmp_path, capsys, make):
+    make(tmp_path / "news")
+    out = tmp_path / "q"
+    code = main(["qscan", "--model", "tiny", "--train-sae", "--domains", f"news:{tmp_path / 'news'}", "--out", str(out),
+                 "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("ntpflow qscan: error: domain 'news'"), err
+    assert not out.exists()

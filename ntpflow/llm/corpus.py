@@ -166,22 +166,27 @@ def user_documents(domains: dict[str, str], n: int, seed: int) -> list[Document]
     documents separated by blank lines (or by lines holding ``<|endoftext|>``), a folder one document per ``.txt``
     file. FileNotFoundError / ValueError (one line) on a missing path or a domain without text."""
     rng, docs = random.Random(seed), []
+
+    def read(label: str, file: str) -> str:
+        try:
+            with open(file, encoding="utf-8") as fh:
+                return fh.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"domain {label!r}: {file} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
     for label, path in domains.items():
         if os.path.isdir(path):
-            texts = []
-            for name in sorted(os.listdir(path)):
-                if name.endswith(".txt"):
-                    with open(os.path.join(path, name), encoding="utf-8") as fh:
-                        texts.append(fh.read().strip())
+            texts = [read(label, os.path.join(path, name)).strip()
+                     for name in sorted(os.listdir(path)) if name.endswith(".txt")]
         elif os.path.isfile(path):
-            with open(path, encoding="utf-8") as fh:
-                raw = fh.read().replace("\r\n", "\n")
+            raw = read(label, path).replace("\r\n", "\n")
             texts = [t.strip() for chunk in raw.split("<|endoftext|>") for t in re.split(r"\n\s*\n", chunk)]
         else:
             raise FileNotFoundError(f"domain {label!r}: {path} does not exist")
         texts = [t for t in texts if t]
         if not texts:
-            raise ValueError(f"domain {label!r}: {path} holds no text")
+            what = "no .txt file with text" if os.path.isdir(path) else "no text"
+            raise ValueError(f"domain {label!r}: {path} holds {what}")
         picks = sorted(rng.sample(range(len(texts)), min(n, len(texts))))
         docs += [Document(texts[i], label) for i in picks]
     return docs

@@ -21,6 +21,7 @@ from typing import Any
 
 from ntpflow.files import ensure_writable_dir, resolve_device
 from ntpflow.llm.adapters import MODELS, load_model
+from ntpflow.llm.corpus import user_documents
 from ntpflow.llm.qscan import MODES, QScanConfig
 from ntpflow.llm.sae import load_sae
 from ntpflow.llm.stages import LLMDir, fit_sae, make_contexts, save_sae_stage, save_scan, scan
@@ -156,7 +157,9 @@ def _check(args: argparse.Namespace) -> None:
     if bool(getattr(args, "sae_release", None)) != bool(getattr(args, "sae_id", None)):
         raise ValueError("--sae-release and --sae-id go together")
     if getattr(args, "domains", None) is not None or getattr(args, "formal", None):
-        _domains(args)
+        domains, _ = _domains(args)
+        if domains:  # every domain readable (UTF-8) and holding text, before --out is made
+            user_documents(domains, 1, args.seed)
     d = LLMDir(args.out)
     if args.step == "scan" and not (d.has_contexts() and d.sae_dir.is_dir()):
         raise FileNotFoundError(f"{args.out} holds no corpus and SAE; run `ntpflow qscan train --out {args.out}` "

@@ -54,6 +54,15 @@ log = logging.getLogger(__name__)
 KEY = ("layer", "pos", "feature", "feature_type", "mismatch", "component", "optimizer")
 
 
+def check_features(run: Run, features: Sequence[str] | None) -> None:
+    """ValueError (one line) for a name in ``features`` that is not one of the run's task features; called before an
+    output folder is made."""
+    known = list(run.task.feature_names)
+    unknown = [n for n in (feature_name(f) for f in features or ()) if n not in known]
+    if unknown:
+        raise ValueError(f"unknown feature(s) {unknown}; the task has {known}")
+
+
 def make_probes(run: Run, sites: Sequence[Site], features: Sequence[str] | None, device="auto") -> list[Probe]:
     """Probe directions of the run's final ridge probes (fitted first if absent) at ``sites`` × ``features``."""
     probes = load_or_probe(run, "final", device)
@@ -106,6 +115,8 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     sites = run_sites(run, sites) if sites or not directions else []
     mc = run.model_config()
     extra = direction_probes(directions or {}, mc.n_layer, run.task.seq_len, mc.d_model, run.task.feature_names)
+    if sites:
+        check_features(run, features)  # before the output folder is made
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
         return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, reading == "midpoint",
@@ -160,6 +171,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
         raise ValueError("give one output folder per run dir")
     readout = readout_size(reading, readout, min(run.cfg.n_eval for run in runs))
     sites = run_sites(runs[0], sites)
+    check_features(runs[0], features)  # before the output folders are made
     outs = [ensure_writable_dir(run.attribution(o).dir) for o, run in zip(outs, runs)]
     if len({o.resolve() for o in outs}) < len(outs):
         raise ValueError("the members need distinct output folders")

@@ -34,7 +34,14 @@ from ntpflow.files import DirLock, ensure_writable_dir, read_json, resolve_devic
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
 from ntpflow.progress import progress_of
-from ntpflow.replay.attribution import check_replay, make_probes, resume_points, run_sites, save_resume_point
+from ntpflow.replay.attribution import (
+    check_features,
+    check_replay,
+    make_probes,
+    resume_points,
+    run_sites,
+    save_resume_point,
+)
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import replay_stepper
 from ntpflow.runs.run import AttributionDir, Run
@@ -103,6 +110,7 @@ def audit_balance(run_dir: str | Path, sites: Sequence[Site], features: Sequence
     cfg = run.cfg
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, sites)
+    check_features(run, features)  # before probes are fitted
     probes = [Probe(p.site, p.name, p.w.to(dev)) for p in make_probes(run, sites, features, device)]
     out = ensure_writable_dir(run.balance_dir(out_dir))
     folder = AttributionDir(out)
