@@ -138,9 +138,9 @@ class InFolder:
         return self if obj is None else Path(obj.dir) / self.name
 
 
-def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
+def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> str:
     """Save tensors to ``path`` (safetensors) atomically (fsync, then rename), and ``meta`` plus the file's SHA-256
-    (``"sha256"``) to its ``.json`` sidecar if given.
+    (``"sha256"``) to its ``.json`` sidecar if given; returns that SHA-256 (hex).
 
     The sidecar is written last, so a checkpoint counts as complete only when its sidecar exists; its checksum is
     verified by :func:`load_tensors`.
@@ -148,14 +148,18 @@ def save_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict 
     path = Path(path)
     data = save_safetensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
     atomic_write(path, data)
+    digest = hashlib.sha256(data).hexdigest()
     if meta is not None:
         fault_point("save_tensors:before_sidecar")
-        write_json(sidecar(path), {**meta, "sha256": hashlib.sha256(data).hexdigest()})
+        write_json(sidecar(path), {**meta, "sha256": digest})
+    return digest
 
 
-def load_tensors(path: str | Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-    """Load a safetensors file, checked against the SHA-256 its sidecar records (if any). A missing file raises
-    FileNotFoundError; a truncated, unreadable or altered one :class:`CorruptFileError` (one line each)."""
+def load_tensors(path: str | Path, device: str | torch.device = "cpu", sha256: str | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Load a safetensors file, checked against ``sha256`` if given, else the SHA-256 its sidecar records (if any).
+    A missing file raises FileNotFoundError; a truncated, unreadable or altered one :class:`CorruptFileError` (one
+    line each)."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -164,13 +168,16 @@ def load_tensors(path: str | Path, device: str | torch.device = "cpu") -> dict[s
     except OSError as e:
         raise CorruptFileError(f"cannot read checkpoint {path}: {e.strerror or e}") from None
     side = sidecar(path)
-    try:
-        meta = read_json(side) if side.exists() else {}
-    except ValueError as e:
-        raise CorruptFileError(str(e)) from None
-    want = meta.get("sha256") if isinstance(meta, dict) else None
+    want = sha256
+    if want is None:
+        try:
+            meta = read_json(side) if side.exists() else {}
+        except ValueError as e:
+            raise CorruptFileError(str(e)) from None
+        want = meta.get("sha256") if isinstance(meta, dict) else None
     if want is not None and hashlib.sha256(data).hexdigest() != want:
-        raise CorruptFileError(f"corrupted checkpoint {path}: its contents do not match the checksum in {side}")
+        where = f"the checksum in {side}" if sha256 is None else "the checksum recorded for it"
+        raise CorruptFileError(f"corrupted checkpoint {path}: its contents do not match {where}")
     try:
         tensors = load_safetensors(data)
     except Exception as e:  # safetensors raises its own error types

@@ -519,7 +519,7 @@ def test_replay_detects_divergence(finished_run, tmp_path):
     run = tmp_path / "tampered"
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution"))
     tensors = load_tensors(run / "model.safetensors")
-    tensors["model.wte"] = tensors["model.wte"] + 1e-6
+    tensors["wte"] = tensors["wte"] + 1e-6
     save_tensors(run / "model.safetensors", tensors, json.loads((run / "model.json").read_text()))  # new checksum
     with pytest.raises(RuntimeError, match="diverged"):
         attribute(run, [Site(1, 3)], ["is_majority_<0>"], out_dir=tmp_path / "y", progress=False)

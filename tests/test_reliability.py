@@ -21,7 +21,7 @@ import torch
 from ntpflow import Site, TrainConfig, train
 from ntpflow.cli import main
 from ntpflow.files import CorruptFileError, DirLock, SimulatedKill, load_tensors, save_tensors, write_json
-from ntpflow.runs.run import Run
+from ntpflow.runs.run import Run, read_state
 from ntpflow.runs.training import TrainingDiverged
 
 TINY = TrainConfig(n_layer=1, d_model=16, n_head=2, steps=12, batch_size=32, n_train=256, n_eval=64, eval_every=6,
@@ -72,28 +72,31 @@ def test_tensor_files_are_fsynced_before_the_rename(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "w.json").read_text())["step"] == 1
 
 
-@pytest.mark.parametrize("damage", ["rot", "missing"])
+@pytest.mark.parametrize("damage", ["rot", "missing", "optimizer rot", "optimizer missing"])
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(ref_run, tmp_path, caplog, damage):
-    """A kill after the step-9 checkpoint, whose values then rot (valid header) or whose tensors vanish: the rerun
-    warns, resumes from step 6 and ends bit-identical to the uninterrupted run."""
+    """A kill after the step-9 checkpoint, whose values (of the weights or of the optimizer file) then rot (valid
+    header) or whose tensors vanish: the rerun warns, resumes from step 6 and ends bit-identical to the uninterrupted
+    run."""
     import shutil
 
     run_dir = tmp_path / "run"
     shutil.copytree(ref_run.dir, run_dir)
     for name in ("DONE", "model.safetensors", "model.json"):
         (run_dir / name).unlink()
-    ckpt = run_dir / "ckpt" / "step_000009.safetensors"
-    if damage == "rot":
+    ckpt = run_dir / "ckpt" / ("step_000009.optimizer.safetensors" if "optimizer" in damage
+                               else "step_000009.safetensors")
+    if damage.endswith("rot"):
         data = bytearray(ckpt.read_bytes())
         data[-8:] = b"\x00\x00\xc0\x7f" * 2  # two float32 values overwritten (NaN): the header stays valid
         ckpt.write_bytes(bytes(data))
         with pytest.raises(CorruptFileError, match="checksum"):
-            load_tensors(ckpt)
+            read_state(run_dir / "ckpt" / "step_000009.safetensors", "cpu")
     else:
         ckpt.unlink()
     with caplog.at_level("WARNING", logger="ntpflow.runs.training"):
         train(TINY, run_dir, progress=False)
-    assert "step_000009.safetensors" in caplog.text and "falling back" in caplog.text
+    assert ("optimizer.safetensors" if "optimizer" in damage else ckpt.name) in caplog.text
+    assert "falling back" in caplog.text
     assert same_tensors(weights(run_dir), weights(ref_run.dir))
     assert Run.open(run_dir).metrics() == ref_run.metrics()
 
@@ -133,7 +136,7 @@ def test_attribution_resume_point_is_atomic(ref_run, tmp_path, monkeypatch):
     states = out / "state"
 
     def torn() -> list[str]:  # tensors without their sidecar: a write cut short
-        return [p.name for p in states.glob("step_*.safetensors") if not p.with_suffix(".json").exists()]
+        return [p.name for p in states.glob("step_??????.safetensors") if not p.with_suffix(".json").exists()]
 
     assert resume_points(out).steps() == [3]  # the torn write never became a resume point
     assert torn() == ["step_000006.safetensors"]

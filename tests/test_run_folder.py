@@ -15,8 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "ntpflow"
 OWNER = PACKAGE / "runs" / "run.py"
 # every name inside a run folder (and inside the replay folders it holds)
 NAMES = {"DONE", "config.json", "env.json", "metrics.jsonl", "threads.json", "group.json", "init.safetensors",
-         "init.json", "model.safetensors", "model.json", "ckpt", "probes", "probes_init", "attribution", "balance",
-         "influence.parquet", "spec.json", "parts", "state", "sweep.json", "FAILED"}
+         "init.json", "model.safetensors", "model.json", "optimizer.safetensors", "ckpt", "probes", "probes_init",
+         "attribution", "balance", "influence.parquet", "spec.json", "parts", "state", "sweep.json", "FAILED"}
 PREFIXES = ("probes_", "step_", "part_", "attribution", "classifier_")
 
 

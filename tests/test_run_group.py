@@ -20,7 +20,7 @@ from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.runs.config import REGIMES, TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets
 from ntpflow.runs.group import GroupData, group_step, stack_runs, train_group
-from ntpflow.runs.run import Checkpoints, Run, model_config, task_for
+from ntpflow.runs.run import Checkpoints, Run, model_config, model_tensors, task_for
 from ntpflow.runs.training import TrainingDiverged, make_optimizer, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def configs(regime="vanilla", seeds=(0, 1), **kw):
 
 
 def weights(run: Run, which="final") -> dict[str, torch.Tensor]:
-    return {k: v for k, v in load_tensors(run.weights_path(which)).items() if k.startswith("model.")}
+    return model_tensors(load_tensors(run.weights_path(which)))
 
 
 def same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

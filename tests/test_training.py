@@ -31,6 +31,12 @@ def snapshot(d: Path) -> dict:
     return {str(p.relative_to(d)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(d.rglob("*")) if p.is_file()}
 
 
+def assert_same_final_state(d: Path, ref: Path):
+    """The final weights and optimizer state of run folders ``d`` and ``ref`` are bit-identical."""
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert_same_tensors(load_file(d / name), load_file(ref / name))
+
+
 def assert_same_tensors(a: dict, b: dict):
     assert a.keys() == b.keys()
     for k, x in a.items():
@@ -50,15 +56,17 @@ def test_same_seed_bit_identical_and_other_seed_differs(tmp_path, tiny_run):
     again = train(TINY, tmp_path / "again", progress=False)
     a = load_file(tiny_run.dir / "model.safetensors")
     b = load_file(again.dir / "model.safetensors")
-    assert any(k.startswith("adam.") for k in a)  # the final file also holds the optimiser state
+    assert not any(k.startswith(("adam.", "model.")) for k in a)  # the weights alone, by parameter name
+    assert any(k.startswith("adam.") for k in load_file(tiny_run.dir / "optimizer.safetensors"))
     assert_same_tensors(a, b)
+    assert_same_tensors(load_file(tiny_run.dir / "optimizer.safetensors"), load_file(again.dir / "optimizer.safetensors"))
     assert tiny_run.metrics() == again.metrics()
 
     other = train(replace(TINY, seed=1), tmp_path / "seed1", progress=False)
     c = load_file(other.dir / "model.safetensors")
     assert a.keys() == c.keys()
-    assert not all(torch.equal(a[k], c[k]) for k in a if k.startswith("model."))
-    assert not torch.equal(a["model.wte"], c["model.wte"])
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    assert not torch.equal(a["wte"], c["wte"])
 
 
 @pytest.mark.parametrize("split_at", [0, 7], ids=["untied", "split"])
@@ -104,7 +112,7 @@ def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
     assert done.returncode == 0, done.stderr
     assert (killed_dir / "DONE").exists()
 
-    assert_same_tensors(load_file(killed_dir / "model.safetensors"), load_file(ref_dir / "model.safetensors"))
+    assert_same_final_state(killed_dir, ref_dir)
     assert_same_tensors(load_file(killed_dir / "init.safetensors"), load_file(ref_dir / "init.safetensors"))
 
     resumed, uninterrupted = Run.open(killed_dir).metrics(), Run.open(ref_dir).metrics()
@@ -136,7 +144,7 @@ def test_resume_truncates_metrics_written_after_last_checkpoint(tmp_path, tiny_r
     train(ckpt3_run.cfg, d, progress=False)
     assert (d / "metrics.jsonl").read_text() == full_metrics
     assert Run.open(d).metrics() == tiny_run.metrics()
-    assert_same_tensors(load_file(d / "model.safetensors"), load_file(tiny_run.dir / "model.safetensors"))
+    assert_same_final_state(d, tiny_run.dir)
 
 
 def test_incomplete_checkpoint_without_sidecar_is_ignored(tmp_path, tiny_run):
@@ -147,7 +155,7 @@ def test_incomplete_checkpoint_without_sidecar_is_ignored(tmp_path, tiny_run):
     (d / "ckpt" / "step_000008.safetensors").write_bytes(b"garbage")  # killed before its sidecar was written
     assert Run.open(d).checkpoints() == [4]
     train(TINY, d, progress=False)
-    assert_same_tensors(load_file(d / "model.safetensors"), load_file(tiny_run.dir / "model.safetensors"))
+    assert_same_final_state(d, tiny_run.dir)
 
 
 def test_finished_run_is_not_touched_again(tmp_path, tiny_run):
@@ -188,7 +196,7 @@ def test_more_steps_extend_a_run_to_the_bits_of_a_longer_run(tmp_path, tiny_run,
     run = train(longer, d, progress=False)
     assert run.done and run.cfg == longer and Run.open(d).cfg == longer
     # exact: the same ops in one process (no schedule, so steps 12..20 continue the 12-step run)
-    assert_same_tensors(load_file(d / "model.safetensors"), load_file(straight.dir / "model.safetensors"))
+    assert_same_final_state(d, straight.dir)
     assert run.metrics() == straight.metrics()
     assert (d / "probes_12").is_dir() and not (d / "probes").exists()
     assert (d / "ckpt" / "step_000012.json").exists()
@@ -214,9 +222,7 @@ def test_missing_or_corrupted_checkpoint_one_line_errors(tmp_path, tiny_run):
     shutil.copytree(tiny_run.dir, d)
     run = Run.open(d)
     assert run.checkpoints() == [4, 8]
-    assert_same_tensors(run.load_model(4).state_dict(),
-                        {k.removeprefix("model."): v for k, v in load_file(d / "ckpt/step_000004.safetensors").items()
-                         if k.startswith("model.")})
+    assert_same_tensors(run.load_model(4).state_dict(), load_file(d / "ckpt/step_000004.safetensors"))
 
     with pytest.raises(FileNotFoundError) as e:
         run.load_model(5)
@@ -274,17 +280,17 @@ def test_run_dir_contents(tiny_run):
     init, final = load_file(d / "init.safetensors"), load_file(d / "model.safetensors")
     fresh = GPT(model_config(cfg, task), seed=cfg.seed).state_dict()
     assert_same_tensors(init, {f"model.{k}": v for k, v in fresh.items()})
-    assert {k for k in final if k.startswith("model.")} == init.keys()
-    changed = [k for k in init if not torch.equal(init[k], final[k])]
+    assert {f"model.{k}" for k in final} == init.keys()  # init.safetensors: as older versions name them
+    changed = [k for k in init if not torch.equal(init[k], final[k.removeprefix("model.")])]
     assert "model.wte" in changed and len(changed) == len(init)  # every parameter gets gradient and moves
     assert_same_tensors(tiny_run.load_model("init").state_dict(), fresh)
-    assert_same_tensors(tiny_run.load_model("final").state_dict(),
-                        {k.removeprefix("model."): v for k, v in final.items() if k.startswith("model.")})
+    assert_same_tensors(tiny_run.load_model("final").state_dict(), final)
 
     assert json.loads((d / "init.json").read_text())["step"] == 0
     sha = hashlib.sha256((d / "model.safetensors").read_bytes()).hexdigest()  # verified on every load
+    opt_sha = hashlib.sha256((d / "optimizer.safetensors").read_bytes()).hexdigest()
     assert json.loads((d / "model.json").read_text()) == {"step": 12, "adam_step": 12, "config_hash": cfg.hash(),
-                                                          "sha256": sha}
+                                                          "sha256": sha, "optimizer_sha256": opt_sha}
     assert json.loads((d / "ckpt/step_000008.json").read_text())["adam_step"] == 8
     assert tiny_run.checkpoints() == [4, 8]  # none at the last step: the final weights are model.safetensors
 
@@ -464,8 +470,8 @@ def test_untied_training_run(tmp_path):
     model = run.load_model()
     assert model.cfg.n_groups == 2 and model.cfg.myopic == "kv"
     final = load_file(run.dir / "model.safetensors")
-    assert final["model.wte"].shape[0] == 2
-    assert not torch.equal(final["model.wte"][0], final["model.wte"][1])  # the groups were trained apart
+    assert final["wte"].shape[0] == 2
+    assert not torch.equal(final["wte"][0], final["wte"][1])  # the groups were trained apart
 
 
 # ---------------------------------------------------------------- overrides

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ntpflow.model.config import MYOPIC_MODES, GPTConfig, Groups, Myopic
-from ntpflow.model.hf import gpt_from_hf, gpt_to_hf, gpt_to_hooked_transformer, load_hf_gpt2
+from ntpflow.model.hf import gpt_from_hf, gpt_from_pretrained, gpt_to_hf, gpt_to_hooked_transformer
 from ntpflow.model.hooks import HookPoint, name_hook_points, run_with_cache
 from ntpflow.model.sites import Site
 
@@ -314,10 +314,13 @@ class GPT(nn.Module):
         return gpt_from_hf(cls, hf_model, **overrides)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str, **overrides) -> "GPT":
-        """A GPT with the weights of a GPT-2 family model: a local folder written by :meth:`save_pretrained` or by
-        ``transformers``, or a hub name such as ``gpt2`` where the hub is reachable. ``overrides`` go to GPTConfig."""
-        return gpt_from_hf(cls, load_hf_gpt2(name_or_path), **overrides)
+    def from_pretrained(cls, name_or_path, **overrides) -> "GPT":
+        """A GPT with the weights of: an ntpflow run folder (its final weights, its own config: myopic, position
+        groups), a GPT-2 folder written by :meth:`save_pretrained`, ``Run.export`` or ``transformers``, or a hub name
+        such as ``gpt2`` where the hub is reachable. ``overrides`` go to GPTConfig. Anything else (a missing folder,
+        an unfinished run, a TransformerLens folder, a file whose tensors do not fit: names, shapes, dtype) is a
+        one-line ValueError saying what is wrong or what to call instead."""
+        return gpt_from_pretrained(cls, name_or_path, **overrides)
 
     def save_pretrained(self, path) -> None:
         """Write the weights (``model.safetensors``) and ``config.json`` in the layout of ``transformers``'s

@@ -4,9 +4,13 @@ from it to a TransformerLens ``HookedTransformer``.
 HF's Conv1D stores weights as [d_in, d_out]; ntpflow stores [group, d_out, d_in].
 """
 
+from pathlib import Path
+
 import torch
 
+from ntpflow.files import load_tensors, read_json
 from ntpflow.model.config import GPTConfig
+from ntpflow.model.weights import check_tensors
 
 _BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 _BLOCK_NORMS = {"ln1": "ln_1", "ln2": "ln_2"}
@@ -53,29 +57,98 @@ def gpt_to_hf(model):
 
 def gpt_from_hf(cls, hf_model, **overrides):
     """A ``cls`` (GPT) with the weights of the GPT-2 ``hf_model``; ``overrides`` go to GPTConfig."""
-    c = hf_model.config
-    if getattr(c, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"unsupported activation {c.activation_function!r}; ntpflow uses GELU (tanh)")
-    cfg = GPTConfig(vocab_size=c.vocab_size, n_ctx=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
-                    d_model=c.n_embd, layer_norm_eps=c.layer_norm_epsilon, **overrides)
+    return gpt_from_hf_state(cls, hf_model.config.to_dict(), hf_model.state_dict(), "the GPT-2 model", **overrides)
+
+
+_SKIPPED = (".attn.bias", ".attn.masked_bias")  # the causal-mask buffers of older transformers versions
+
+
+def gpt_from_hf_state(cls, config: dict, state: dict[str, torch.Tensor], where: str, **overrides):
+    """A ``cls`` (GPT) from a GPT-2 ``config`` (``config.json`` as a dict) and its tensors ``state`` (names of
+    ``GPT2LMHeadModel`` or, without ``transformer.``, of ``GPT2Model``), in their dtype; ``overrides`` go to
+    GPTConfig. Every tensor is checked (names, shapes, dtype): a one-line ValueError naming the first bad one."""
+    if config.get("model_type", "gpt2") != "gpt2":
+        raise ValueError(f"{where}: a {config['model_type']!r} model, not GPT-2")
+    missing = [k for k in ("vocab_size", "n_positions", "n_layer", "n_head", "n_embd") if k not in config]
+    if missing:
+        raise ValueError(f"{where}: its config has no {missing[0]}; not a GPT-2 config")
+    if config.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"unsupported activation {config['activation_function']!r}; ntpflow uses GELU (tanh)")
+    cfg = GPTConfig(vocab_size=config["vocab_size"], n_ctx=config["n_positions"], n_layer=config["n_layer"],
+                    n_head=config["n_head"], d_model=config["n_embd"],
+                    layer_norm_eps=config.get("layer_norm_epsilon", 1e-5), **overrides)
     model = cls(cfg)
-    theirs = hf_model.state_dict()
+    params = dict(model.named_parameters())
+    shapes = {theirs: tuple(params[name].shape[1:][::-1] if conv else params[name].shape[1:])
+              for name, theirs, conv in _name_pairs(cfg.n_layer)}
+    state = {(f"transformer.{k}" if f"transformer.{k}" in shapes else k): v
+             for k, v in state.items() if not k.endswith(_SKIPPED)}
+    head = state.pop("lm_head.weight", None)
+    check_tensors(shapes, state, where)
+    if head is not None and not torch.equal(head, state["transformer.wte.weight"]):
+        raise ValueError(f"{where}: lm_head.weight differs from the token embedding; ntpflow's GPT ties them")
     with torch.no_grad():
-        params = dict(model.named_parameters())
         for name, hf_name, conv in _name_pairs(cfg.n_layer):
-            w = theirs[hf_name]
+            w = state[hf_name]
             params[name].copy_((w.T if conv else w).expand_as(params[name]))
-    return model.to(dtype=next(hf_model.parameters()).dtype)
+    return model.to(dtype=state["transformer.wte.weight"].dtype)
+
+
+HF_CONFIG, HF_WEIGHTS, TL_CONFIG = "config.json", "model.safetensors", "tl_config.json"  # a folder's files
+
+
+def gpt_from_pretrained(cls, name_or_path: str | Path, **overrides):
+    """``GPT.from_pretrained``: a ``cls`` from an ntpflow run folder (its final weights), a GPT-2 folder written by
+    ``save_pretrained`` (its tensors checked one by one), or a hub name; a one-line ValueError otherwise, saying
+    what to call instead."""
+    from ntpflow.runs.run import Run, is_run_dir
+
+    path = Path(name_or_path)
+    if is_run_dir(path):
+        run = Run.open(path)
+        if not run.weights_path("final").exists():
+            steps = run.checkpoints()
+            raise ValueError(f"{path} is a run folder without final weights (its training has not finished): train "
+                             "it to the end, or load a checkpoint with "
+                             f"Run.open({str(path)!r}).load_model(STEP)" + (f", STEP one of {steps}" if steps else ""))
+        return run.load_model("final", **overrides)
+    if path.is_dir():
+        if (path / TL_CONFIG).exists():
+            raise ValueError(f"{path} holds a TransformerLens model ({TL_CONFIG}): load it with "
+                             f"ntpflow.llm.adapters.load_local({str(path)!r}); GPT.from_pretrained reads GPT-2 folders "
+                             "and run folders")
+        if not (path / HF_CONFIG).exists():
+            raise ValueError(f"{path} holds no model: expected a run folder or a GPT-2 folder ({HF_CONFIG}, as "
+                             "GPT.save_pretrained or Run.export write it)")
+        if (path / HF_WEIGHTS).exists():
+            config = read_json(path / HF_CONFIG)
+            if not isinstance(config, dict):
+                raise ValueError(f"{path / HF_CONFIG} is not a model config")
+            return gpt_from_hf_state(cls, config, load_tensors(path / HF_WEIGHTS), str(path / HF_WEIGHTS), **overrides)
+    elif path.exists():
+        raise ValueError(f"{path} is a file; GPT.from_pretrained takes a folder (a run or a GPT-2 model) or a hub name")
+    elif str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
+        raise ValueError(f"cannot load a GPT-2 model from {str(name_or_path)!r}: no such folder")
+    return gpt_from_hf(cls, load_hf_gpt2(str(name_or_path)), **overrides)
 
 
 def load_hf_gpt2(name_or_path: str):
-    """``GPT2LMHeadModel.from_pretrained(name_or_path)`` in eval mode; ValueError (one line) if it cannot be read."""
+    """``GPT2LMHeadModel.from_pretrained(name_or_path)`` in eval mode; ValueError (one line) if it cannot be read or
+    leaves a tensor at its random initial value (one missing from the files)."""
     from transformers import GPT2LMHeadModel
 
     try:
-        return GPT2LMHeadModel.from_pretrained(name_or_path).eval()
-    except (OSError, ValueError) as e:
-        raise ValueError(f"cannot load a GPT-2 model from {name_or_path!r}: {str(e).splitlines()[0]}") from None
+        model, info = GPT2LMHeadModel.from_pretrained(name_or_path, output_loading_info=True)
+    except Exception as e:  # transformers, huggingface_hub and safetensors raise their own types
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        why = lines[0] if Path(name_or_path).exists() else f"no such folder, nor a hub model ({lines[0]})"
+        raise ValueError(f"cannot load a GPT-2 model from {name_or_path!r}: {why}") from None
+    missing = [k for k in info.get("missing_keys", ()) if k != "lm_head.weight" and not k.endswith(_SKIPPED)]
+    bad = missing or list(info.get("mismatched_keys", ()))
+    if bad:
+        raise ValueError(f"cannot load a GPT-2 model from {name_or_path!r}: tensor {bad[0]!r} is missing or "
+                         "mismatched in its files")
+    return model.eval()
 
 
 def gpt_to_hooked_transformer(model):

@@ -3,7 +3,10 @@
 Run directory::
 
     config.json   env.json   metrics.jsonl   threads.json   init.safetensors(+.json)   model.safetensors(+.json)   DONE
-    ckpt/step_000500.safetensors + step_000500.json    (model and Adam state; the sidecar is written last)
+    optimizer.safetensors                             (the final Adam moments or SGD momentum: model.safetensors
+                                                       holds the weights alone, named as GPT.state_dict names them)
+    ckpt/step_000500.safetensors + step_000500.optimizer.safetensors + step_000500.json
+                                                      (weights, optimizer state; the sidecar is written last)
     group.json         (a member of a run group: ntpflow.runs.group)
     probes/  probes_init/  probes_<step>/               (ridge probes of the final, initial or a checkpoint's weights)
     attribution/       (the replay's output: :class:`AttributionDir`)     balance/   (the balance audit's output)
@@ -13,7 +16,7 @@ import json
 import logging
 import shutil
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import torch
 from ntpflow.files import CorruptFileError, InFolder, load_tensors, read_json, resolve_device, save_tensors, sidecar
 from ntpflow.model.config import GPTConfig, split_groups
 from ntpflow.model.gpt import GPT
+from ntpflow.model.weights import check_tensors, shapes_of
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import make_datasets
 from ntpflow.tasks import Batch, Task, make_task, task_class
@@ -107,6 +111,15 @@ def run_name(run_dir: str | Path) -> str:
     return f"{run_dir.parent.name}/{run_dir.name}" if run_dir.name == "run" else run_dir.name
 
 
+def is_run_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a run folder: its ``config.json`` holds training settings (``train``)."""
+    config = RunPaths(path).config_path
+    try:
+        return config.is_file() and isinstance(read_json(config).get("train"), dict)
+    except (ValueError, AttributeError):
+        return False
+
+
 def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
     """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
     T = task.seq_len
@@ -123,32 +136,70 @@ def task_for(cfg: TrainConfig) -> Task:
     return make_task(cfg.task, **{f: getattr(cfg, f) for f in task_class(cfg.task).config_fields})
 
 
+def optimizer_path(path: Path) -> Path:
+    """The file beside a weights file ``path`` that holds the optimizer state (and any extra tensors) saved with it:
+    ``model.safetensors`` -> ``optimizer.safetensors``, ``step_000500.safetensors`` ->
+    ``step_000500.optimizer.safetensors``."""
+    path = Path(path)
+    return path.with_name("optimizer.safetensors" if path.name == "model.safetensors"
+                          else f"{path.stem}.optimizer.safetensors")
+
+
+def model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's tensors of a weights file, by parameter name: a file of this version holds them alone, one of
+    older versions (model, optimizer and extras in one file) as ``model.<name>``."""
+    if any(k.startswith("model.") for k in tensors):
+        return {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+    return tensors
+
+
 def save_state(path: Path, model: GPT, opt: torch.optim.Optimizer, meta: dict,
                extra: dict[str, torch.Tensor] | None = None) -> None:
-    """Save model and optimizer state (and ``extra`` tensors) to ``path`` with a JSON sidecar holding ``meta``: Adam's
-    moments and step (``adam_step``), or SGD's momentum buffers (``momentum``: whether they exist yet)."""
-    tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | (extra or {})
+    """Save the model's weights to ``path`` (alone, by parameter name: a file ``GPT.load_state_dict`` takes) and the
+    optimizer state with the ``extra`` tensors to :func:`optimizer_path` beside it, with a JSON sidecar of ``path``
+    holding ``meta``: Adam's step (``adam_step``), whether SGD's momentum buffers exist yet (``momentum``) and the
+    SHA-256 of the optimizer file (``optimizer_sha256``). The optimizer file is written first, the sidecar last."""
+    rest = dict(extra or {})
     adam_step, momentum = 0, False
     for name, p in zip([n for n, _ in model.named_parameters()], opt.param_groups[0]["params"]):
         st = opt.state.get(p)
         if st and "exp_avg" in st:
-            tensors[f"adam.exp_avg.{name}"], tensors[f"adam.exp_avg_sq.{name}"] = st["exp_avg"], st["exp_avg_sq"]
+            rest[f"adam.exp_avg.{name}"], rest[f"adam.exp_avg_sq.{name}"] = st["exp_avg"], st["exp_avg_sq"]
             adam_step = int(st["step"])
         elif st and st.get("momentum_buffer") is not None:
-            tensors[f"sgd.momentum_buffer.{name}"], momentum = st["momentum_buffer"], True
-    save_tensors(path, tensors, {**meta, "adam_step": adam_step, **({"momentum": True} if momentum else {})})
+            rest[f"sgd.momentum_buffer.{name}"], momentum = st["momentum_buffer"], True
+    meta = {**meta, "adam_step": adam_step, **({"momentum": True} if momentum else {})}
+    if rest:
+        meta["optimizer_sha256"] = save_tensors(optimizer_path(path), rest)
+    save_tensors(path, model.state_dict(), meta)
 
 
 def read_state(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
-    """What ``save_state`` wrote, checked against its checksum: (meta, all tensors on ``device``)."""
+    """What ``save_state`` wrote, checked against its checksums: (meta, all tensors on ``device``, the model's as
+    ``model.<name>``, the optimizer's as ``adam.*`` or ``sgd.*``, and the extras). Reads files of older versions too
+    (one file of all)."""
     tensors = load_tensors(path, device)
-    return read_json(sidecar(path)), tensors
+    meta = read_json(sidecar(path))
+    if any(k.startswith("model.") for k in tensors):  # an older version's single file
+        return meta, tensors
+    tensors = {f"model.{k}": v for k, v in tensors.items()}
+    if "optimizer_sha256" in meta:
+        tensors |= load_tensors(_find_optimizer_file(path), device, sha256=meta["optimizer_sha256"])
+    return meta, tensors
+
+
+def _find_optimizer_file(path: Path) -> Path:
+    """The optimizer file of weights ``path``: beside it, or, for final weights that extending a run moved into
+    ``ckpt/`` without their optimizer file, the run folder's ``optimizer.safetensors`` (its checksum decides)."""
+    beside = optimizer_path(path)
+    moved = path.parent.parent / "optimizer.safetensors"
+    return moved if not beside.exists() and path.parent.name == "ckpt" and moved.exists() else beside
 
 
 def apply_state(model: GPT, opt: torch.optim.Adam, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Restore a state read by :func:`read_state` into ``model`` and ``opt`` (``load_latest`` reads every member's
     first, then restores them)."""
-    model.load_state_dict({k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")})
+    model.load_state_dict(model_tensors(tensors))
     if meta.get("momentum"):
         sd = opt.state_dict()
         names = [n for n, _ in model.named_parameters()]
@@ -164,8 +215,8 @@ def apply_state(model: GPT, opt: torch.optim.Adam, meta: dict, tensors: dict[str
 
 
 class Checkpoints:
-    """A folder of checkpoints ``step_NNNNNN.safetensors`` + ``step_NNNNNN.json``: model, Adam state and any extra
-    tensors of one step (:func:`save_state`). The sidecar is written last, so a checkpoint counts once its sidecar
+    """A folder of checkpoints ``step_NNNNNN.safetensors`` + ``step_NNNNNN.optimizer.safetensors`` +
+    ``step_NNNNNN.json``: weights, then optimizer state and any extra tensors of one step (:func:`save_state`). The sidecar is written last, so a checkpoint counts once its sidecar
     exists; a kill between the two leaves tensors without a sidecar, which are never read. A run's ``ckpt/`` and a
     replay's resume points (``state/``) are such folders."""
 
@@ -307,21 +358,20 @@ class Run(RunPaths):
         key = str(which)
         if key in self._weights:
             return self._weights[key]
-        tensors = load_tensors(self.weights_path(which))
-        state = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
+        state = model_tensors(load_tensors(self.weights_path(which)))
         if key == "init" or key == "final" and self.done:
             self._weights[key] = state
         return state
 
-    def load_model(self, which: str = "final", device="cpu") -> GPT:
-        """Load weights ``"final"``, ``"init"`` or a step number (a checkpoint) into a new GPT."""
+    def load_model(self, which: str | int = "final", device="cpu", **overrides) -> GPT:
+        """Load weights ``"final"``, ``"init"`` or a step number (a checkpoint) into a new GPT; ``overrides`` go to
+        its GPTConfig (e.g. ``myopic``). A file whose tensors do not match the model's (names, shapes, dtype) is a
+        one-line ValueError naming the first bad tensor."""
         path = self.weights_path(which)
-        model = GPT(self.model_config())
+        model = GPT(replace(self.model_config(), **overrides))
         state = self.weights(which)
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            raise ValueError(f"checkpoint {path} does not match the run's model: {str(e).splitlines()[0]}") from None
+        check_tensors(shapes_of(model), state, f"checkpoint {path} does not match the run's model")
+        model.load_state_dict(state)
         return model.to(resolve_device(device) if isinstance(device, str) else device)
 
     def export(self, path: str | Path, which: str | int = "final") -> Path:
