@@ -66,8 +66,19 @@ class GroupedLayerNorm(nn.Module):
         return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * take_groups(self.weight, groups) + take_groups(self.bias, groups)
 
     def forward(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
-        """x [batch, pos, d] -> [batch, pos, d], through ``hook_normalized``."""
-        return self.hook_normalized(self.normalize(x, groups))
+        """x [batch, pos, d] -> [batch, pos, d]. ``hook_normalized`` sees (x - mean) / sqrt(var + eps) [batch, pos,
+        d], before the affine weight and bias, as TransformerLens's does. Unless a hook replaces or changes that value,
+        the output is the fused LayerNorm's, bit for bit (caching does not move the logits)."""
+        if not self.hook_normalized.active:
+            return self.normalize(x, groups)
+        n = F.layer_norm(x, x.shape[-1:], None, None, self.eps)
+        version = n._version  # counts in-place changes
+        m = self.hook_normalized(n)
+        if m is n and n._version == version:  # the hooks only read it
+            return self.normalize(x, groups)
+        if groups is None:
+            return m * self.weight.squeeze(0) + self.bias.squeeze(0)
+        return m * take_groups(self.weight, groups) + take_groups(self.bias, groups)
 
 
 class Attention(nn.Module):
@@ -298,11 +309,12 @@ class GPT(nn.Module):
         return self(tokens, return_resid=True, **kwargs)
 
     # ---- conversion to and from transformers.GPT2LMHeadModel ----
-    def run_with_cache(self, tokens: torch.Tensor, names=None, **kwargs):
-        """``(logits, cache)``: the forward on ``tokens`` [batch, pos] with every hook point's activation (or those in
-        ``names``) in an :class:`~ntpflow.model.hooks.ActivationCache`, indexed like TransformerLens's
-        (``cache["resid_pre", 1]``)."""
-        return run_with_cache(self, tokens, names, **kwargs)
+    def run_with_cache(self, tokens: torch.Tensor, names=None, *, names_filter=None, **kwargs):
+        """``(logits, cache)``: the forward on ``tokens`` [batch, pos] with every hook point's activation (or those
+        ``names_filter`` selects: a name, a list of names or a callable ``name -> bool``, as TransformerLens takes it;
+        ``names`` is the same) in an :class:`~ntpflow.model.hooks.ActivationCache`, indexed like TransformerLens's
+        (``cache["resid_pre", 1]``, ``cache["resid_post", -1]``)."""
+        return run_with_cache(self, tokens, names, names_filter=names_filter, **kwargs)
 
     def to_hf(self):
         """Return an equivalent ``transformers.GPT2LMHeadModel`` (single position group only)."""
