@@ -170,7 +170,7 @@ def test_a_task_parameter_is_set_with_set_and_reaches_the_task(own, tmp_path, ca
     assert "vocab_size" not in run.cfg.to_dict() and "board_size" not in run.cfg.to_dict()  # not this task's
     default = TrainConfig(task="owntasks:Parity")
     assert default.task_args == {"n_bits": 6} and default.hash() != run.cfg.hash()
-    assert apply_overrides(default, ["n_bits=5"]).n_bits == 5
+    assert apply_overrides(default, ["n_bits=5"]).task_args == {"n_bits": 5}
     refused(capsys, train_args("owntasks:Parity", tmp_path / "x", "n_items=6"), tmp_path / "x",
             "unknown config key 'n_items'", "the task's own: n_bits")
     refused(capsys, train_args("owntasks:Items", tmp_path / "y"), tmp_path / "y",
@@ -289,3 +289,37 @@ def test_qscan_a_domain_without_text_leaves_no_folder(tmp_path, capsys, make):
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and err.startswith("ntpflow qscan: error: domain 'news'"), err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("kind", ["npy-strings", "npy-truncated", "safetensors-truncated", "sae-truncated"])
+def test_a_bad_direction_or_sae_file_is_one_line(tmp_path, kind):
+    """A .npy of strings, a truncated .npy or .safetensors direction, a truncated SAE weights file: a one-line
+    ValueError naming the file (the CLI's exit 2), not a library's own error type."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from ntpflow.model.sites import Site
+    from ntpflow.replay.directions import read_vector, sae_directions
+
+    if kind == "npy-strings":
+        np.save(tmp_path / "v.npy", np.array(["a", "b"]))
+        call, name = (lambda: read_vector(tmp_path / "v.npy")), "v.npy"
+    elif kind == "npy-truncated":
+        np.save(tmp_path / "v.npy", np.ones(16, dtype=np.float32))
+        (tmp_path / "v.npy").write_bytes((tmp_path / "v.npy").read_bytes()[:100])
+        call, name = (lambda: read_vector(tmp_path / "v.npy")), "v.npy"
+    elif kind == "safetensors-truncated":
+        save_file({"w": torch.ones(16)}, str(tmp_path / "v.safetensors"))
+        (tmp_path / "v.safetensors").write_bytes((tmp_path / "v.safetensors").read_bytes()[:40])
+        call, name = (lambda: read_vector(tmp_path / "v.safetensors", "w")), "v.safetensors"
+    else:
+        sae = tmp_path / "sae"
+        sae.mkdir()
+        (sae / "cfg.json").write_text('{"hook_name": "blocks.0.hook_resid_post"}')
+        save_file({"W_dec": torch.ones(4, 16)}, str(sae / "sae_weights.safetensors"))
+        (sae / "sae_weights.safetensors").write_bytes((sae / "sae_weights.safetensors").read_bytes()[:40])
+        call, name = (lambda: sae_directions(sae, [0], Site(1, 2))), "sae_weights.safetensors"
+    with pytest.raises(ValueError) as e:
+        call()
+    assert name in str(e.value) and "\n" not in str(e.value)

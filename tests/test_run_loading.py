@@ -65,14 +65,18 @@ def test_model_file_holds_the_weights_alone_and_the_optimizer_file_the_adam_stat
     assert (run.dir / "ckpt" / "step_000003.optimizer.safetensors").exists()
 
 
-def test_an_extended_runs_moved_final_state_reads_with_its_optimizer(run, tmp_path):
-    """Extending a run moves model.safetensors and model.json into ckpt/ (ntpflow.runs.training._extend): the
-    optimizer file left in the run folder is found by its checksum."""
+def test_extending_a_run_moves_its_final_optimizer_state_with_its_weights(run, tmp_path):
+    """Extending a run turns its final state into the checkpoint of its last step (ntpflow.runs.training._extend):
+    the weights, their sidecar and the optimizer file move together, and the checkpoint reads whole."""
+    from ntpflow.runs.training import _extend
+
     d = tmp_path / "run"
     shutil.copytree(run.dir, d)
-    (d / "model.safetensors").replace(d / "ckpt" / "step_000006.safetensors")
-    (d / "model.json").replace(d / "ckpt" / "step_000006.json")
-    _, state = read_state(d / "ckpt" / "step_000006.safetensors", "cpu")
+    old = Run.open(d)
+    _extend(old, replace(old.cfg, steps=old.cfg.steps + 4))
+    step = old.cfg.steps
+    assert not (d / "optimizer.safetensors").exists() and not (d / "model.safetensors").exists()
+    _, state = read_state(d / "ckpt" / f"step_{step:06d}.safetensors", "cpu")
     opt = load_file(run.dir / "optimizer.safetensors")
     assert all(torch.equal(state[k], v) for k, v in opt.items())
 

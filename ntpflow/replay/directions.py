@@ -70,17 +70,22 @@ def read_vector(source, key: str | None = None) -> torch.Tensor:
                 raise ValueError(f"{path}: a .npy file holds one array; no KEY after it")
             try:
                 v = torch.from_numpy(np.load(path, allow_pickle=False))
-            except ValueError as e:
+            except (ValueError, TypeError, OSError, EOFError) as e:  # truncated, pickled, strings, ...
                 raise ValueError(f"cannot read {path} as a numeric .npy array ({e})") from None
         elif path.suffix == ".safetensors":
             from safetensors import safe_open
 
             if key is None:
                 raise ValueError(f"{path}: name the vector in it, PATH.safetensors:KEY")
-            with safe_open(str(path), framework="pt") as f:
-                if key not in f.keys():
-                    raise ValueError(f"{path} has no key {key!r} (keys: {', '.join(sorted(f.keys())[:8])})")
-                v = f.get_tensor(key)
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    if key not in f.keys():
+                        raise ValueError(f"{path} has no key {key!r} (keys: {', '.join(sorted(f.keys())[:8])})")
+                    v = f.get_tensor(key)
+            except ValueError:
+                raise
+            except Exception as e:  # safetensors' own error types: a truncated or foreign file
+                raise ValueError(f"cannot read {path} as a .safetensors file ({type(e).__name__}: {e})") from None
         elif path.suffix == ".pt":
             v = _read_pt(path, key)
         else:
@@ -133,10 +138,15 @@ def sae_directions(path: str | Path, latents: Sequence[int], site: Site) -> dict
             layer = None  # not a residual hook: nothing to compare
         if layer is not None and layer != site.layer:
             raise ValueError(f"the SAE in {path} reads {hook} (layer {layer}), not the site's layer {site.layer}")
-    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-        if "W_dec" not in f.keys():
-            raise ValueError(f"{path / WEIGHTS_FILE} has no W_dec")
-        w = f.get_tensor("W_dec")
+    try:
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            if "W_dec" not in f.keys():
+                raise ValueError(f"{path / WEIGHTS_FILE} has no W_dec")
+            w = f.get_tensor("W_dec")
+    except ValueError:
+        raise
+    except Exception as e:  # safetensors' own error types: a truncated or foreign file
+        raise ValueError(f"cannot read {path / WEIGHTS_FILE} as a .safetensors file ({type(e).__name__}: {e})") from None
     if w.dim() != 2:
         raise ValueError(f"{path / WEIGHTS_FILE}: W_dec must be [d_sae, d_in], got {tuple(w.shape)}")
     bad = [i for i in latents if not 0 <= i < w.shape[0]]

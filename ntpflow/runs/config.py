@@ -113,9 +113,15 @@ class TrainConfig:
         elif self.untied and self.task not in TASKS:
             self._resolve_split(cls)
 
+    def task_kwargs(self) -> dict:
+        """The constructor arguments of the task: its ``config_fields``, from ``task_args`` (its own parameters) or the
+        TrainConfig field of that name."""
+        args = self.task_args or {}
+        return {f: args[f] if f in args else getattr(self, f) for f in task_class(self.task).config_fields}
+
     def _resolve_split(self, cls) -> None:
         """A task of one's own, untied: ``split_at`` defaults to its ``first_output_pos`` and must fit its length."""
-        task = make_task(self.task, **{f: getattr(self, f) for f in cls.config_fields})
+        task = make_task(self.task, **self.task_kwargs())
         T = task.seq_len
         if self.split_at is None:
             if task.first_output_pos < 1:
@@ -126,13 +132,6 @@ class TrainConfig:
         if self.split_at != 0 and not 0 < self.split_at < T:
             raise ValueError(f"split_at must be 0 (untie every position) or in 1..{T - 1} (the task has {T} "
                              f"positions), got {self.split_at}")
-
-    def __getattr__(self, name: str):
-        """A task's own parameter (``task_args``), read by name like a field (how the task is built)."""
-        args = self.__dict__.get("task_args") or {}
-        if name in args:
-            return args[name]
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def scheduled(self) -> bool:

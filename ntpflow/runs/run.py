@@ -28,7 +28,7 @@ from ntpflow.model.gpt import GPT
 from ntpflow.model.weights import check_tensors, shapes_of
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import make_datasets
-from ntpflow.tasks import Batch, Task, make_task, task_class
+from ntpflow.tasks import Batch, Task, make_task
 
 log = logging.getLogger(__name__)
 
@@ -131,9 +131,9 @@ def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
 
 
 def task_for(cfg: TrainConfig) -> Task:
-    """The task of a config; a task class lists in ``config_fields`` the TrainConfig fields it is built with."""
-
-    return make_task(cfg.task, **{f: getattr(cfg, f) for f in task_class(cfg.task).config_fields})
+    """The task of a config; a task class lists in ``config_fields`` the TrainConfig fields it is built with, and its
+    own parameters, which the config holds in ``task_args``."""
+    return make_task(cfg.task, **cfg.task_kwargs())
 
 
 def optimizer_path(path: Path) -> Path:
@@ -184,16 +184,10 @@ def read_state(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
         return meta, tensors
     tensors = {f"model.{k}": v for k, v in tensors.items()}
     if "optimizer_sha256" in meta:
-        tensors |= load_tensors(_find_optimizer_file(path), device, sha256=meta["optimizer_sha256"])
+        tensors |= load_tensors(optimizer_path(path), device, sha256=meta["optimizer_sha256"])
     return meta, tensors
 
 
-def _find_optimizer_file(path: Path) -> Path:
-    """The optimizer file of weights ``path``: beside it, or, for final weights that extending a run moved into
-    ``ckpt/`` without their optimizer file, the run folder's ``optimizer.safetensors`` (its checksum decides)."""
-    beside = optimizer_path(path)
-    moved = path.parent.parent / "optimizer.safetensors"
-    return moved if not beside.exists() and path.parent.name == "ckpt" and moved.exists() else beside
 
 
 def apply_state(model: GPT, opt: torch.optim.Adam, meta: dict, tensors: dict[str, torch.Tensor]) -> None:

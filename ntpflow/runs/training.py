@@ -4,7 +4,8 @@
 Run directory::
 
     config.json   env.json   metrics.jsonl   init.safetensors(+.json)   model.safetensors(+.json)   DONE
-    ckpt/step_000500.safetensors + step_000500.json    (model and Adam state; the sidecar is written last)
+    optimizer.safetensors                              (the final optimizer state; model.safetensors: weights only)
+    ckpt/step_000500.safetensors + step_000500.optimizer.safetensors + step_000500.json   (the sidecar last)
 
 The same config gives bit-identical weights; a killed run resumes from its last checkpoint to the same result.
 Training the same config with more ``steps`` into the directory extends the run, to the same bits as a run trained
@@ -38,7 +39,7 @@ from ntpflow.progress import progress_of
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import DataOrder, check_task, make_datasets, to_torch
 from ntpflow.runs.metrics import MetricsLog, check_sinks, make_sinks
-from ntpflow.runs.run import Run, load_latest, save_state
+from ntpflow.runs.run import Run, load_latest, optimizer_path, save_state
 from ntpflow.runs.threads import continue_threads, kept_threads
 from ntpflow.tasks import Task
 
@@ -159,6 +160,8 @@ def _extend(run: Run, cfg: TrainConfig) -> None:
     final = run.weights_path("final")
     if final.exists():  # the tensors first: a checkpoint counts once its sidecar is there
         ckpt = run.weights_path(old_steps)
+        if optimizer_path(final).exists():
+            optimizer_path(final).replace(optimizer_path(ckpt))
         final.replace(ckpt)
         sidecar(final).replace(sidecar(ckpt))
     if run.probes_dir("final").exists():
