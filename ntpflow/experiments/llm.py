@@ -272,7 +272,7 @@ def _stage_qvi(s: _Session, progress: bool) -> None:
         run = train(cfg, out / "toy_run", progress=False)
         load_or_probe(run, "final", "cpu")
         attribute(run.dir, toy_sites(ty["layers"], ty["positions"]), list(ty["features"]),
-                  device="cpu", progress=False, sgd_rows=False)
+                  device="cpu", progress=False, sgd_rows=False, readout=min(256, cfg.n_eval))
         res = q_vs_influence(run.dir, n_sequences=ty["n_sequences"], device="cpu")
     res["train"] = cfg.to_dict()
     res["eval"] = {k: v for k, v in run.final_record().items() if k != "step"}

@@ -282,7 +282,8 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
         with timer.stage("attribution", run.attribution().done or not replays):
             if replays:
                 attribute(run.dir, list(scale.sites), list(scale.squares), device=device, progress=progress,
-                          reading=reading, readout=scale.readout if reading == "exact" else None)
+                          reading=reading,
+                          readout=(scale.readout or min(256, run.cfg.n_eval)) if reading == "exact" else None)
         write_json(layout.data, gather(scale, layout.dir))
         write_report(layout.dir)
     return layout.dir

@@ -62,9 +62,11 @@ def run_threads(device: str, workers: int) -> int:
 
 
 def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
-            threads: int, reading: str = "exact", *, stages: bool = False) -> dict:
+            threads: int, reading: str = "exact", readout: int | None = 256, *, stages: bool = False) -> dict:
     """The job of one run (for :func:`run_jobs`): train it, probe its final and step-0 weights and, with ``sites``,
-    replay it with influence tracking at ``sites`` × ``features`` (``reading``: see ``ntpflow.replay.attribution.attribute``); each
+    replay it with influence tracking at ``sites`` × ``features`` (``reading`` and the exact account's ``readout``,
+    256 as the committed results were replayed, or the run's evaluation set if smaller: see
+    ``ntpflow.replay.attribution.attribute``); each
     stage skips itself when done, and reports its progress as stage lines when ``stages``. Runs on ``threads`` torch
     threads and gives the caller its count back."""
     with on_threads(threads):
@@ -72,8 +74,9 @@ def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features
         load_or_probe(run, "final", device)
         load_or_probe(run, "init", device)
         if sites:
+            readout = min(readout, run.cfg.n_eval) if reading == "exact" and readout else None
             attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=stages,
-                      reading=reading)
+                      reading=reading, readout=readout)
     return {"run_dir": run_dir}
 
 

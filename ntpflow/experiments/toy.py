@@ -59,6 +59,7 @@ class ToyScale:
         return cfg.regime in self.tracked and (self.tracked_seeds is None or cfg.seed in self.tracked_seeds)
 
 
+MOMENTUM_LR = 0.03  # the pilot's choice by its rule, fixed before it ran (docs/results/toy-momentum-pilot/README.md)
 MAX_CURVE_POINTS = 200  # influence curves keep at most about this many steps per run (the last step always)
 
 
@@ -87,6 +88,14 @@ SCALES = {
                        {"n_train": 102_400, "n_eval": 10_240, "eval_every": 200, "ckpt_every": 200},
                        curve_every=10, tracked=("vanilla",), tracked_seeds=(0, 1, 2),
                        task_train={"majority": {"steps": 3000}, "cond_majority": {"steps": 5000}}),
+    # the momentum-SGD control of claim (c) (docs/balance.md#conditioning): medium's model, data, steps and tracked
+    # sites, trained with SGD with momentum 0.9 at the learning rate of the pilot (docs/results/toy-momentum-pilot),
+    # whose split of a step into the components is the step's own; vanilla only, every seed tracked
+    "medium-momentum": ToyScale("medium-momentum", (0, 1, 2, 3, 4), site_grid((1,), (4, 6, 8, 14)),
+                                {"n_train": 102_400, "n_eval": 10_240, "eval_every": 200, "ckpt_every": 200,
+                                 "optimizer": "sgd", "momentum": 0.9, "lr": MOMENTUM_LR},
+                                curve_every=10, tracked=("vanilla",),
+                                task_train={"majority": {"steps": 3000}, "cond_majority": {"steps": 5000}}),
     # CI: a narrow model, 40 steps, two sites; checks the pipeline, not the science
     "smoke": ToyScale("smoke", (0,), site_grid((1,), (5, 12)),
                       {"steps": 40, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 2_560, "n_eval": 512,
@@ -127,8 +136,9 @@ def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: l
     """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped),
     on ``threads`` torch threads (the caller's count is restored); stage lines when ``stages``."""
     with on_threads(threads):
+        n_eval = min(Run.open(d).cfg.n_eval for d in run_dirs)  # the committed results' readout: 256
         attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=stages,
-                        reading=reading)
+                        reading=reading, readout=min(256, n_eval) if reading == "exact" else None)
     return {"run_dirs": run_dirs}
 
 

@@ -93,8 +93,8 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     between saved states. ``force_unlock`` takes over a lock left by a process on another host. ``sgd_rows=False``
     writes the Adam rows only (about 30 % less tracking work at the toy load; what the experiments read).
     ``reading`` says what the influence splits (docs/balance.md): ``"exact"`` (the default) is the exact account:
-    R and R_c read on a fixed readout set, the first ``readout`` evaluation sequences (default
-    ``min(256, n_eval)``), each step's exact change of them measured, and each component's share of it a path
+    R and R_c read on a fixed readout set, the first ``readout`` evaluation sequences (default the run's batch size,
+    at most 256 and n_eval), each step's exact change of them measured, and each component's share of it a path
     integral along the step (adaptive Gauss–Legendre, ``InfluenceTracker.use_readout``); summary.json gives every
     row's residual. ``"paper"`` is the paper's reading: R on each step's batch, ∇R at the step's start θ_t;
     ``"midpoint"`` the same batch, ∇R at the step's midpoint.
@@ -108,7 +108,7 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
-    readout = readout_size(reading, readout, cfg.n_eval)
+    readout = readout_size(reading, readout, cfg.n_eval, cfg.batch_size)
     if matrices and readout is None:
         raise ValueError("--matrices needs the exact account (not --paper or --midpoint)")
     dev = resolve_device(device if device != "auto" else cfg.device)
@@ -124,12 +124,15 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
 
 
 READINGS = ("exact", "paper", "midpoint")
-DEFAULT_READOUT = 256  # sequences of the readout set of the exact account, unless the run has fewer
+DEFAULT_READOUT = 256  # the most sequences of the default readout set of the exact account
 
 
-def readout_size(reading: str, readout: int | None, n_eval: int) -> int | None:
+def readout_size(reading: str, readout: int | None, n_eval: int, batch_size: int = DEFAULT_READOUT) -> int | None:
     """The readout set's size for ``reading`` (None for the paper's batch readings); ValueError (one line) for an
-    unknown reading, a size outside 2..n_eval, or a size given to a batch reading."""
+    unknown reading, a size outside 2..n_eval, or a size given to a batch reading. The default is the run's batch
+    (at most DEFAULT_READOUT and n_eval, at least 2): the exact account's cost grows with readout / batch (1.34× the
+    midpoint replay at readout = batch, 2.60× at 4 × batch, BENCHMARKS.md), so the default stays near 1.3×; a larger
+    readout makes R_H a closer estimate of the mismatch over the data, not the split more exact (docs/balance.md)."""
     if reading not in READINGS:
         raise ValueError(f"unknown reading {reading!r}; choose one of {', '.join(READINGS)}")
     if reading != "exact":
@@ -137,7 +140,7 @@ def readout_size(reading: str, readout: int | None, n_eval: int) -> int | None:
             raise ValueError(f"--readout sets the exact account's readout set; it does not combine with --{reading}")
         return None
     if readout is None:
-        return min(DEFAULT_READOUT, n_eval)
+        return max(2, min(DEFAULT_READOUT, n_eval, batch_size))
     if not 2 <= readout <= n_eval:
         raise ValueError(f"--readout takes 2..{n_eval} (the run's evaluation sequences), got {readout}")
     return readout
@@ -169,7 +172,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     outs = list(out_dirs) if out_dirs is not None else [None] * len(runs)
     if len(outs) != len(runs):
         raise ValueError("give one output folder per run dir")
-    readout = readout_size(reading, readout, min(run.cfg.n_eval for run in runs))
+    readout = readout_size(reading, readout, min(run.cfg.n_eval for run in runs), runs[0].cfg.batch_size)
     sites = run_sites(runs[0], sites)
     check_features(runs[0], features)  # before the output folders are made
     outs = [ensure_writable_dir(run.attribution(o).dir) for o, run in zip(outs, runs)]

@@ -77,7 +77,7 @@ def breakdown(run_dir: str | Path, steps: Sequence[int], sites: Sequence[Site], 
         raise ValueError(f"steps must lie in 0..{cfg.steps - 1}")
     if warm < 0 or points < 1:
         raise ValueError("warm must be >= 0 and points >= 1")
-    n_read = readout_size("exact", readout, cfg.n_eval)
+    n_read = readout_size("exact", readout, cfg.n_eval, cfg.batch_size)
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, sites)
     probes = make_probes(run, sites, features, device)
