@@ -59,12 +59,10 @@ FIXED_ROWS = ("2026-12-02 (commit 65a139f)", "the TinyStories midpoint rows and 
 FIXED_ACCOUNT = ("2026-12-03 (with the exact account's residual line: 1%)", "no experiment's run: only the 60-step toy run of "
                  "docs/balance.md (largest residual 5e-6 of R_H(θ_0)) had been replayed with the exact account")
 
-FIXED_MEANING = ("2026-12-06, before the momentum-SGD control runs and before any experiment's replay wrote the SGD "
-                 "direction beside Adam's rows",
-                 "the committed Adam rows of claim c: toy-medium (majority, R_c: direct +10.4, shared −10.1 for a net "
-                 "0.22) and toy-medium-cond-exact (direct 2.09, pre-cached 2.53, shared −4.42, net 0.197); κ of tiny "
-                 "majority runs (up to 38 for R, 7.9 for R_c, against 1.00–1.15 for the SGD direction); no momentum-SGD "
-                 "run and no sign agreement of an experiment's rows")
+FIXED_MEANING = ("2026-12-06, before the momentum-SGD control runs and before any experiment's replay kept the SGD "
+                 "direction", "the committed Adam rows of claim c (toy-medium: direct +10.4, shared −10.1, net 0.22; "
+                 "toy-medium-cond-exact: direct 2.09, pre-cached 2.53, shared −4.42, net 0.197) and κ of tiny majority "
+                 "runs; no momentum-SGD run, no sign agreement measured")
 FIXED_NO_REPLAY = ("2026-12-05", "othello-medium (8×8), whose report listed its missing replay as failing unit counts "
                                   "and balance; the check only names why, it has no threshold")
 
