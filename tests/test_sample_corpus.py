@@ -1,7 +1,8 @@
-"""The TinyStories sample shipped in the repository: its licence notice, its hashes checked at every load, and the
-stories small scale's default corpus."""
+"""The TinyStories sample shipped as package data (ntpflow/data/tinystories-sample, in the wheel too): its licence
+notice, its hashes checked at every load, and the stories small scale's default corpus."""
 
 import hashlib
+import importlib.resources
 import shutil
 from pathlib import Path
 
@@ -12,7 +13,21 @@ from ntpflow.experiments.stories import SCALES, check_corpus
 from ntpflow.tasks.stories import corpus as C
 
 ROOT = Path(__file__).resolve().parents[1]
-SAMPLE = ROOT / "data" / "tinystories-sample"
+SAMPLE = ROOT / "ntpflow" / "data" / "tinystories-sample"
+
+
+def test_sample_is_package_data_found_by_importlib_resources():
+    """The sample is found through the package (importlib.resources), not beside a repository checkout, with its
+    licence notice and SHA256SUMS; each file's SHA-256 matches SHA256SUMS; pyproject ships all four in the wheel."""
+    folder = importlib.resources.files("ntpflow").joinpath("data", "tinystories-sample")
+    names = {"README.md", "SHA256SUMS", "train.txt", "valid.txt"}
+    assert names <= {f.name for f in folder.iterdir()}
+    assert Path(str(folder)).resolve() == C.SAMPLE_DIR.resolve() == C.sample_dir().resolve()
+    sums = dict(reversed(line.split()) for line in folder.joinpath("SHA256SUMS").read_text().splitlines())
+    assert sums == {n: hashlib.sha256(folder.joinpath(n).read_bytes()).hexdigest() for n in ("train.txt", "valid.txt")}
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["ntpflow"]
+    assert "data/tinystories-sample/*" in data
 
 
 def test_sample_ships_with_licence_source_and_hashes():
@@ -47,7 +62,7 @@ def test_changed_sample_is_a_one_line_error(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="lacks train.txt"):
         C.sample_dir()
     monkeypatch.setattr(C, "SAMPLE_DIR", tmp_path / "absent")
-    with pytest.raises(FileNotFoundError, match="ships in the ntpflow repository"):
+    with pytest.raises(FileNotFoundError, match="ships in the ntpflow package"):
         C.sample_dir()
 
 

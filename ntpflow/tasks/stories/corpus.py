@@ -14,6 +14,7 @@ A :class:`Corpus` holds a ``train`` and an ``eval`` tuple of stories (``str``, s
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import os
 from collections.abc import Iterator
@@ -37,9 +38,9 @@ __all__ = [
 
 EOT = "<|endoftext|>"
 HF_DATASET = "roneneldan/TinyStories"
-# The TinyStories sample shipped in the repository (data/tinystories-sample: README with its source and licence,
-# CDLA-Sharing-1.0) and the SHA-256 of each of its files, checked at every load.
-SAMPLE_DIR = Path(__file__).resolve().parents[3] / "data" / "tinystories-sample"
+# The TinyStories sample shipped as package data (ntpflow/data/tinystories-sample: README with its source and licence,
+# CDLA-Sharing-1.0, and SHA256SUMS; in the wheel too) and the SHA-256 of each of its files, checked at every load.
+SAMPLE_DIR = Path(str(importlib.resources.files("ntpflow").joinpath("data", "tinystories-sample")))
 SAMPLE_SHA256 = {"train.txt": "bdd6f40c699165c043e2d26cfb1198cb9ea17680f17c02c7b11be20f54819db8",
                  "valid.txt": "0aedb4f4a44a4aed1fc1fd9da75678052cd092195dd8f647248ce2aa184650c1"}
 HF_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")
@@ -219,7 +220,7 @@ def load_corpus(
             * ``"hf"`` or ``"hf:<dataset repo>"``: the TinyStories files on the Hugging Face hub
               (:func:`load_hf_corpus`);
             * ``"generated"`` or ``"generated:<n stories>"``: the project's story grammar, seeded by ``seed``;
-            * ``"sample"``: the TinyStories sample shipped in the repository (:func:`sample_dir`, hash-checked);
+            * ``"sample"``: the TinyStories sample shipped with the package (:func:`sample_dir`, hash-checked);
             * a folder holding ``train.txt`` (or ``.jsonl``) and optionally ``valid.txt`` / ``validation`` /
               ``eval`` / ``test`` (any of those suffixes);
             * a single file (split by story with ``eval_fraction`` and ``seed``).
@@ -256,13 +257,13 @@ def load_corpus(
 
 
 def sample_dir(folder: Path | None = None, hashes: dict[str, str] = SAMPLE_SHA256) -> Path:
-    """The shipped TinyStories sample's folder (``folder``, default :data:`SAMPLE_DIR`), after checking each file
-    against its pinned SHA-256; a missing folder (an installed package without the repository) or a changed file is
-    a one-line error."""
+    """The shipped TinyStories sample's folder (``folder``, default :data:`SAMPLE_DIR`, the package data
+    ``ntpflow/data/tinystories-sample`` found by :mod:`importlib.resources`), after checking each file against its
+    pinned SHA-256; a missing folder (a package built without its data) or a changed file is a one-line error."""
     folder = SAMPLE_DIR if folder is None else folder
     if not folder.is_dir():
-        raise FileNotFoundError(f"the TinyStories sample ships in the ntpflow repository (data/tinystories-sample), "
-                                f"not found at {folder}; clone the repository, or pass a corpus: a folder, 'hf' or "
+        raise FileNotFoundError(f"the TinyStories sample ships in the ntpflow package (ntpflow/data/tinystories-sample), "
+                                f"not found at {folder}; reinstall ntpflow, or pass a corpus: a folder, 'hf' or "
                                 "'generated:N'")
     for name, want in hashes.items():
         try:
@@ -271,7 +272,7 @@ def sample_dir(folder: Path | None = None, hashes: dict[str, str] = SAMPLE_SHA25
             raise FileNotFoundError(f"the TinyStories sample {folder} lacks {name}") from None
         if got != want:
             raise ValueError(f"the TinyStories sample {folder / name} does not match its SHA-256 ({got[:12]}…, "
-                             f"expected {want[:12]}…): restore it from the repository (git checkout -- {name})")
+                             f"expected {want[:12]}…): restore it from the repository or reinstall ntpflow")
     return folder
 
 
