@@ -14,6 +14,7 @@ from ntpflow.files import read_json, resolve_device, stamp
 from ntpflow.llm.qscan_cli import main as qscan_main
 from ntpflow.model.sites import Site, feature_name, parse_sites
 from ntpflow.probes import probe_table, write_r_table
+from ntpflow.replay.answer import answer_lines
 from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.replay.balance import audit_balance
 from ntpflow.replay.breakdown import breakdown, parse_steps
@@ -150,6 +151,13 @@ def cmd_attribute(args) -> int:
                                force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
                                reading=reading, readout=args.readout)
     print("\n".join(map(str, outs)))
+    for out in outs:  # the answer: each site × feature's split of the change, marked NTP-useful or useless
+        summary = read_json(AttributionDir(out).summary)
+        lines = answer_lines(summary["probes"], summary.get("own_rows", "adam"))
+        if lines:
+            print(f"{out}: the split of each change (shares of the {summary.get('own_rows', 'adam')} reading; "
+                  "+ = toward the final value)")
+            print("\n".join(f"  {line}" for line in lines))
     return 0
 
 

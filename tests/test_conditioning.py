@@ -109,3 +109,31 @@ def test_a_momentum_run_attributes_with_both_readings_that_add_up(momentum_run, 
             assert e[f"kappa_{o}"] >= 1 - 1e-9
         assert e["signs_agree"] == {c: (e[f"momentum_{c}"] > 0) == (e[f"sgd_{c}"] > 0)
                                     for c in ("direct", "pre_cached", "shared")}
+
+
+def test_attribute_ends_with_the_answer_marked_useful_or_useless(momentum_run, tmp_path, capsys):
+    """The CLI's closing lines: per site × feature and mismatch the change and each component's share of it (the run's
+    own reading / the exact change, recomputed here from summary.json), κ, and the task's NTP-useful mark, which
+    summary.json and every influence row carry too."""
+    from ntpflow.cli import main
+    from ntpflow.tasks import make_task
+
+    run = tmp_path / "run"
+    shutil.copytree(momentum_run, run)
+    assert main(["attribute", str(run), "--sites", "1:3,1:12", "--features", "is_majority_<0>"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((run / "attribution" / "summary.json").read_text())
+    task = make_task("majority")
+    j = task.feature_names.index("is_majority_0")
+    for e in summary["probes"]:
+        useful = bool(task.useful[e["pos"], j])
+        assert e["useful"] is useful
+        for c in ("direct", "pre_cached", "shared"):
+            assert e["shares"][c] == pytest.approx(e[f"momentum_{c}"] / e["change"], rel=1e-12)
+        label = {"centred": "R_c", "paper": "R"}[e["mismatch"]]
+        line = next(x for x in out.splitlines() if x.strip().startswith(f"⟨1, {e['pos']}⟩ is_majority_0")
+                    and f", {label} change" in x)
+        assert ("NTP-useful" if useful else "NTP-useless") in line
+        assert f"direct {e['shares']['direct']:.2f} + pre-cached {e['shares']['pre_cached']:.2f}" in line
+    rows = pq.read_table(run / "attribution" / "influence.parquet").to_pylist()
+    assert {(r["pos"], r["useful"]) for r in rows} == {(p, bool(task.useful[p, j])) for p in (3, 12)}

@@ -40,6 +40,7 @@ from ntpflow.files import (
 )
 from ntpflow.model.sites import Site, checked_sites, feature_name
 from ntpflow.progress import progress_of
+from ntpflow.replay.answer import shares, useful_flag
 from ntpflow.replay.conditioning import condition, conditioning_lines, step_kappas
 from ntpflow.replay.directions import direction_probes, direction_records
 from ntpflow.replay.matrices import save_matrices
@@ -472,6 +473,9 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
     for name, value, kind in (("task", run.cfg.task, pa.string()), ("regime", run.cfg.regime, pa.string()),
                               ("seed", run.cfg.seed, pa.int64())):  # self-describing rows: tables of runs combine
         table = table.append_column(name, pa.array([value] * table.num_rows, kind))
+    flags = {(p.site.pos, p.name): useful_flag(run.task, p.site.pos, p.name) for p in probes}
+    table = table.append_column("useful", pa.array([flags.get((pos, f)) for pos, f in zip(
+        table["pos"].to_pylist(), table["feature"].to_pylist())], pa.bool_()))
     tmp = folder.influence.with_suffix(".parquet.tmp")
     pq.write_table(table, tmp)
     # mismatch actually removed, on a fixed held-out batch (the readout set, if any): R(θ_0) − R(θ_T) = R(θ_0), since
@@ -489,7 +493,8 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
         d0 = (r0[k][:, i] - r_star[k][:, i]) @ w  # [batch]
         for mismatch in MISMATCHES:
             R0 = mismatch_value(d0, mismatch).item()
-            entry = {"layer": k, "pos": i, "feature": p.name, "mismatch": mismatch, "R0_eval": R0,
+            entry = {"layer": k, "pos": i, "feature": p.name, "mismatch": mismatch, "useful": flags[(i, p.name)],
+                     "R0_eval": R0,
                      "R0_minus_RT_eval": R0, "offset_share_R0": (d0.mean().pow(2) / d0.pow(2).mean()).item()}
             for r in last:
                 if (r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"]) != (k, i, p.name, -1, mismatch):
@@ -499,6 +504,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
                 elif r["component"] != "risk":
                     entry[f"{r['optimizer']}_{r['component']}"] = r["cumulative"]
             entry.update(condition(entry, steps, (k, i, p.name, -1, mismatch), own))
+            entry["shares"] = shares(entry, own)
             summary.append(entry)
     extra = {} if readout is None else {
         "readout": readout, "refined_steps": tracker.refined, "subdivided_steps": tracker.subdivided,
@@ -525,7 +531,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
             log.info(f"{run.name}: {line}")
         return
     log.info(f"{what} with the exact account on a readout of {readout}; {tracker.refined}/{run.cfg.steps} steps "
-             f"refined ({tracker.subdivided} split into pieces)")
+             f"refined ({tracker.subdivided} split into pieces); {_balance_text(summary, own, 'change')}")
     for line in residual_lines(summary) + conditioning_lines(summary, own):
         log.info(f"{run.name}: {line}")
 
@@ -564,11 +570,12 @@ def residual_share(records) -> dict | None:
             "zero_R0": sum(1 for r in rows if r["R0_eval"] <= 0 and r["residual"] != 0)}
 
 
-def _balance_text(summary: list[dict], own: str = "adam") -> str:
-    """The paper's reading's balance check: integrated full Adam influence against the mismatch removed on held-out
-    data, R(θ_0) − R(θ_T) (equal to first order only), as a median over the probes."""
-    ratios = sorted(e[f"{own}_full"] / e["R0_minus_RT_eval"] for e in summary
-                    if e["mismatch"] == "paper" and f"{own}_full" in e and e["R0_minus_RT_eval"] != 0)
-    return (f"integrated full influence / (R(θ_0) − R(θ_T)) on held-out data: median "
-            f"{ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes (1 = balanced to first order)"
-            if ratios else "balance check: no probe with a nonzero mismatch removed")
+def _balance_text(summary: list[dict], own: str = "adam", removed: str = "R0_minus_RT_eval") -> str:
+    """The balance check: the integrated full influence of the run's own reading against the mismatch removed,
+    R(θ_0) − R(θ_T) on held-out data (the paper's readings: equal to first order only) or the summed exact changes
+    (``removed="change"``: equal up to the residual), as a median over the probes."""
+    ratios = sorted(e[f"{own}_full"] / e[removed] for e in summary
+                    if e["mismatch"] == "paper" and f"{own}_full" in e and e.get(removed))
+    what = "R(θ_0) − R(θ_T) on held-out data" if removed == "R0_minus_RT_eval" else "the exact change"
+    return (f"integrated full influence / ({what}): median {ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes "
+            f"(1 = balanced)" if ratios else "balance check: no probe with a nonzero mismatch removed")
