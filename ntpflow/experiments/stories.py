@@ -78,7 +78,8 @@ class StoriesScale:
     ``corpus``: the corpus source (``ntpflow.tasks.stories.load_corpus``), or None where the user must choose it (a
     local copy of TinyStories is the user's, not the project's); ``train``: TrainConfig overrides shared by all
     runs; ``sites``: tracked residual sites (all 22 features at each); ``curve_every``: step stride of the stored
-    influence curves.
+    influence curves; ``tracked``: the regimes whose runs are replayed (the influence claims read vanilla's only;
+    the other regimes' runs are trained and probed).
     """
 
     name: str
@@ -88,6 +89,7 @@ class StoriesScale:
     train: dict = field(default_factory=dict)
     sampling: SamplingSpec = SamplingSpec()
     curve_every: int = 10
+    tracked: tuple[str, ...] = ("vanilla", "myopic")
 
 
 SCALES = {
@@ -163,14 +165,14 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     out = ensure_writable_dir(out)
     (out / "runs").mkdir(exist_ok=True)
     configs = run_configs(scale, corpus)
-    todo = [c for c in configs if not _finished(Run(out / "runs" / run_dir_name(c), c))]
+    todo = [c for c in configs if not _finished(Run(out / "runs" / run_dir_name(c), c), c.regime in scale.tracked)]
     if todo:
         _prepare_data(todo[0])
     workers = max(1, min(workers or os.cpu_count() or 1, len(todo) or 1))
     threads = run_threads(device, workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
-    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites, list(FEATURE_NAMES), device, threads, reading)
-            for c in configs]
+    jobs = [(c.to_dict(), str(out / "runs" / run_dir_name(c)), sites if c.regime in scale.tracked else [],
+             list(FEATURE_NAMES), device, threads, reading) for c in configs]
     run_jobs(one_run, jobs, workers, f"stories {scale.name}", progress)
     sample_continuations(scale, out, configs, device=device)
     write_json(out / "data.json", gather(scale, out, configs))
@@ -178,9 +180,9 @@ def run_stories(scale: str | StoriesScale, out: str | Path, *, workers: int | No
     return out
 
 
-def _finished(run: Run) -> bool:
-    """Whether ``run`` trained, was probed at step 0 and attributed (its last stages)."""
-    return run.done and run.attribution().done and ProbeSet.saved(run.probes_dir("init"))
+def _finished(run: Run, tracked: bool = True) -> bool:
+    """Whether ``run`` trained, was probed at step 0 and, if ``tracked``, attributed (its last stages)."""
+    return run.done and (run.attribution().done or not tracked) and ProbeSet.saved(run.probes_dir("init"))
 
 
 # ---------------------------------------------------------------------------------------------------- sampling
@@ -270,6 +272,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                         profiles.append({**key, "weights": weights, "layer": layer, "pos": p, "group": g,
                                          "r": _mean(_finite(r[layer, p, c].item()) for c in cols)})
         att = run.attribution()
+        if not att.done:  # a regime the scale does not replay: trained and probed only
+            continue
         table = pq.read_table(att.influence)
         own = cfg.own_rows  # the run's own split; the SGD direction ("sgd") beside it where the replay kept it
         table = table.filter(pc.and_(pc.is_in(table["optimizer"], pa.array([own, "sgd"])),
@@ -307,7 +311,9 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
     samples = read_json(samples_path) if samples_path.exists() else None
     first = configs[0]
     return {"scale": scale.name, "corpus": first.corpus, "seeds": list(scale.seeds),
-            "influence_read_at": influence_read_at([Run(out / "runs" / run_dir_name(c), c).attribution().dir for c in configs]),
+            "influence_read_at": influence_read_at([Run(out / "runs" / run_dir_name(c), c).attribution().dir
+                                                    for c in configs if c.regime in scale.tracked]),
+            "tracked": list(scale.tracked),
             "sites": [[s.layer, s.pos] for s in scale.sites], "train": scale.train,
             "n_layer": first.n_layer, "seq_len": 64,
             "tokenizer": {"source": tokenizer.get("source", "?") if tokenizer else "?",
