@@ -6,6 +6,7 @@ import argparse
 import hashlib
 import logging
 import sys
+import textwrap
 from pathlib import Path
 
 from ntpflow import __version__
@@ -26,6 +27,22 @@ from ntpflow.runs.probe import load_or_probe, probe_run
 from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.sweep import SweepSpec, failures, run_sweep
 from ntpflow.runs.training import train
+
+DESCRIPTION = (
+    "ntpflow trains small GPT-2 models on next-token prediction in four regimes, splits the training gradient "
+    "exactly into direct, pre-caching and circuit-sharing parts, and measures how much each part built a probed "
+    "feature. It reproduces the experiments of Rofin, Naghiyev & Hahn (ICLR 2026).\n\n"
+    "`ntpflow COMMAND --help` shows a command's options and examples; docs/ the rest.")
+
+TRAIN_EXAMPLES = """
+examples:
+  ntpflow train --task majority --regime myopic --seed 0 --out runs/maj-myopic-s0
+  ntpflow train --task cond_majority --regime untied --set steps=500 lr=3e-4
+  ntpflow train --task mytasks:Parity --regime vanilla   # a task of your own (docs/tasks.md)
+
+Python equivalent:
+  ntpflow.train(ntpflow.TrainConfig(task="majority", regime="myopic", seed=0), "runs/maj-myopic-s0")
+"""
 
 EXAMPLES = """
 examples:
@@ -306,17 +323,33 @@ def demo_table(rows: dict) -> str:
     return "\n".join(lines)
 
 
+class _Help(argparse.HelpFormatter):
+    """Descriptions and epilogs line by line: commands and code (indented lines, ``example:`` and ``Python``
+    lines) as written, any other line a paragraph wrapped to the terminal."""
+
+    def _fill_text(self, text, width, indent):
+        out = []
+        for line in text.strip("\n").splitlines():
+            if not line.strip() or line[0].isspace() or line.startswith(("example", "Python")):
+                out.append(indent + line if line.strip() else "")
+            else:
+                out += textwrap.wrap(line, width, initial_indent=indent, subsequent_indent=indent,
+                                     break_long_words=False, break_on_hyphens=False)
+        return "\n".join(out)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of the ``ntpflow`` command and its subcommands."""
-    p = argparse.ArgumentParser(prog="ntpflow", description=__doc__, epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="ntpflow", description=DESCRIPTION, epilog=EXAMPLES,
+                                formatter_class=_Help)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or stage lines, warnings only")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     p.add_argument("--version", action="version", version=f"ntpflow {__version__}")
-    sub = p.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_probe, _add_attribute, _add_balance, _add_breakdown, _add_reproduce, _add_sweep, _add_qscan, _add_demo):
+    sub = p.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
+    for add in (_add_train, _add_probe, _add_attribute, _add_discover, _add_balance, _add_breakdown,
+                _add_reproduce,
+                _add_sweep, _add_qscan, _add_demo):
         add(sub)
-    _add_discover(sub)
     return p
 
 
@@ -329,8 +362,10 @@ def _common(sp: argparse.ArgumentParser) -> None:
 
 def _add_train(sub) -> None:
     """The ``ntpflow train`` subcommand."""
-    t = sub.add_parser("train", help="train one model into a run directory (resumes if interrupted)",
-                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = sub.add_parser("train", help="train one model into a run folder (resumes)",
+                       description="Train one model into a run directory; rerun the same command to resume an "
+                                   "interrupted run.",
+                       epilog=TRAIN_EXAMPLES, formatter_class=_Help)
     t.add_argument("--task", help="majority | cond_majority | othello | stories (stories needs --set corpus=...) | "
                    "package.module:Class, a task of your own (docs/tasks.md)")
     t.add_argument("--regime", help="vanilla | myopic | untied | myopic-untied")
@@ -345,9 +380,11 @@ def _add_train(sub) -> None:
 def _add_probe(sub) -> None:
     """The ``ntpflow probe`` subcommand."""
     pr = sub.add_parser("probe", help="fit ridge probes of a finished run and print r tables",
+                        description="Fit ridge probes of a run's weights and print each feature's r table beside "
+                                    "the untrained model's; all of them go to r.csv.",
                         epilog="example: ntpflow probe runs/maj-myopic-s0 --feature 'is_majority_0'\n"
                                "Python: ntpflow.runs.probe.probe_run(ntpflow.Run.open('runs/maj-myopic-s0'))",
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+                        formatter_class=_Help)
     pr.add_argument("run_dir", help="a finished run directory (ntpflow train)")
     pr.add_argument("--weights", default="final", help="final (default), init, or a checkpoint step")
     pr.add_argument("--feature", help="print only this feature")
@@ -357,7 +394,9 @@ def _add_probe(sub) -> None:
 
 def _add_attribute(sub) -> None:
     """The ``ntpflow attribute`` subcommand."""
-    a = sub.add_parser("attribute", help="replay a finished run and track each gradient component's influence",
+    a = sub.add_parser("attribute", help="replay a run, tracking each gradient component's influence",
+                       description="Replay a finished run (or the members of one run group, in one replay) and "
+                                   "track each gradient component's influence on the features at the sites.",
                        epilog="example: ntpflow attribute runs/maj-vanilla-s0 --sites 1-2:2-19 "
                               "--features 'is_majority_0'\n"
                               "Python: ntpflow.attribute('runs/maj-vanilla-s0', "
@@ -366,7 +405,7 @@ def _add_attribute(sub) -> None:
                               "all; Python: ntpflow.replay.attribution.attribute_group([RUN_DIR, ...], sites, features)\n"
                               "writes OUT/influence.parquet and OUT/summary.json (schemas: docs/outputs.md); "
                               "positive influence = moved the feature toward its final value",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_Help)
     a.add_argument("run_dir", nargs="+", help="a finished run directory (ntpflow train), or several members of one "
                    "run group, tracked in one replay of the group")
     a.add_argument("--group", action="store_true",
@@ -422,12 +461,13 @@ def parse_site_arg(text: str):
 
 def _add_discover(sub) -> None:
     """The ``ntpflow discover`` subcommand."""
-    d = sub.add_parser("discover", help="the directions whose mismatch each component removed most, from the "
-                       "influence matrices of attribute --readout N --matrices",
+    d = sub.add_parser("discover", help="the directions each component moved most (needs --matrices)",
+                       description="The directions whose mismatch each component removed most, from the influence "
+                                   "matrices of attribute --readout N --matrices, compared with the run's probes.",
                        epilog="example: ntpflow discover runs/cmaj-s0 --site 1:4\n"
                               "Python: ntpflow.replay.discover.discover('runs/cmaj-s0', ntpflow.Site(1, 4))\n"
                               "writes OUT/discover.json and OUT/discover.md (docs/discover.md)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_Help)
     d.add_argument("run_dir", help="a finished run whose attribution holds influence matrices")
     d.add_argument("--site", required=True, help="LAYER:POS, one of the attributed sites")
     d.add_argument("--attribution", help="the attribution folder (default RUN_DIR/attribution)")
@@ -460,15 +500,16 @@ def _reading(args) -> str:
 
 def _add_balance(sub) -> None:
     """The ``ntpflow balance`` subcommand."""
-    b = sub.add_parser("balance", help="replay a finished run and split the gap between its integrated full "
-                       "influence and the mismatch removed on held-out data",
+    b = sub.add_parser("balance", help="where a run's full influence goes: held-out, same batch, beyond",
+                       description="Replay a finished run and split the gap between its integrated full influence "
+                                   "and the mismatch removed on held-out data.",
                        epilog="example: ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features "
                               "'is_majority_0'\n"
                               "Python: ntpflow.replay.balance.audit_balance('runs/maj-vanilla-s0', "
                               "ntpflow.parse_sites('1:4,1:6'), ['is_majority_0'])\n"
                               "writes OUT/summary.json: per probe and mismatch, Σ full influence = R removed on "
                               "held-out data + a same-batch part + a beyond-first-order part (docs/engine.md)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_Help)
     b.add_argument("run_dir", help="a finished run directory (ntpflow train)")
     b.add_argument("--sites", required=True, help="LAYER:POS list or ranges, e.g. 1:4,1:6 or 1:2-9")
     b.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
@@ -481,15 +522,16 @@ def _add_balance(sub) -> None:
 
 def _add_breakdown(sub) -> None:
     """The ``ntpflow breakdown`` subcommand."""
-    b = sub.add_parser("breakdown", help="why a row cancels: chosen steps' component influences split over the "
-                       "parameter tensors, with the optimizer's scale",
+    b = sub.add_parser("breakdown", help="why a row cancels: chosen steps split over the tensors",
+                       description="Why a row cancels: chosen steps' component influences split over the parameter "
+                                   "tensors, with the optimizer's scale.",
                        epilog="example: ntpflow breakdown runs/maj-vanilla-s0 --steps 2820-2822 --sites 1:4,1:6,1:8 "
                               "--features is_majority_0\n"
                               "Python: ntpflow.replay.breakdown.breakdown('runs/maj-vanilla-s0', range(2820, 2823), "
                               "ntpflow.parse_sites('1:4'), ['is_majority_0'])\n"
                               "writes OUT/breakdown.parquet (a row per tensor) and OUT/summary.json (each "
                               "component's total and largest tensors per step, site, feature, mismatch, reading)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=_Help)
     b.add_argument("run_dir", help="a finished run directory (ntpflow train)")
     b.add_argument("--steps", required=True, help="steps to split, e.g. 2820-2822,1542 (0-based, as in "
                    "influence.parquet)")
@@ -507,7 +549,9 @@ def _add_breakdown(sub) -> None:
 def _add_reproduce(sub) -> None:
     """The ``ntpflow reproduce`` subcommand."""
     rp = sub.add_parser("reproduce", help="reproduce an experiment of the paper and write its report",
-                        epilog=REPRODUCE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                        description="Reproduce an experiment of the paper (or all of them) at a scale and write its "
+                                    "report.",
+                        epilog=REPRODUCE_EXAMPLES, formatter_class=_Help)
     rp.add_argument("experiment", help="toy | othello | stories | llm | all (every experiment and one report.html)")
     rp.add_argument("--scale", default="smoke", help="smoke (default; CI, minutes) | small (this 2-core CPU: "
                     "30-60 min per experiment, all: ~2.5-3 h) | medium (toy: the paper's model, 5 seeds; othello: a "
@@ -536,11 +580,12 @@ def _add_reproduce(sub) -> None:
 
 def _add_sweep(sub) -> None:
     """The ``ntpflow sweep`` subcommand."""
-    sw = sub.add_parser("sweep", help="a grid of runs (seeds x regimes x tasks x settings) from a JSON/TOML spec",
+    sw = sub.add_parser("sweep", help="a grid of runs from a JSON/TOML spec (re-entrant)",
+                        description="A grid of runs (seeds x regimes x tasks x settings) from a JSON or TOML spec.",
                         epilog="example: ntpflow sweep sweep.toml --workers 2\n"
                                "Python: ntpflow.runs.sweep.run_sweep('sweep.toml', 'sweeps/NAME', workers=2)\n"
                                "finished runs are skipped: rerun the same command to resume or retry failed runs",
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+                        formatter_class=_Help)
     sw.add_argument("spec", help="sweep spec (.json or .toml); see ntpflow.runs.sweep")
     sw.add_argument("--out", help="sweep folder (default sweeps/<name>)")
     sw.add_argument("--executor", default="local", help="local (default) | submitit (Slurm) | submitit-local")
@@ -550,8 +595,7 @@ def _add_sweep(sub) -> None:
 
 def _add_qscan(sub) -> None:
     """The ``ntpflow qscan`` subcommand."""
-    q = sub.add_parser("qscan", help="Q(w) of SAE latents of a pretrained LM by ablation; `qscan train|scan` for "
-                       "either half (see ntpflow qscan -h)",
+    q = sub.add_parser("qscan", help="Q(w) of SAE latents of a language model, by ablation",
                        add_help=False)
     q.add_argument("options", nargs=argparse.REMAINDER, help="options of the scan (ntpflow qscan -h lists them)")
     q.set_defaults(fn=cmd_qscan)
@@ -559,11 +603,13 @@ def _add_qscan(sub) -> None:
 
 def _add_demo(sub) -> None:
     """The ``ntpflow demo`` subcommand."""
-    d = sub.add_parser("demo", help="majority task in the four regimes at a small size; prints the probe table",
+    d = sub.add_parser("demo", help="majority in the four regimes, small (~5 min); a probe table",
+                       description="Train the majority task in the four regimes at a small size and print the probe "
+                                   "table.",
                        epilog="example: ntpflow demo --out runs/demo   # ~5 min on 2 cores\n"
                               "The quick look at the paper's first claim. scripts/demo.sh instead sets up the "
                               "environment and runs every experiment at smoke size (ntpflow reproduce all "
-                              "--scale smoke).", formatter_class=argparse.RawDescriptionHelpFormatter)
+                              "--scale smoke).", formatter_class=_Help)
     d.add_argument("--out", default="runs/demo", help="folder of the four runs (default runs/demo)")
     _common(d)
     d.set_defaults(fn=cmd_demo)
