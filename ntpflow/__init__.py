@@ -5,6 +5,8 @@ before the final LayerNorm; logits at position p predict token p+1.
 """
 
 from ntpflow.engine.decomposition import decompose as decompose
+from ntpflow.experiments.run_report import Attribution as Attribution
+from ntpflow.experiments.run_report import attribute as attribute
 from ntpflow.files import VERSION
 from ntpflow.model.config import GPTConfig as GPTConfig
 from ntpflow.model.config import split_groups as split_groups
@@ -16,7 +18,6 @@ from ntpflow.model.sites import parse_sites as parse_sites
 from ntpflow.probes import ProbeSet as ProbeSet
 from ntpflow.probes import fit_probes as fit_probes
 from ntpflow.probes import fit_ridge as fit_ridge
-from ntpflow.replay.attribution import attribute as attribute
 from ntpflow.runs.config import TrainConfig as TrainConfig
 from ntpflow.runs.config import apply_overrides as apply_overrides
 from ntpflow.runs.run import Run as Run

@@ -97,21 +97,45 @@ def gpt_from_hf_state(cls, config: dict, state: dict[str, torch.Tensor], where: 
 HF_CONFIG, HF_WEIGHTS, TL_CONFIG = "config.json", "model.safetensors", "tl_config.json"  # a folder's files
 
 
+def _run_config(path: Path) -> dict | None:
+    """The ``config.json`` of an ntpflow run folder (it holds ``train`` and ``model``), or None for any other path."""
+    try:
+        config = read_json(path / HF_CONFIG) if (path / HF_CONFIG).is_file() else None
+    except ValueError:
+        return None
+    return config if isinstance(config, dict) and isinstance(config.get("train"), dict) else None
+
+
+def _from_run_folder(cls, path: Path, **overrides):
+    """A run folder's final model (``model.safetensors``: weights alone, or an older version's weights + optimizer
+    state under ``model.`` and ``adam.`` names), checked tensor by tensor; an unfinished run is a one-line ValueError
+    naming its checkpoints. Read by file here, so that the model layer does not need the run layer."""
+    from dataclasses import replace
+
+    weights = path / HF_WEIGHTS
+    if not weights.exists():
+        steps = sorted(int(p.stem.split("_")[1]) for p in (path / "ckpt").glob("step_*.json"))
+        raise ValueError(f"{path} is a run folder without final weights (its training has not finished): train it to "
+                         f"the end, or load a checkpoint with Run.open({str(path)!r}).load_model(STEP)"
+                         + (f", STEP one of {steps}" if steps else ""))
+    cfg = GPTConfig(**_run_config(path)["model"])
+    state = load_tensors(weights)
+    if any(k.startswith("model.") for k in state):  # an older version's single file
+        state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+    model = cls(replace(cfg, **overrides))
+    check_tensors({k: tuple(v.shape) for k, v in model.state_dict().items()}, state,
+                  f"{weights} does not match the run's model")
+    model.load_state_dict(state)
+    return model
+
+
 def gpt_from_pretrained(cls, name_or_path: str | Path, **overrides):
     """``GPT.from_pretrained``: a ``cls`` from an ntpflow run folder (its final weights), a GPT-2 folder written by
     ``save_pretrained`` (its tensors checked one by one), or a hub name; a one-line ValueError otherwise, saying
     what to call instead."""
-    from ntpflow.runs.run import Run, is_run_dir
-
     path = Path(name_or_path)
-    if is_run_dir(path):
-        run = Run.open(path)
-        if not run.weights_path("final").exists():
-            steps = run.checkpoints()
-            raise ValueError(f"{path} is a run folder without final weights (its training has not finished): train "
-                             "it to the end, or load a checkpoint with "
-                             f"Run.open({str(path)!r}).load_model(STEP)" + (f", STEP one of {steps}" if steps else ""))
-        return run.load_model("final", **overrides)
+    if _run_config(path) is not None:
+        return _from_run_folder(cls, path, **overrides)
     if path.is_dir():
         if (path / TL_CONFIG).exists():
             raise ValueError(f"{path} holds a TransformerLens model ({TL_CONFIG}): load it with "

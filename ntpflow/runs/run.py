@@ -352,7 +352,10 @@ class Run(RunPaths):
         key = str(which)
         if key in self._weights:
             return self._weights[key]
-        state = model_tensors(load_tensors(self.weights_path(which)))
+        path = self.weights_path(which)
+        if key not in ("final", "init") and not path.exists():
+            raise FileNotFoundError(f"missing checkpoint {path}; {self.name} has weights {self.weights_available()}")
+        state = model_tensors(load_tensors(path))
         if key == "init" or key == "final" and self.done:
             self._weights[key] = state
         return state
@@ -383,6 +386,13 @@ class Run(RunPaths):
         except ValueError:
             raise ValueError(f"unknown weights {which!r}; use 'final', 'init' or a checkpoint step") from None
 
+    def weights_available(self) -> str:
+        """The weights one can load, as a line: ``final, init, checkpoint steps 4, 8, 12``."""
+        have = [w for w in ("final", "init") if self.weights_path(w).exists()]
+        steps = self.checkpoints()
+        have.append(f"checkpoint steps {', '.join(map(str, steps))}" if steps else "no checkpoints")
+        return ", ".join(have)
+
     @cached_property
     def ckpts(self) -> Checkpoints:
         """The run's training checkpoints (``ckpt/``)."""
@@ -396,4 +406,36 @@ class Run(RunPaths):
         """The records of ``metrics.jsonl`` in order ([] if there is none)."""
         path = self.dir / "metrics.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+    @property
+    def summary(self) -> dict:
+        """The run as results: its config, its final evaluation (``DONE``; empty while unfinished) and checkpoints."""
+        return {"config": self.cfg.to_dict(), "final": self.final_record() if self.done else {},
+                "checkpoints": self.checkpoints()}
+
+    @property
+    def rows(self):
+        """``metrics.jsonl`` as a pandas DataFrame (step, kind "train"/"eval", loss, eval_loss, ...; needs pandas)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("Run.rows needs pandas (pip install pandas); Run.metrics() gives the same records "
+                              "as dicts") from None
+        return pd.DataFrame(self.metrics())
+
+    def plot(self):
+        """A matplotlib Figure of the training loss and the eval loss over the steps (needs matplotlib)."""
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(5, 3), layout="constrained")
+        ax = fig.subplots()
+        for kind, key in (("train", "loss"), ("eval", "eval_loss")):
+            pts = [(m["step"], m[key]) for m in self.metrics() if m["kind"] == kind and key in m]
+            if pts:
+                ax.plot(*zip(*pts), label=f"{kind} loss", marker="o" if kind == "eval" else None, ms=3)
+        ax.set_xlabel("training step")
+        ax.set_ylabel("loss (nats/token)")
+        ax.set_title(self.name)
+        ax.legend()
+        return fig
 
