@@ -111,15 +111,6 @@ def run_name(run_dir: str | Path) -> str:
     return f"{run_dir.parent.name}/{run_dir.name}" if run_dir.name == "run" else run_dir.name
 
 
-def is_run_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a run folder: its ``config.json`` holds training settings (``train``)."""
-    config = RunPaths(path).config_path
-    try:
-        return config.is_file() and isinstance(read_json(config).get("train"), dict)
-    except (ValueError, AttributeError):
-        return False
-
-
 def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
     """The GPTConfig of a training config: the regime sets ``myopic`` and ``position_groups``."""
     T = task.seq_len
