@@ -13,7 +13,7 @@ from ntpflow import __version__
 from ntpflow.experiments.report_all import run_all, run_experiment
 from ntpflow.files import read_json, resolve_device, stamp
 from ntpflow.llm.qscan_cli import main as qscan_main
-from ntpflow.model.sites import Site, feature_name, parse_sites
+from ntpflow.model.sites import Site, parse_sites
 from ntpflow.probes import probe_table, write_r_table
 from ntpflow.replay.answer import answer_lines
 from ntpflow.replay.attribution import attribute, attribute_group
@@ -23,7 +23,7 @@ from ntpflow.replay.directions import parse_direction, sae_directions
 from ntpflow.replay.discover import discover
 from ntpflow.runs.config import REGIMES, config_from
 from ntpflow.runs.group import group_dirs
-from ntpflow.runs.probe import load_or_probe, probe_run
+from ntpflow.runs.probe import check_feature, load_or_probe, probe_run
 from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.sweep import SweepSpec, failures, run_sweep
 from ntpflow.runs.training import train
@@ -124,10 +124,9 @@ def cmd_probe(args) -> int:
     run = Run.open(args.run_dir)
     if not run.done and args.weights == "final":
         raise ValueError(f"{args.run_dir} has not finished training; probe a checkpoint with --weights STEP")
+    feature = check_feature(run, args.feature) if args.feature else None  # before anything is fitted or written
     device = args.device or "auto"
     probes = probe_run(run, args.weights, device=device)
-    if args.feature:
-        probes.feature_index(feature_name(args.feature))  # an unknown feature: one line, before anything more is written
     step = {"final": run.cfg.steps, "init": 0}.get(str(args.weights), args.weights)
     baseline = None if str(args.weights) == "init" else load_or_probe(run, "init", device)
     csv = write_r_table(run.probes_dir(args.weights), probes, baseline,
@@ -135,7 +134,7 @@ def cmd_probe(args) -> int:
     print(f"run {run.dir} ({run.cfg.task}, {run.cfg.regime}, seed {run.cfg.seed}): weights {args.weights} "
           f"(step {step} of {run.cfg.steps}); ridge probes' test Pearson r"
           + ("" if baseline is None else ", beside the untrained model's (step 0) in brackets"))
-    for name in [feature_name(args.feature)] if args.feature else probes.feature_names:
+    for name in [feature] if feature else probes.feature_names:
         print(probe_table(probes, name, baseline=baseline))
     print(f"every feature's table: {csv}")
     return 0

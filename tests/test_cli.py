@@ -127,7 +127,9 @@ def test_probe_bad_weights(finished_run, capsys):
     assert main(["probe", str(finished_run), "--weights", "abc", "--device", "cpu"]) == 2
     assert_one_line_error(capsys, "unknown weights", "abc")
     assert main(["probe", str(finished_run), "--weights", "999", "--device", "cpu"]) == 2
-    assert_one_line_error(capsys, "missing checkpoint", "step_000999")
+    steps = ", ".join(map(str, Run.open(finished_run).checkpoints()))
+    assert steps  # the line lists the weights that exist
+    assert_one_line_error(capsys, "missing checkpoint", "step_000999", "final, init", f"checkpoint steps {steps}")
     assert snapshot(finished_run) == before
 
 
@@ -152,11 +154,19 @@ def test_attribute_empty_site_list_is_an_error(finished_run, tmp_path, capsys):
     assert_one_line_error(capsys, "sites")
 
 
-def test_probe_unknown_feature(finished_run, tmp_path, capsys):
+def test_probe_unknown_feature(finished_run, tmp_path, capsys, monkeypatch):
+    """The name is checked before any probe is fitted: one line, exit 2, nothing written."""
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
+    before = snapshot(run)
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("probes fitted before the feature name was checked")
+
+    monkeypatch.setattr("ntpflow.cli.probe_run", no_fit)
     assert main(["probe", str(run), "--feature", "nonsense", "--device", "cpu"]) == 2
-    assert_one_line_error(capsys, "unknown feature", "nonsense")
+    assert_one_line_error(capsys, "unknown feature", "nonsense", "is_majority_0")
+    assert snapshot(run) == before
 
 
 def test_probe_non_run_directory(tmp_path, capsys):

@@ -7,6 +7,7 @@ import torch
 
 from ntpflow.files import resolve_device
 from ntpflow.model.gpt import GPT
+from ntpflow.model.sites import feature_name
 from ntpflow.probes import ProbeSet, fit_probes
 from ntpflow.progress import duration
 from ntpflow.runs.run import Run
@@ -47,6 +48,16 @@ def probe_run(run: Run, which: str | int = "final", *, alpha: float = 1.0, train
     probes.save(out)
     log.info("%s: probed the %s weights in %s", run.name, which, duration(time.monotonic() - start))
     return probes
+
+
+def check_feature(run: Run, name: str) -> str:
+    """``name`` as the run's task spells it (:func:`~ntpflow.model.sites.feature_name`); a name the task lacks is a
+    one-line ValueError naming some of its features, raised before anything is fitted or written."""
+    names = list(run.task.feature_names)
+    if feature_name(name) not in names:
+        shown = ", ".join(names[:12]) + (f", ... ({len(names)} in all)" if len(names) > 12 else "")
+        raise ValueError(f"unknown feature {name!r}; {run.name}'s task has {shown}")
+    return feature_name(name)
 
 
 def load_or_probe(run: Run, which: str | int = "final", device: str = "auto") -> ProbeSet:
