@@ -262,3 +262,19 @@ def test_qscan_and_its_halves_go_through_the_face(tmp_path, capsys):
     assert main(["qscan", "train", "--model", "tiny", "--k", "0", "--out", str(tmp_path / "k")]) == 2
     assert "--k must be positive" in capsys.readouterr().err
 
+
+def test_qscan_says_and_records_the_hook_it_scanned(tmp_path, capsys):
+    """One stage line names the hook; stats.json (per mode), q_<mode>.json and the summary line record it."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "q"
+    assert main(["qscan", "--model", "tiny", "--train-sae", "--latents", "3", "--docs", "3", "--ctx-len", "40",
+                 "--d-sae", "16", "--k", "2", "--steps", "10", "--candidates", "4", "--examples", "2",
+                 "--kl-cutoff", "0", "--mode", "error-preserving", "--device", "cpu", "--out", str(out)]) == 0
+    cap = capsys.readouterr()
+    said = re.findall(r"Q scan of 3 latents at hook (\S+) over", cap.err)
+    assert len(said) == 1, cap.err
+    hook = said[0]
+    assert re.fullmatch(r"blocks\.\d+\.hook_resid_post", hook)
+    assert json.loads((out / "stats.json").read_text())["error-preserving"]["hook"] == hook
+    assert json.loads((out / "q_error-preserving.json").read_text())["extra"]["hook"] == hook
+    assert f"(hook {hook})" in cap.out

@@ -393,6 +393,7 @@ class QScanResult:
         domain: the domain with the largest share per latent.
         is_formal: whether the formal domains (code + math, or the user's) hold more than half of its examples.
         kl_cutoff: the cutoff used.
+        extra: ``{"hook": the site scanned}`` (empty in results saved before it was recorded).
         domains: the corpus's domains (:attr:`~ntpflow.llm.corpus.Contexts.domain_names`; default
             :data:`~ntpflow.llm.corpus.DOMAINS`, for results saved before they were stored).
     """
@@ -483,7 +484,7 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
             mode=mode, latents=lat_list, q=q, total_kl=tot, n_examples=n_ex,
             included=[n > 0 and t > cfg.kl_cutoff for n, t in zip(n_ex, tot)], d_mean=dm,
             domain_share=share.tolist(), domain=[names[int(i)] for i in share.argmax(1)],
-            is_formal=formal.tolist(), kl_cutoff=cfg.kl_cutoff, domains=names)
+            is_formal=formal.tolist(), kl_cutoff=cfg.kl_cutoff, extra={"hook": hook}, domains=names)
     return results
 
 

@@ -291,10 +291,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out}: SAE explained variance {q['train']['explained_variance']:.3f} (train), "
               f"{q['eval']['explained_variance']:.3f} (held out); L0 {q['train']['l0']:.1f}")
         return 0
+    modes = {m: s for m, s in out.items() if m != "seconds"}
     parts = [f"{m}: {s['n_included']}/{s['n_scored']} latents included"
-             + (f" (excluded: {s['excluded_because']})" if s["excluded_because"] else "")
-             for m, s in out.items() if m != "seconds"]
-    print(f"{args.out}: " + "; ".join(parts))
+             + (f" (excluded: {s['excluded_because']})" if s["excluded_because"] else "") for m, s in modes.items()]
+    hook = next(iter(modes.values()))["hook"]
+    print(f"{args.out} (hook {hook}): " + "; ".join(parts))
     return 0
 
 

@@ -170,15 +170,17 @@ def scan(lm: Any, sae: Any, ctx: Contexts, n_latents: int, cfg: QScanConfig, see
 
     Returns:
         ``({mode: QScanResult}, stats)``; ``stats`` is ``stats.json``: ``seconds`` and per mode
-        :func:`~ntpflow.llm.qscan.q_statistics` with ``excluded_because`` (:func:`exclusions`).
+        :func:`~ntpflow.llm.qscan.q_statistics` with ``excluded_because`` (:func:`exclusions`) and ``hook`` (the
+        site scanned, also said once in the stage line).
     """
     latents = pick_latents(int(sae.W_dec.shape[0]), n_latents, seed)
-    say(f"Q scan of {len(latents)} latents over {len(ctx)} contexts in {len(cfg.modes)} mode(s)")
+    hook = lm.default_hook
+    say(f"Q scan of {len(latents)} latents at hook {hook} over {len(ctx)} contexts in {len(cfg.modes)} mode(s)")
     t0 = time.perf_counter()
-    res = q_scan(lm.adapter, sae, ctx, lm.default_hook, latents, cfg, progress=say is not _quiet)
+    res = q_scan(lm.adapter, sae, ctx, hook, latents, cfg, progress=say is not _quiet)
     stats: dict = {"seconds": time.perf_counter() - t0}
     for mode, r in res.items():
-        stats[mode] = {**q_statistics(r), "excluded_because": exclusions(r)}
+        stats[mode] = {**q_statistics(r), "excluded_because": exclusions(r), "hook": hook}
     return res, stats
 
 
