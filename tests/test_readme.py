@@ -26,3 +26,16 @@ def test_readme_cli_lines_name_real_commands_and_docs_exist():
     assert used and used <= set(sub.choices)
     for link in re.findall(r"\]\(((?:docs/|BENCHMARKS)[^)#]+)\)", text):
         assert (root / link).exists(), link
+
+
+def test_readme_python_api_example_runs(tmp_path, monkeypatch, capsys):
+    """The README's "Python API" block runs as written (in a scratch folder) and prints what it says."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    block = text[text.index("## Python API"):]
+    code = re.search(r"```python\n(.*?)```", block, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "torch.Size([8, 21, 5]) torch.Size([8, 21, 32])" in out
+    assert re.search(r"^4 False \{'direct'", out, re.M) and re.search(r"^14 True \{'direct'", out, re.M)
+    assert (tmp_path / "runs/maj/att/report/report.html").exists()
