@@ -160,60 +160,51 @@ def report_data(att: Attribution) -> dict:
             "curves": curves, "own": own, "steps": att.summary.get("steps")}
 
 
-def _panels(data: dict, key: str):
+def _grid(data: dict, key: str, panel, ylabel: str, title: str, ncol: int = 1):
+    """A figure of one panel per mismatch (rows) × group (columns) of ``data[key]``, each drawn by ``panel(ax, v)``."""
+    from ntpflow.experiments import figure_style as fs
+
     mismatches = [m for m in ("centred", "paper") if m in data[key]]
     groups = [g for g in GROUPS.values() if any(g in data[key][m] for m in mismatches)]
-    return mismatches, groups
+    if not groups:
+        return None
+    fig, axes = fs.figure(3.2 * len(groups) + 1, 2.8 * len(mismatches), len(mismatches), len(groups))
+    for row, m in zip(axes, mismatches):
+        for ax, g in zip(row, groups):
+            v = data[key][m].get(g)
+            if v is None:
+                ax.set_visible(False)
+                continue
+            ax.set_title(f"{g}, {MISMATCH_LABELS[m]}{panel(ax, v) or ''}")  # panel: draws, and a title suffix
+            ax.axhline(0, color="#000000", lw=0.8)
+            ax.set_ylabel(ylabel)
+    fs.finish(fig, f"{title} ({data['own']} reading). {fs.SIGN}", ncol=ncol)
+    return fig
 
 
 def _fig_bars(data: dict):
     from ntpflow.experiments import figure_style as fs
 
-    mismatches, groups = _panels(data, "bars")
-    if not groups:
-        return None
-    fig, axes = fs.figure(3.2 * len(groups) + 1, 2.8 * len(mismatches), len(mismatches), len(groups))
-    for row, m in zip(axes, mismatches):
-        for ax, g in zip(row, groups):
-            v = data["bars"][m].get(g)
-            if v is None:
-                ax.set_visible(False)
-                continue
-            xs = range(len(PARTS))
-            ax.bar(xs, [v[c] for c in PARTS], color=[fs.COMPONENT_COLORS[c] for c in PARTS], alpha=0.8)
-            ax.axhline(0, color="#000000", lw=0.8)
-            ax.set_xticks(list(xs), [LABELS[c] for c in PARTS])
-            ax.set_title(f"{g}, {MISMATCH_LABELS[m]} ({v['n']} rows)")
-            ax.set_ylabel("share of the change")
-    fs.finish(fig, f"Which part built each feature: mean share of the change by component ({data['own']} reading). "
-                   f"{fs.SIGN}")
-    return fig
+    def panel(ax, v):
+        xs = range(len(PARTS))
+        ax.bar(xs, [v[c] for c in PARTS], color=[fs.COMPONENT_COLORS[c] for c in PARTS], alpha=0.8)
+        ax.set_xticks(list(xs), [LABELS[c] for c in PARTS])
+        return f" ({v['n']} rows)"
+
+    return _grid(data, "bars", panel, "share of the change",
+                 "Which part built each feature: mean share of the change by component")
 
 
 def _fig_curves(data: dict):
     from ntpflow.experiments import figure_style as fs
 
-    mismatches, groups = _panels(data, "curves")
-    if not groups:
-        return None
-    fig, axes = fs.figure(3.2 * len(groups) + 1, 2.8 * len(mismatches), len(mismatches), len(groups))
-    for row, m in zip(axes, mismatches):
-        for ax, g in zip(row, groups):
-            v = data["curves"][m].get(g)
-            if v is None:
-                ax.set_visible(False)
-                continue
-            for c in (*PARTS, "full"):
-                x, y = v[c]
-                ax.plot(x, y, color=fs.COMPONENT_COLORS[c], lw=1.4, ls=":" if c == "full" else "-",
-                        label=LABELS.get(c, c))
-            ax.axhline(0, color="#000000", lw=0.8)
-            ax.set_title(f"{g}, {MISMATCH_LABELS[m]}")
-            ax.set_xlabel("training step")
-            ax.set_ylabel("cumulative influence")
-    fs.finish(fig, f"Cumulative influence, mean over the rows of each group ({data['own']} reading). {fs.SIGN}",
-              ncol=4)
-    return fig
+    def panel(ax, v):
+        for c in (*PARTS, "full"):
+            ax.plot(*v[c], color=fs.COMPONENT_COLORS[c], lw=1.4, ls=":" if c == "full" else "-", label=LABELS.get(c, c))
+        ax.set_xlabel("training step")
+
+    return _grid(data, "curves", panel, "cumulative influence",
+                 "Cumulative influence, mean over the rows of each group", ncol=4)
 
 
 def write_run_report(path: str | Path) -> Path:
