@@ -258,3 +258,63 @@ def test_null_draws_spans_as_an_isotropic_components_eigenvectors():
     se = ov.std().item() / 4000 ** 0.5
     assert abs(ov.mean().item() - expect) < 5 * se and expect > 0.8
     assert torch.allclose(cos.pow(2), ov, rtol=1e-12, atol=1e-15)  # one direction: overlap = cos²
+
+
+def test_small_active_subspace_marks_p_values_and_shares_not_informative(finished_run, tmp_path, capsys):
+    """Readout 8: S_0 has at most 8 active dimensions, so with --top 8 every top span is the whole active subspace:
+    each row's p (its null is a point mass, p_floor ≈ 1) and shares (they add up to 1 by construction) are marked
+    n.i. on the printed lines, in discover.md and in discover.json. With --top 1 the marks follow the same rule, and
+    a component that moved nothing at the site (all λ = 0) is n.i. too."""
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    attribute(run, [Site(1, 3)], None, device="cpu", progress=False, readout=8, matrices=True)
+    assert main(["discover", str(run), "--site", "1:3", "--top", "8", "--null", "200", "--out",
+                 str(tmp_path / "d8")]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((tmp_path / "d8" / "discover.json").read_text())
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and " / " in line and "component" not in line]
+    assert len(rows) == 2 * 4
+    for line in rows:
+        assert line.endswith(" (n.i.) |") and line.count("(n.i.)") == 2, line
+    assert "n.i.: not informative" in printed and printed.count("n.i.: not informative") == 2
+    assert "(n.i.)" in (tmp_path / "d8" / "discover.md").read_text()
+    for entry in data["mismatches"]:
+        for comp in entry["components"]:
+            assert comp["active"] <= 8 and comp["overlap"]["m"] == comp["active"]
+            null = comp["overlap"]["null"]
+            assert not null["informative"] and null["p_floor"] > 0.9 and not comp["p_informative"]
+            assert null["attainable"] == pytest.approx(comp["overlap"]["observed"], abs=1e-9)
+            assert not comp["shares_informative"]
+            total = sum(d["share"] for d in comp["directions"])
+            assert total == pytest.approx(1.0, abs=1e-6) or (total == 0 and comp["trace_active"] == 0)
+    discover(run, Site(1, 3), out_dir=tmp_path / "d1", top=1, null_draws=200, seed=0)
+    for entry in json.loads((tmp_path / "d1" / "discover.json").read_text())["mismatches"]:
+        for comp in entry["components"]:
+            null = comp["overlap"]["null"]
+            moved = any(d["eigenvalue"] != 0 for d in comp["directions"])  # pre-cached may be exactly 0 here
+            assert comp["shares_informative"] == (comp["active"] > 1 and moved)
+            assert null["informative"] == (null["p_floor"] < 0.05)
+            assert comp["p_informative"] == (null["informative"] and moved)
+            assert comp["overlap"]["observed"] <= null["attainable"] + 1e-9
+
+
+def test_p_values_are_informative_only_where_the_null_leaves_room():
+    """The rule from the null alone: S_0 with 2 active dimensions and top 2 → every draw is the active plane, p_floor
+    ≈ 1 (n.i.); 6 active dimensions and top 2 → a span containing the feature is possible and the null rarely
+    reaches it, p_floor = 1/(draws+1) (informative); a feature outside the active plane cannot be reached at all."""
+    from ntpflow.replay.discover import _null, _span, _summary, best_overlap
+
+    e1 = torch.eye(6, dtype=torch.float64)[:, :1]
+    for diag, informative in (([1, 1, 0, 0, 0, 0], False), ([1, 0.5, 0.3, 0.2, 0.1, 0.05], True)):
+        eig = generalized_eig(torch.eye(6, dtype=torch.float64), torch.diag(torch.tensor(diag, dtype=torch.float64)))
+        m = min(2, eig["active"])
+        ov, _ = _null(eig["whitening"], e1, e1.T, m, 400, seed=0)
+        best = best_overlap(_span(eig["whitening"]), e1, m)
+        assert best == pytest.approx(1.0)
+        s = _summary(ov, ov.mean().item(), best)
+        assert s["informative"] is informative
+        assert s["p_floor"] == (pytest.approx(1.0) if not informative else pytest.approx(1 / 401))
+    e6 = torch.eye(6, dtype=torch.float64)[:, 5:]
+    eig = generalized_eig(torch.eye(6, dtype=torch.float64), torch.diag(torch.tensor([1.0, 1, 1, 0, 0, 0],
+                                                                                      dtype=torch.float64)))
+    assert best_overlap(_span(eig["whitening"]), e6, 2) == pytest.approx(0.0, abs=1e-12)

@@ -21,6 +21,15 @@ with no preferred direction would be: v = W q with q uniformly random in the whi
 so directions of small initial mismatch are as over-represented as in the real eigenvectors), from a seeded
 generator; reported as the null's mean, its 95 % quantile and the share of draws at least as large. The full
 influence is its own control: M_full ≈ S_0 (all λ ≈ 1), so its directions are arbitrary, a draw of that null.
+
+**Small active subspaces.** A p-value is marked not informative when the null leaves no room for a small one: its
+``p_floor``, the p that the best value attainable in the active subspace would get against the same draws (the
+overlap of the m-span closest to the features' span; the |cos| of the direction closest to a feature), is at least
+``ALPHA``. That is always so when a ≤ m (every draw, like the observed span, is then the whole active subspace) and
+when the features span the active subspace (every overlap is 1). Shares are marked not informative when a ≤ m: the
+top directions are then all a active ones, and their shares add up to 1 by construction. Both are, where the
+component moved nothing at the site (all λ = 0, as pre-cached where it is structurally absent): its directions are
+arbitrary.
 """
 
 from collections.abc import Sequence
@@ -36,6 +45,8 @@ from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
 
 MISMATCH_NAMES = ("paper", "centred")
+ALPHA = 0.05
+"""A p-value is informative when the best value attainable in the active subspace would have p < ALPHA."""
 
 
 def generalized_eig(M: torch.Tensor, S0: torch.Tensor, rcond: float = 1e-4) -> dict:
@@ -86,9 +97,21 @@ def _null(W: torch.Tensor, F: torch.Tensor, feats: torch.Tensor, m: int, draws: 
     return ov, cos
 
 
-def _summary(x: torch.Tensor, observed: float) -> dict:
-    return {"mean": x.mean().item(), "q95": torch.quantile(x, 0.95).item(),
-            "p_at_least_observed": ((x >= observed).sum().item() + 1) / (len(x) + 1), "draws": len(x)}
+def best_overlap(basis: torch.Tensor, F: torch.Tensor, m: int) -> float:
+    """The largest overlap with F [d, f] of any m-dimensional span inside span(``basis``) [d, a] (orthonormal): the
+    top m squared cosines of the principal angles between the two, over min(m, f)."""
+    return (torch.linalg.svdvals(F.T @ basis)[:m].pow(2).sum() / min(m, F.shape[1])).item()
+
+
+def _summary(x: torch.Tensor, observed: float, attainable: float) -> dict:
+    """The null draws ``x`` against ``observed``; ``p_floor``: the p of ``attainable``, the largest value possible
+    (informative: p_floor < ALPHA, some observation could have been significant)."""
+    def p(v: float) -> float:
+        return ((x >= v).sum().item() + 1) / (len(x) + 1)
+
+    floor = p(attainable - 1e-9)  # draws equal to the attainable maximum up to rounding
+    return {"mean": x.mean().item(), "q95": torch.quantile(x, 0.95).item(), "p_at_least_observed": p(observed),
+            "draws": len(x), "attainable": attainable, "p_floor": floor, "informative": floor < ALPHA}
 
 
 def discover(run_dir: str | Path, site: Site, *, attribution_dir: str | Path | None = None,
@@ -128,8 +151,11 @@ def discover(run_dir: str | Path, site: Site, *, attribution_dir: str | Path | N
             eig = generalized_eig(M[c], S0, rcond)
             m = min(top, eig["active"])
             ov_null, cos_null = _null(eig["whitening"], F, feats, m, null_draws, seed)
+            basis = _span(eig["whitening"])  # the active subspace, orthonormal
+            moved = bool(eig["values"].abs().max() > 0)  # False: M_c is 0 there (e.g. pre-cached where absent)
             vecs = eig["vectors"][:m]
             observed = overlap(_span(vecs.T), F)
+            null = _summary(ov_null, observed, best_overlap(basis, F, m))
             dirs = []
             for j, v in enumerate(vecs):
                 cos = feats @ v
@@ -142,14 +168,21 @@ def discover(run_dir: str | Path, site: Site, *, attribution_dir: str | Path | N
             entry["components"].append({
                 "component": c, "active": eig["active"], "d": len(S0), "trace_active": eig["trace_active"],
                 "directions": dirs,
-                "overlap": {"m": m, "observed": observed, "null": _summary(ov_null, observed)},
-                "abs_cos_null": _summary(cos_null, max(d["best_abs_cos"] for d in dirs))})
+                "overlap": {"m": m, "observed": observed, "null": null},
+                "abs_cos_null": _summary(cos_null, max(d["best_abs_cos"] for d in dirs),
+                                         (feats @ basis).norm(dim=1).max().item()),
+                "p_informative": null["informative"] and moved, "shares_informative": eig["active"] > m and moved})
         report["mismatches"].append(entry)
     out = Path(out_dir) if out_dir is not None else folder.discoveries / f"{site.layer}_{site.pos}"
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "discover.json", report)
     atomic_write(out / "discover.md", markdown(report))
     return out
+
+
+def _ni(informative: bool | None) -> str:
+    """The mark of a value that is not informative (`` (n.i.)``); none for reports written before the flag."""
+    return " (n.i.)" if informative is False else ""
 
 
 def markdown(report: dict) -> str:
@@ -172,8 +205,16 @@ def markdown(report: dict) -> str:
             dirs, ov = comp["directions"], comp["overlap"]
             lines.append(f"| {comp['component']} | {comp['active']} / {comp['d']} | "
                          f"{', '.join(format(d['eigenvalue'], '.3g') for d in dirs)} | "
-                         f"{', '.join(format(d['share'], '.2f') for d in dirs)} | "
+                         f"{', '.join(format(d['share'], '.2f') for d in dirs)}{_ni(comp.get('shares_informative'))} | "
                          f"{dirs[0]['best_feature']} ({dirs[0]['best_abs_cos']:.2f}) | {ov['observed']:.3f} | "
-                         f"{ov['null']['mean']:.3f} | {ov['null']['q95']:.3f} | {ov['null']['p_at_least_observed']:.3f} |")
+                         f"{ov['null']['mean']:.3f} | {ov['null']['q95']:.3f} | {ov['null']['p_at_least_observed']:.3f}"
+                         f"{_ni(comp.get('p_informative'))} |")
         lines.append("")
+        if any(_ni(c.get("shares_informative")) or _ni(c.get("p_informative")) for c in entry["components"]):
+            lines += [f"n.i.: not informative. p: no span of the active subspace could reach p < {ALPHA:g} against "
+                      "this null (p_floor in discover.json), as when the active dimensions are at most top (every "
+                      "draw is then the whole active subspace, like the observed span) or the features span them "
+                      "all. Shares: the top directions are all the active ones, so their shares add up to 1 by "
+                      "construction. Both, where the component moved nothing here (λ all 0: its directions are "
+                      "arbitrary).", ""]
     return "\n".join(lines)
