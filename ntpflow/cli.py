@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ntpflow import __version__
 from ntpflow.experiments.report_all import run_all, run_experiment
+from ntpflow.experiments.run_report import write_run_report
 from ntpflow.files import read_json, resolve_device, stamp
 from ntpflow.llm.qscan_cli import main as qscan_main
 from ntpflow.model.sites import Site, parse_sites
@@ -345,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     p.add_argument("--version", action="version", version=f"ntpflow {__version__}")
     sub = p.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND")
-    for add in (_add_train, _add_probe, _add_attribute, _add_discover, _add_balance, _add_breakdown,
+    for add in (_add_train, _add_probe, _add_attribute, _add_report, _add_discover, _add_balance, _add_breakdown,
                 _add_reproduce,
                 _add_sweep, _add_qscan, _add_demo):
         add(sub)
@@ -517,6 +518,27 @@ def _add_balance(sub) -> None:
     b.add_argument("--out", help="output folder (default RUN_DIR/balance)")
     b.add_argument("--device", help="auto (default), cpu, cuda, ...")
     b.set_defaults(fn=cmd_balance)
+
+
+def cmd_report(args) -> int:
+    """``ntpflow report``: the figures and report page of an attribution; print report.md's and report.html's paths."""
+    md = write_run_report(args.path)
+    print(md)
+    print(md.with_suffix(".html"))
+    return 0
+
+
+def _add_report(sub) -> None:
+    """The ``ntpflow report`` subcommand."""
+    r = sub.add_parser("report", help="one attribution's figures and a self-contained report page",
+                       description="Draw an attribution's influence (each component's share of the change, "
+                                   "NTP-useful and useless sites apart; cumulative curves) and write a report page.",
+                       epilog="example: ntpflow report runs/mine   # its attribution/, or an attribution folder\n"
+                              "Python: ntpflow.attribute(...).report(), or .plot('bars') / .plot('curves')\n"
+                              "writes ATTRIBUTION/report/: report.md, report.html, summary.json, figures/",
+                       formatter_class=_Help)
+    r.add_argument("path", help="a run folder with an attribution, or an attribution folder")
+    r.set_defaults(fn=cmd_report)
 
 
 def _add_breakdown(sub) -> None:
