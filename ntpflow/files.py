@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any, overload
 
 import numpy
 import torch
@@ -134,7 +135,11 @@ class InFolder:
     def __init__(self, name: str):
         self.name = name
 
-    def __get__(self, obj, owner=None):
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> "InFolder": ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> Path: ...
+    def __get__(self, obj: Any, owner: type | None = None) -> "InFolder | Path":
         return self if obj is None else Path(obj.dir) / self.name
 
 

@@ -10,7 +10,7 @@ have passed since the last (so never every step), and one when it ends."""
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 
 from tqdm.auto import tqdm
 
@@ -35,7 +35,7 @@ def progress_of(iterable: Iterable, *, desc: str, total: int | None = None, init
     (:func:`on_terminal`), else :class:`StageLines` on stderr. ``desc`` names the loop (the run); ``total`` the
     count at the end (default ``len(iterable)``), ``initial`` the count at the start (a resumed loop). Every kind
     takes ``set_postfix(**kw)``."""
-    if total is None and hasattr(iterable, "__len__"):
+    if total is None and isinstance(iterable, Sized):
         total = initial + len(iterable)
     if not enabled:
         return tqdm(iterable, disable=True)

@@ -19,7 +19,7 @@ SAMPLE = ROOT / "ntpflow" / "data" / "tinystories-sample"
 def test_sample_is_package_data_found_by_importlib_resources():
     """The sample is found through the package (importlib.resources), not beside a repository checkout, with its
     licence notice and SHA256SUMS; each file's SHA-256 matches SHA256SUMS; pyproject ships all four in the wheel."""
-    folder = importlib.resources.files("ntpflow").joinpath("data", "tinystories-sample")
+    folder = importlib.resources.files("ntpflow") / "data" / "tinystories-sample"
     names = {"README.md", "SHA256SUMS", "train.txt", "valid.txt"}
     assert names <= {f.name for f in folder.iterdir()}
     assert Path(str(folder)).resolve() == C.SAMPLE_DIR.resolve() == C.sample_dir().resolve()

@@ -11,6 +11,7 @@ group this is exactly GPT-2. Grouped layers run as one batched matmul over posit
 import math
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Any, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -19,11 +20,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ntpflow.model.config import MYOPIC_MODES, GPTConfig, Groups, Myopic
 from ntpflow.model.hf import gpt_from_hf, gpt_from_pretrained, gpt_to_hf, gpt_to_hooked_transformer
-from ntpflow.model.hooks import HookPoint, name_hook_points, run_with_cache
+from ntpflow.model.hooks import ActivationCache, HookPoint, NamesFilter, name_hook_points, run_with_cache
+from ntpflow.model.shapes import Logits, Resid, ResidLast, Tokens
 from ntpflow.model.sites import Site
 
 
-def take_groups(param: torch.Tensor, groups: "Groups") -> torch.Tensor:
+def take_groups(param: torch.Tensor, groups: slice | torch.Tensor) -> torch.Tensor:
     """``param`` [G, ...] -> [pos, ...], the copy of each position's group.
 
     A slice is a view; an index tensor goes through ``index_select``, whose backward (``index_add``) is
@@ -59,13 +61,13 @@ class GroupedLayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_groups, d))
         self.hook_normalized = HookPoint()
 
-    def normalize(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         """x [batch, pos, d] -> [batch, pos, d], without calling the hook."""
         if groups is None:
             return F.layer_norm(x, x.shape[-1:], self.weight.squeeze(0), self.bias.squeeze(0), self.eps)
         return F.layer_norm(x, x.shape[-1:], None, None, self.eps) * take_groups(self.weight, groups) + take_groups(self.bias, groups)
 
-    def forward(self, x: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: Groups) -> torch.Tensor:
         """x [batch, pos, d] -> [batch, pos, d]. ``hook_normalized`` sees (x - mean) / sqrt(var + eps) [batch, pos,
         d], before the affine weight and bias, as TransformerLens's does. Unless a hook replaces or changes that value,
         the output is the fused LayerNorm's, bit for bit (caching does not move the logits)."""
@@ -190,6 +192,8 @@ class GPT(nn.Module):
     from its own generator on the CPU; all position groups start identical.
     """
 
+    groups: torch.Tensor  # buffer [n_ctx]: each position's parameter group (cfg.groups)
+
     def __init__(self, cfg: GPTConfig, seed: int = 0):
         super().__init__()
         self.cfg = cfg
@@ -231,14 +235,20 @@ class GPT(nn.Module):
             return slice(0, t)
         return self.groups[:t]
 
+    @overload
+    def forward(self, tokens: Tokens, *, stop_grad_at: Sequence[Site] = (), myopic: Myopic | None = None,
+                return_resid: Literal[False] = False) -> Logits: ...
+    @overload
+    def forward(self, tokens: Tokens, *, stop_grad_at: Sequence[Site] = (), myopic: Myopic | None = None,
+                return_resid: Literal[True]) -> tuple[Logits, list[Resid]]: ...
     def forward(
         self,
-        tokens: torch.Tensor,
+        tokens: Tokens,
         *,
         stop_grad_at: Sequence[Site] = (),
         myopic: Myopic | None = None,
         return_resid: bool = False,
-    ):
+    ) -> Logits | tuple[Logits, list[Resid]]:
         """tokens [batch, pos] -> logits [batch, pos, vocab] (position p predicts token p+1).
 
         Args:
@@ -268,7 +278,7 @@ class GPT(nn.Module):
         logits = self.unembed(resid, groups)
         return (logits, resids) if return_resid else logits
 
-    def unembed(self, resid: torch.Tensor, groups: Groups) -> torch.Tensor:
+    def unembed(self, resid: Resid, groups: Groups) -> Logits:
         """Final LayerNorm and tied unembedding: resid[n_layer] [batch, pos, d_model] -> logits [batch, pos, vocab];
         ``groups``: the positions' group index (see ``_groups``)."""
         x = self.ln_final(resid, groups)
@@ -276,7 +286,7 @@ class GPT(nn.Module):
             return x @ self.wte.squeeze(0).T
         return torch.bmm(x.transpose(0, 1), take_groups(self.wte, groups).transpose(1, 2)).transpose(0, 1)
 
-    def _embed(self, tokens: torch.Tensor, groups: torch.Tensor | None) -> torch.Tensor:
+    def _embed(self, tokens: Tokens, groups: Groups) -> Resid:
         """tokens [batch, pos] -> resid[0] = token + position embedding [batch, pos, d_model]."""
         t = tokens.shape[1]
         if groups is None:
@@ -290,7 +300,7 @@ class GPT(nn.Module):
             pe = F.embedding(g * self.cfg.n_ctx + pos, self.wpe.reshape(n_groups * self.cfg.n_ctx, d))
         return self.hook_embed(tok) + self.hook_pos_embed(pe.expand_as(tok))  # TL's shapes: [batch, pos, d_model]
 
-    def resid_last(self, tokens: torch.Tensor, layer: int, *, myopic: Myopic | None = None) -> torch.Tensor:
+    def resid_last(self, tokens: Tokens, layer: int, *, myopic: Myopic | None = None) -> ResidLast:
         """``resid[layer]`` at the last position of ``tokens`` [batch, pos] -> [batch, d_model], in the graph.
 
         Computes only what that residual depends on: the last block runs for the last query position alone.
@@ -304,12 +314,19 @@ class GPT(nn.Module):
             resid = self.blocks[k](resid, groups, mode, last_only=k == layer - 1)
         return resid[:, -1]
 
-    def run_with_resid(self, tokens: torch.Tensor, **kwargs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def run_with_resid(self, tokens: Tokens, **kwargs: Any) -> tuple[Logits, list[Resid]]:
         """(logits [batch, pos, vocab], resid list of n_layer+1 [batch, pos, d_model]), residuals in the graph."""
         return self(tokens, return_resid=True, **kwargs)
 
     # ---- conversion to and from transformers.GPT2LMHeadModel ----
-    def run_with_cache(self, tokens: torch.Tensor, names=None, *, names_filter=None, **kwargs):
+    def run_with_cache(
+        self,
+        tokens: Tokens,
+        names: NamesFilter = None,
+        *,
+        names_filter: NamesFilter = None,
+        **kwargs: Any,
+    ) -> tuple[Logits, ActivationCache]:
         """``(logits, cache)``: the forward on ``tokens`` [batch, pos] with every hook point's activation (or those
         ``names_filter`` selects: a name, a list of names or a callable ``name -> bool``, as TransformerLens takes it;
         ``names`` is the same) in an :class:`~ntpflow.model.hooks.ActivationCache`, indexed like TransformerLens's

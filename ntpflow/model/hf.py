@@ -44,7 +44,8 @@ def gpt_to_hf(model):
         layer_norm_epsilon=cfg.layer_norm_eps, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
     )
     hf_cfg._attn_implementation = "eager"
-    hf = GPT2LMHeadModel(hf_cfg).to(dtype=model.wte.dtype)
+    # transformers wraps PreTrainedModel.to in a decorator that pyright reads as unbound
+    hf = GPT2LMHeadModel(hf_cfg).to(dtype=model.wte.dtype)  # pyright: ignore[reportCallIssue]
     ours = dict(model.named_parameters())
     state = {theirs: (ours[name][0].T if conv else ours[name][0]).detach().clone()
              for name, theirs, conv in _name_pairs(cfg.n_layer)}
@@ -106,10 +107,11 @@ def _run_config(path: Path) -> dict | None:
     return config if isinstance(config, dict) and isinstance(config.get("train"), dict) else None
 
 
-def _from_run_folder(cls, path: Path, **overrides):
+def _from_run_folder(cls, path: Path, config: dict, **overrides):
     """A run folder's final model (``model.safetensors``: weights alone, or an older version's weights + optimizer
     state under ``model.`` and ``adam.`` names), checked tensor by tensor; an unfinished run is a one-line ValueError
-    naming its checkpoints. Read by file here, so that the model layer does not need the run layer."""
+    naming its checkpoints. ``config``: the folder's ``config.json`` (:func:`_run_config`). Read by file here, so
+    that the model layer does not need the run layer."""
     from dataclasses import replace
 
     weights = path / HF_WEIGHTS
@@ -118,7 +120,7 @@ def _from_run_folder(cls, path: Path, **overrides):
         raise ValueError(f"{path} is a run folder without final weights (its training has not finished): train it to "
                          f"the end, or load a checkpoint with Run.open({str(path)!r}).load_model(STEP)"
                          + (f", STEP one of {steps}" if steps else ""))
-    cfg = GPTConfig(**_run_config(path)["model"])
+    cfg = GPTConfig(**config["model"])
     state = load_tensors(weights)
     if any(k.startswith("model.") for k in state):  # an older version's single file
         state = {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
@@ -134,8 +136,8 @@ def gpt_from_pretrained(cls, name_or_path: str | Path, **overrides):
     ``save_pretrained`` (its tensors checked one by one), or a hub name; a one-line ValueError otherwise, saying
     what to call instead."""
     path = Path(name_or_path)
-    if _run_config(path) is not None:
-        return _from_run_folder(cls, path, **overrides)
+    if (config := _run_config(path)) is not None:
+        return _from_run_folder(cls, path, config, **overrides)
     if path.is_dir():
         if (path / TL_CONFIG).exists():
             raise ValueError(f"{path} holds a TransformerLens model ({TL_CONFIG}): load it with "
@@ -162,7 +164,9 @@ def load_hf_gpt2(name_or_path: str):
     from transformers import GPT2LMHeadModel
 
     try:
-        model, info = GPT2LMHeadModel.from_pretrained(name_or_path, output_loading_info=True)
+        # output_loading_info=True returns (model, info); transformers' annotation names the model alone
+        model, info = GPT2LMHeadModel.from_pretrained(  # pyright: ignore[reportGeneralTypeIssues]
+            name_or_path, output_loading_info=True)
     except Exception as e:  # transformers, huggingface_hub and safetensors raise their own types
         lines = str(e).strip().splitlines() or [type(e).__name__]
         why = lines[0] if Path(name_or_path).exists() else f"no such folder, nor a hub model ({lines[0]})"
@@ -179,7 +183,7 @@ def gpt_to_hooked_transformer(model):
     """A TransformerLens ``HookedTransformer`` with the weights of ``model`` (one position group), through its HF
     twin and TransformerLens's own GPT-2 weight conversion, unprocessed (no LayerNorm folding), so the logits match."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
-    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+    from transformer_lens.pretrained.weight_conversions.gpt2 import convert_gpt2_weights
 
     cfg = model.cfg
     tl_cfg = HookedTransformerConfig(

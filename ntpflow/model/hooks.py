@@ -5,11 +5,14 @@ A hook function receives ``(activation, hook)`` and returns a replacement tensor
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 HookFn = Callable[[torch.Tensor, "HookPoint"], torch.Tensor | None]
+# TransformerLens's names_filter: None (every hook point), a name, names, or a predicate on names
+NamesFilter = str | Iterable[str] | Callable[[str], bool] | None
 
 
 class HookPoint(nn.Identity):
@@ -19,7 +22,10 @@ class HookPoint(nn.Identity):
 
     def add_hook(self, fn: HookFn):
         """Register ``fn(act, hook) -> act | None`` on this point; returns a removable handle."""
-        return self.register_forward_hook(lambda _mod, _inp, out: fn(out, self))
+        def hook(_mod: nn.Module, _inp: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor | None:
+            return fn(out, self)
+
+        return self.register_forward_hook(hook)
 
     @property
     def active(self) -> bool:
@@ -80,7 +86,7 @@ class ActivationCache(dict):
         super().__init__(*args, **kwargs)
         self.n_layers = n_layers
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: str | tuple[Any, ...]) -> torch.Tensor:
         if isinstance(key, tuple):
             if len(key) > 1 and isinstance(key[1], int) and key[1] < 0:
                 if self.n_layers is None or key[1] < -self.n_layers:
@@ -90,7 +96,7 @@ class ActivationCache(dict):
         return super().__getitem__(key if super().__contains__(key) else tl_hook_name(key))
 
 
-def _selector(names_filter) -> Callable[[str], bool]:
+def _selector(names_filter: NamesFilter) -> Callable[[str], bool]:
     """TransformerLens's ``names_filter`` as a predicate: None (every hook), a name, a list of names, or a callable."""
     if names_filter is None:
         return lambda _name: True
@@ -103,7 +109,8 @@ def _selector(names_filter) -> Callable[[str], bool]:
 
 
 def run_with_cache(
-    root: nn.Module, tokens: torch.Tensor, names=None, *, names_filter=None, **kwargs
+    root: nn.Module, tokens: torch.Tensor, names: NamesFilter = None, *, names_filter: NamesFilter = None,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, ActivationCache]:
     """Run ``root(tokens, **kwargs)`` and return ``(output, cache)``: the detached activation of every hook point that
     ``names_filter`` (or ``names``: the same) selects, by hook name (:class:`ActivationCache`). As TransformerLens

@@ -17,6 +17,8 @@ class RunStack(nn.Module):
     ``forward(tokens [R, batch, pos]) -> logits [R, batch, pos, vocab]``, run r on its own weights and batch.
     """
 
+    groups: torch.Tensor  # buffer: the runs' shared position groups (GPT.groups)
+
     def __init__(self, models: Sequence[GPT]):
         super().__init__()
         cfg = models[0].cfg

@@ -40,7 +40,7 @@ EOT = "<|endoftext|>"
 HF_DATASET = "roneneldan/TinyStories"
 # The TinyStories sample shipped as package data (ntpflow/data/tinystories-sample: README with its source and licence,
 # CDLA-Sharing-1.0, and SHA256SUMS; in the wheel too) and the SHA-256 of each of its files, checked at every load.
-SAMPLE_DIR = Path(str(importlib.resources.files("ntpflow").joinpath("data", "tinystories-sample")))
+SAMPLE_DIR = Path(str(importlib.resources.files("ntpflow") / "data" / "tinystories-sample"))
 SAMPLE_SHA256 = {"train.txt": "bdd6f40c699165c043e2d26cfb1198cb9ea17680f17c02c7b11be20f54819db8",
                  "valid.txt": "0aedb4f4a44a4aed1fc1fd9da75678052cd092195dd8f647248ce2aa184650c1"}
 HF_FILES = ("TinyStoriesV2-GPT4-train.txt", "TinyStoriesV2-GPT4-valid.txt")

@@ -17,11 +17,15 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ntpflow.files import atomic_write, read_json, write_json
 from ntpflow.tasks.stories.corpus import EOT, stories_digest
+
+if TYPE_CHECKING:  # tokenizers is imported lazily at run time (the stories extra)
+    from tokenizers import Tokenizer
 
 __all__ = ["HUB_TOKENIZER", "StoryTokenizer", "get_tokenizer", "hub_tokenizer", "train_bpe"]
 
@@ -49,7 +53,7 @@ class StoryTokenizer:
         meta: JSON-able description: ``source`` (``"hub"`` or ``"bpe"``) and its parameters.
     """
 
-    tok: object
+    tok: Tokenizer
     meta: dict = field(default_factory=dict)
 
     @property
