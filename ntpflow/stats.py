@@ -153,16 +153,16 @@ def welch_ci(a, b) -> dict:
     return {**out, "diff": diff, "lo": diff - t * se, "hi": diff + t * se, "p": float(p), "df": float(df)}
 
 
-def sigma_ci(x: Sequence[float], alpha: float = 0.05) -> tuple[float, float]:
+def sigma_ci(x: Sequence[float] | np.ndarray, alpha: float = 0.05) -> tuple[float, float]:
     """Midpoint and half-width of the chi-square ``1 - alpha`` confidence interval for the standard deviation of
     ``x`` (normal model), the paper's ``sigma(ln Q)`` statistic."""
     from scipy import stats as st
 
-    x = np.asarray(x, dtype=float)
-    n = x.size
+    v = np.asarray(x, dtype=float)
+    n = v.size
     if n < 2:
         return math.nan, math.nan
-    s2, df = x.var(ddof=1), n - 1
+    s2, df = v.var(ddof=1), n - 1
     lo = math.sqrt(df * s2 / st.chi2.ppf(1 - alpha / 2, df))
     hi = math.sqrt(df * s2 / st.chi2.ppf(alpha / 2, df))
     return (lo + hi) / 2, (hi - lo) / 2
@@ -180,9 +180,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> dict:
     out: dict = {"rho": None, "lo": None, "hi": None, "p": None, "n": n}
     if n < 4 or np.ptp(a) == 0 or np.ptp(b) == 0:
         return out
-    res = st.spearmanr(a, b)
-    rho = float(res.statistic if hasattr(res, "statistic") else res[0])
-    p = float(res.pvalue if hasattr(res, "pvalue") else res[1])
+    rho, p = (float(v) for v in st.spearmanr(a, b))  # (statistic, pvalue), a named tuple in every scipy
     z, se = math.atanh(max(-0.999999, min(0.999999, rho))), 1.03 / math.sqrt(n - 3)
     out.update(rho=rho, lo=math.tanh(z - 1.96 * se), hi=math.tanh(z + 1.96 * se), p=p)
     return out
