@@ -180,7 +180,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> dict:
     out: dict = {"rho": None, "lo": None, "hi": None, "p": None, "n": n}
     if n < 4 or np.ptp(a) == 0 or np.ptp(b) == 0:
         return out
-    rho, p = (float(v) for v in st.spearmanr(a, b))  # (statistic, pvalue), a named tuple in every scipy
+    rho, p = np.asarray(tuple(st.spearmanr(a, b))[:2], dtype=float).tolist()  # (statistic, pvalue) in every scipy
     z, se = math.atanh(max(-0.999999, min(0.999999, rho))), 1.03 / math.sqrt(n - 3)
     out.update(rho=rho, lo=math.tanh(z - 1.96 * se), hi=math.tanh(z + 1.96 * se), p=p)
     return out
