@@ -55,7 +55,7 @@ examples:
   ntpflow balance runs/maj-vanilla-s0 --sites 1:4,1:6 --features 'is_majority_0'   # where the balance goes
   ntpflow reproduce toy --scale small   # both toy tasks, four regimes, seeds, report
   ntpflow reproduce othello --scale small
-  ntpflow reproduce stories --scale small   # the TinyStories sample in the repository (or --corpus PATH|hf)
+  ntpflow reproduce stories --scale small   # the TinyStories sample shipped in the package (or --corpus PATH|hf)
   ntpflow reproduce llm --scale small
   ntpflow reproduce all --scale small   # every experiment + one report: ~2.5-3 h on 2 cores
   ntpflow qscan --model tiny --train-sae --latents 8 --docs 8 --steps 50 --out runs/qscan-tiny
@@ -582,8 +582,8 @@ def _add_reproduce(sub) -> None:
     rp.add_argument("--workers", type=int, help="parallel runs (default: number of cores; othello: its two training "
                     "runs side by side, default 2 on a CPU, 1 on a GPU; on a CPU each run trains on one torch thread, "
                     "so its result does not depend on this)")
-    rp.add_argument("--corpus", help="stories: a folder or file of stories, 'sample' (the TinyStories sample in the "
-                    "repository, data/tinystories-sample), 'generated[:N]' or 'hf' (default: generated at smoke, "
+    rp.add_argument("--corpus", help="stories: a folder or file of stories, 'sample' (the TinyStories sample shipped in the "
+                    "package, ntpflow/data/tinystories-sample), 'generated[:N]' or 'hf' (default: generated at smoke, "
                     "sample at small, hf at paper)")
     rp.add_argument("--tasks", help="toy only: comma-separated subset of majority,cond_majority (default: both)")
     rp.add_argument("--regimes", help="toy only: comma-separated subset of vanilla,myopic,untied,myopic-untied "

@@ -26,6 +26,7 @@ from ntpflow.engine.forward_mode import Primals
 from ntpflow.engine.reverse_mode import own_cotangents, site_vjps
 from ntpflow.model.gpt import GPT
 from ntpflow.model.loss import lm_loss
+from ntpflow.model.shapes import FlatParams, Mask, Tokens
 from ntpflow.model.sites import Site
 
 
@@ -33,10 +34,10 @@ from ntpflow.model.sites import Site
 class Components:
     """The four gradients at one site, each a flat vector [n_params] in ``model.parameters()`` order."""
 
-    direct: torch.Tensor
-    pre_cached: torch.Tensor
-    shared: torch.Tensor
-    full: torch.Tensor
+    direct: FlatParams
+    pre_cached: FlatParams
+    shared: FlatParams
+    full: FlatParams
 
     def as_dict(self) -> dict[str, torch.Tensor]:
         """The four components by name ("direct", "pre_cached", "shared", "full"), each [n_params]."""
@@ -164,7 +165,7 @@ class SitePasses:
 
 
 def decompose(
-    model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None,
+    model: GPT, tokens: Tokens, sites: Sequence[Site], loss_mask: Mask | None = None,
     bucket_width: int | None = None,
 ) -> dict[Site, Components]:
     """Split the training gradient at each site into direct, pre-cached and shared parts (module docstring).

@@ -36,6 +36,7 @@ from ntpflow.engine.decomposition import SitePasses, flat_grads
 from ntpflow.engine.forward_mode import Primals, all_tangents, site_tangents
 from ntpflow.engine.matrices import InfluenceMatrices
 from ntpflow.model.gpt import GPT
+from ntpflow.model.shapes import Labels, Mask, Rows, Tokens
 from ntpflow.model.sites import Site, checked_sites
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
@@ -409,9 +410,8 @@ class InfluenceTracker:
                     out.append((p, t, mismatch, e.pow(2).sum() / n, (2 * e / n).to(resid[0].dtype)))
         return out
 
-    def track(self, model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor,
-              loss_mask: torch.Tensor | None = None, feature_types: dict[str, torch.Tensor] | None = None,
-              example_ids: torch.Tensor | None = None) -> list[dict]:
+    def track(self, model: GPT, opt: torch.optim.Optimizer, tokens: Tokens, loss_mask: Mask | None = None,
+              feature_types: dict[str, Labels] | None = None, example_ids: Rows | None = None) -> list[dict]:
         """Influence rows for this step (see class docstring). ``feature_types`` maps a probe name to int
         [batch, pos] type labels (e.g. Othello square types); probes without an entry get whole-batch risks.
         ``example_ids`` [batch]: the batch's rows in the dataset given to ``use_dataset`` (θ* projections cached).

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 REGIMES = ("vanilla", "myopic")
 CORPUS_HELP = ("pass --corpus PATH (a folder with train.txt and valid.txt, stories separated by <|endoftext|>, or "
-               "JSON lines), --corpus sample (the TinyStories sample in the repository), --corpus hf "
+               "JSON lines), --corpus sample (the TinyStories sample shipped in the package), --corpus hf "
                "(TinyStoriesV2-GPT4 from the hub) or --corpus generated:N; in Python "
                "run_stories(scale, out, corpus=...)")
 
@@ -102,7 +102,7 @@ SCALES = {
                           curve_every=10),
     # this shared 2-core machine in about an hour for both regimes with attribution (two workers of one thread each;
     # a d-64 training step at batch 32 costs ~0.36 CPU-s on an idle core, a replayed step ~2-3x that per tracked
-    # site). The TinyStories sample shipped in data/tinystories-sample (corpus "sample"): all 2,315 train windows (every story of >= 64 tokens) and all 1,727 eval
+    # site). The TinyStories sample shipped in ntpflow/data/tinystories-sample (corpus "sample"): all 2,315 train windows (every story of >= 64 tokens) and all 1,727 eval
     # windows, a BPE of 4,096 tokens trained on the train split; 4 layers, d 64, 4 heads, batch 32, 300 steps
     # (~4 epochs) at lr 2e-3 (twice the paper's, to get further in few steps), 3 seeds, and two tracked sites inside
     # the paper's layers 1-4 x positions 30-39, ⟨2, 32⟩ and ⟨3, 36⟩, with all 22 features. Measured: 37 min for
