@@ -167,14 +167,14 @@ def cmd_attribute(args) -> int:
         outs = attribute_group(dirs, sites, features, device=args.device or "auto", progress=not args.quiet,
                                force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
                                reading=reading, readout=args.readout)
-    print("\n".join(map(str, outs)))
-    for out in outs:  # the answer: each site × feature's split of the change, marked NTP-useful or useless
+    for out in outs:  # the answer (on stderr, with the closing lines): each site × feature's split of the change
         summary = read_json(AttributionDir(out).summary)
         lines = answer_lines(summary["probes"], summary.get("own_rows", "adam"))
         if lines:
-            print(f"{out}: the split of each change (shares of the {summary.get('own_rows', 'adam')} reading; "
-                  "+ = toward the final value)")
-            print("\n".join(f"  {line}" for line in lines))
+            logging.getLogger("ntpflow").info(
+                f"{out}: the split of each change (shares of the {summary.get('own_rows', 'adam')} reading; "
+                "+ = toward the final value)\n" + "\n".join(f"  {line}" for line in lines))
+    print("\n".join(map(str, outs)))  # stdout: the folders, one a line
     return 0
 
 

@@ -440,8 +440,9 @@ def test_risks_by_type_skip_empty_subsets():
 @pytest.mark.parametrize("make_opt, match", [
     (lambda ps: torch.optim.Adam(ps, lr=1e-3, weight_decay=0.1), "weight_decay"),
     (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "weight_decay"),
-    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), "Adam and plain SGD"),
-    (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9), "Adam and plain SGD"),
+    (lambda ps: torch.optim.RMSprop(ps, lr=1e-3), "Adam and SGD"),
+    (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, nesterov=True), "no dampening or Nesterov"),
+    (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, dampening=0.5), "no dampening or Nesterov"),
 ])
 def test_unsupported_optimizers(make_opt, match):
     model, final = tiny(), tiny(seed=1)

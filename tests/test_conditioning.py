@@ -111,7 +111,7 @@ def test_a_momentum_run_attributes_with_both_readings_that_add_up(momentum_run, 
                                     for c in ("direct", "pre_cached", "shared")}
 
 
-def test_attribute_ends_with_the_answer_marked_useful_or_useless(momentum_run, tmp_path, capsys):
+def test_attribute_ends_with_the_answer_marked_useful_or_useless(momentum_run, tmp_path, capsys, caplog):
     """The CLI's closing lines: per site × feature and mismatch the change and each component's share of it (the run's
     own reading / the exact change, recomputed here from summary.json), κ, and the task's NTP-useful mark, which
     summary.json and every influence row carry too."""
@@ -120,8 +120,10 @@ def test_attribute_ends_with_the_answer_marked_useful_or_useless(momentum_run, t
 
     run = tmp_path / "run"
     shutil.copytree(momentum_run, run)
-    assert main(["attribute", str(run), "--sites", "1:3,1:12", "--features", "is_majority_<0>"]) == 0
-    out = capsys.readouterr().out
+    with caplog.at_level("INFO"):
+        assert main(["attribute", str(run), "--sites", "1:3,1:12", "--features", "is_majority_<0>"]) == 0
+    assert capsys.readouterr().out.strip() == str(run / "attribution")  # stdout: the folder; the answer: the log
+    out = "\n".join(caplog.messages)
     summary = json.loads((run / "attribution" / "summary.json").read_text())
     task = make_task("majority")
     j = task.feature_names.index("is_majority_0")

@@ -317,7 +317,8 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
         assert line.endswith(f"adam and sgd agree in sign on {agree}/{3 * len(rows)} components")
     assert head.endswith("with the exact account on a readout of 64; "
                          f"{summary['refined_steps']}/12 steps refined ({summary['subdivided_steps']} split into "
-                         "pieces)")
+                         "pieces); integrated full influence / (the exact change): median 1 over 2 probes "
+                         "(1 = balanced)")
     for line, mismatch in ((paper, "paper"), (centred, "centred")):
         worst = max(abs(e["residual"]) / e["R0_eval"] for e in summary["probes"] if e["mismatch"] == mismatch)
         assert line == f"{tmp_path.name}/run: exact account, {mismatch}: largest |residual| / R_H(θ_0) {worst:.2e} PASS (≤ 0.01)"

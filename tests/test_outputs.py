@@ -27,8 +27,9 @@ def test_influence_rows_are_self_describing_and_attribute_summarises(tmp_path, c
     assert {"task", "regime", "seed"} <= set(table.column_names)
     rows = table.select(["task", "regime", "seed"]).to_pylist()
     assert rows and all(r == {"task": "majority", "regime": "myopic", "seed": 3} for r in rows)
-    line = caplog.messages[-1]
+    line = next(m for m in caplog.messages if "attributed" in m)
     assert line.startswith(f"{tmp_path.name}/run: attributed 2 sites × 1 features over 12 steps;")  # names its run
+    assert caplog.messages[-1].startswith(f"{tmp_path.name}/run: conditioning, centred: κ (adam)")
     probes = json.loads((out / "summary.json").read_text())["probes"]
     ratios = sorted(p["adam_full"] / p["R0_minus_RT_eval"] for p in probes if p["mismatch"] == "paper")
     assert f"median {ratios[len(ratios) // 2]:.3g} over {len(ratios)} probes" in line

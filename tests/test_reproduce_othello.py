@@ -311,6 +311,7 @@ def _hand_data(direct_useless=(-1.0, 0.0, 1.0)):
             "eval_curve": [{"step": 0, "legal_acc": 0.1, "first_acc": 0.2, "eval_loss": 4.0},
                            {"step": 5, "legal_acc": 0.9, "first_acc": 1.0, "eval_loss": 2.0}],
             "train_curve": [{"step": 5, "loss": 2.0}], "probes": probes, "influence": influence,
+            "influence_sgd": [{**r, "total": 0.01 * r["total"]} for r in influence],  # the SGD direction, same signs
             "curves": [{"step": 5, "type": "useful", "component": "direct", "mean_cumulative": 2.0}],
             "sanity": [{"layer": 1, "pos": 10, "square": "sq_C3", "R0_minus_RT_eval": 1.0, "adam_full": 1.5}],
             "timings": {"train": 10.0, "attribution": 50.0}}
@@ -370,10 +371,13 @@ def test_report_statistics_on_hand_made_data(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [c["verdict"] for c in summary["claims"]] == ["reproduced", "inconclusive", "not reproduced", "inconclusive"]
     # hand-worked: useless direct [-0.1, 0, 0.1], CI ±0.248 inside ±0.5 (full useless: −4.1, −2, 0.1, mean −2):
-    # reproduced; [3, 3.5, 4] (CI 3.5 ± 1.24; full useless −1, 1.5, 4: margin ±0.375) lies wholly outside
+    # reproduced; [8.5, 9, 9.5] (CI 9 ± 1.24; full useless 4.5, 7, 9.5, mean 7: margin ±1.75) lies wholly outside:
+    # not reproduced, its split well-posed (useless means: κ = (9 + 3 + 1) / 7 = 1.86 ≤ 2); [3, 3.5, 4] (full mean
+    # 1.5: κ = (3.5 + 3 + 1) / 1.5 = 5) cancels: ill-posed
     verdict = {d: {c["id"]: c["verdict"] for c in summarize(_hand_data(d))["claims"]}["ii"]
-               for d in ((-0.1, 0.0, 0.1), (3.0, 3.5, 4.0))}
-    assert verdict == {(-0.1, 0.0, 0.1): "reproduced", (3.0, 3.5, 4.0): "not reproduced"}
+               for d in ((-0.1, 0.0, 0.1), (8.5, 9.0, 9.5), (3.0, 3.5, 4.0))}
+    assert verdict == {(-0.1, 0.0, 0.1): "reproduced", (8.5, 9.0, 9.5): "not reproduced",
+                       (3.0, 3.5, 4.0): "ill-posed under Adam"}
 
 
 def test_influence_claims_need_the_first_order_balance():

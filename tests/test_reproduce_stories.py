@@ -197,7 +197,8 @@ def _hand_data(myopic_loss=(3.30, 3.25, 3.35), pos_myopic_r=0.3, overshoot=1.25,
             "train": {"steps": 10, "n_train": 100, "n_eval": 50}, "n_layer": 2, "seq_len": 64,
             "tokenizer": {"source": "bpe", "vocab_size": 4096, "name": None}, "feature_groups": GROUPS,
             "runs": runs, "probes": probes, "profiles": profiles, "influence": influence, "curves": curves,
-            "mismatch": mismatch, "samples": samples}
+            "mismatch": mismatch, "samples": samples,
+            "influence_sgd": [{**r, "total": 0.01 * r["total"]} for r in influence]}  # the SGD direction, same signs
 
 
 def _verdicts(summary):

@@ -118,7 +118,7 @@ def test_from_pretrained_of_an_unfinished_run_says_what_to_call(run, tmp_path):
     for name in ("DONE", "model.safetensors", "model.json"):
         (d / name).unlink()
     msg = one_line_error(GPT.from_pretrained, d, match="has not finished")
-    assert f"Run.open({str(d)!r}).load_model(STEP)" in msg and "[3]" in msg
+    assert f"Run.open({str(d)!r}).load_model(STEP)" in msg and f"Run.open({str(d)!r}).checkpoints()" in msg
 
 
 def test_from_pretrained_of_a_missing_folder_a_file_or_a_tl_folder_is_one_line(tmp_path):

@@ -405,10 +405,12 @@ def othello_influence_checks(summary) -> tuple[str, tuple[Check, ...]]:
         (sanity.get("adam_full") or {}).get("mean"), (sanity.get("R0_minus_RT_eval") or {}).get("mean"),
         "R of the whole batch, mean over the tracked sites and squares"),), "R, every tracked site × square",
         replayed)
-    if reading:  # the split's meaning, per square type: the means over the tracked squares (no SGD direction kept)
+    if reading:  # the split's meaning, per square type: the means over the tracked squares, both readings
         row = {f"{c}/{t}": _othello_row(summary, f"{c}/{t}")["mean"] for c in (*PARTS, "full")
                for t in ("useful", "useless")}
-        rows = [{"own": {c: row[f"{c}/{t}"] for c in (*PARTS, "full")}, "sgd": None}
+        sgd = summary.get("influence_sgd") or {}
+        rows = [{"own": {c: row[f"{c}/{t}"] for c in (*PARTS, "full")},
+                 "sgd": {c: sgd[f"{c}/{t}"] for c in (*PARTS, "full")} if sgd else None}
                 for t in ("useful", "useless") if None not in (row[f"{c}/{t}"] for c in (*PARTS, "full"))]
         checks = (*checks, *meaning_checks(rows, summary.get("optimizer", "adam"),
                                            "R per square type, means over the tracked sites × squares"))

@@ -327,6 +327,8 @@ def gather(scale: OthelloScale, out: Path) -> dict:
     att = run.attribution()
     by_mismatch, curves = (_influence_records(att, cfg.steps - 1, scale.curve_every) if att.influence.exists()
                            else ({"paper": [], "centred": []}, []))  # no replay (yet)
+    by_sgd = (_influence_records(att, cfg.steps - 1, scale.curve_every, "sgd")[0] if att.influence.exists()
+              else {"paper": []})  # the SGD direction, for the claims' meaning checks (empty: not kept)
     sanity, mismatch = _held_out_records(att)
     timings = read_json(layout.timings) if layout.timings.exists() else {}
     return {
@@ -336,7 +338,8 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         "feature_names": feature_names,
         "run": {k: v for k, v in done.items() if k != "step"}, "eval_curve": eval_curve, "train_curve": train_curve,
         "probes": probes, "influence": by_mismatch["paper"], "curves": curves, "sanity": sanity,
-        "influence_centred": by_mismatch["centred"], "mismatch": mismatch,
+        "influence_centred": by_mismatch["centred"], "mismatch": mismatch, "influence_sgd": by_sgd["paper"],
+        "optimizer": cfg.own_rows,
         "timings": timings, "influence_read_at": influence_read_at([att.dir] if att.summary.exists() else []),
         "fragility": _fragility_record(layout), "pilots": scale.pilots,
         "readout": read_json(att.spec).get("readout") if att.spec.exists() else None,
@@ -383,14 +386,16 @@ def _probe_records(run: Run) -> tuple[list[dict], list[str]]:
     return probes, list(ps.feature_names)
 
 
-def _influence_records(att: AttributionDir, last: int, curve_every: int) -> tuple[dict, list[dict]]:
-    """``({"paper": rows, "centred": rows}, curves)``: the integrated (= summed) Adam influence per (layer, pos,
+def _influence_records(att: AttributionDir, last: int, curve_every: int, optimizer: str = "adam"
+                       ) -> tuple[dict, list[dict]]:
+    """``({"paper": rows, "centred": rows}, curves)``: the integrated (= summed) influence of reading ``optimizer``
+    per (layer, pos,
     square, type, component) for the paper's R and the centred R_c (risk rows have mismatch "none"), and the mean
     over units (layer × pos × square with that type) of the cumulative influence on R every ``curve_every`` steps
     and at step ``last``."""
     full_table = pq.read_table(att.influence,
                                columns=["step", "layer", "pos", "feature", "feature_type", "mismatch", "component",
-                                        "value"], filters=[("optimizer", "==", "adam")])
+                                        "value"], filters=[("optimizer", "==", optimizer)])
     totals = full_table.group_by(["layer", "pos", "feature", "feature_type", "mismatch", "component"]).aggregate(
         [("value", "sum"), ("value", "count")]).to_pylist()
     by_mismatch = {"paper": [], "centred": []}

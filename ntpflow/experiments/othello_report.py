@@ -87,6 +87,9 @@ def summarize(data: dict) -> dict:
     table = {f"{c}/{t}": {**stats(r["total"] for r in select(influence, component=c, type=t)),
                           "paper": list(PAPER_CI[(c, t)]) if (c, t) in PAPER_CI else None}
              for c in COMPONENTS for t in ("useful", "useless", "all")}
+    sgd = [r for r in data.get("influence_sgd") or [] if r["component"] in COMPONENTS]
+    table_sgd = {f"{c}/{t}": stats(r["total"] for r in select(sgd, component=c, type=t))["mean"]
+                 for c in COMPONENTS for t in ("useful", "useless")} if sgd else {}
     per_site = stat_rows([r for r in influence if r["type"] in ("useful", "useless")],
                          ("layer", "pos", "component", "type"), "total")
 
@@ -120,7 +123,8 @@ def summarize(data: dict) -> dict:
         "probe_by_layer": _split(by_layer, False), "probe_by_pos": _split(by_pos, False),
         "probe_grid": _split(grid, False), "gap_by_layer": _split(by_layer, True), "gap_by_pos": _split(by_pos, True),
         "gap_grid": _split(grid, True), "gap_slopes": gap_slopes,
-        "influence": table, "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
+        "influence": table, "influence_sgd": table_sgd, "optimizer": data.get("optimizer", "adam"),
+        "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
         "exact_account": residual_share(r for r in records if r["mismatch"] == "paper"),
         **by_mismatch,
     }

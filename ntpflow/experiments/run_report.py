@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 from ntpflow.files import read_json
 from ntpflow.replay.answer import LABELS, MISMATCH_LABELS, PARTS, answer_lines, shares
 from ntpflow.replay.attribution import attribute as replay_attribute
-from ntpflow.runs.run import AttributionDir
+from ntpflow.runs.run import AttributionDir, RunPaths
 
 GROUPS = {True: "NTP-useful", False: "NTP-useless", None: "your directions"}
 
@@ -120,8 +120,9 @@ def attribution_of(path: str | Path) -> Attribution:
         raise ValueError(f"{path} does not exist")
     if AttributionDir(path).spec.exists():
         return Attribution(path)
-    if AttributionDir(path / "attribution").spec.exists():
-        return Attribution(path / "attribution")
+    default = RunPaths(path).attribution()  # a run folder's own attribution
+    if default.spec.exists():
+        return Attribution(default.dir)
     raise ValueError(f"{path} is neither an attribution folder nor a run with one (run ntpflow attribute first)")
 
 

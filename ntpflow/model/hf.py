@@ -116,10 +116,9 @@ def _from_run_folder(cls, path: Path, config: dict, **overrides):
 
     weights = path / HF_WEIGHTS
     if not weights.exists():
-        steps = sorted(int(p.stem.split("_")[1]) for p in (path / "ckpt").glob("step_*.json"))
         raise ValueError(f"{path} is a run folder without final weights (its training has not finished): train it to "
-                         f"the end, or load a checkpoint with Run.open({str(path)!r}).load_model(STEP)"
-                         + (f", STEP one of {steps}" if steps else ""))
+                         f"the end, or load a checkpoint with Run.open({str(path)!r}).load_model(STEP) (STEP one of "
+                         f"Run.open({str(path)!r}).checkpoints())")
     cfg = GPTConfig(**config["model"])
     state = load_tensors(weights)
     if any(k.startswith("model.") for k in state):  # an older version's single file
