@@ -15,8 +15,8 @@ opposite signs, the optimizer's scale, not the gradient paths, decided its sign.
 
 from collections.abc import Sequence
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 PARTS = ("direct", "pre_cached", "shared")
 ROW = ("layer", "pos", "feature", "feature_type", "mismatch", "optimizer")  # one row of influence.parquet's totals
@@ -29,16 +29,20 @@ def kappa(parts: Sequence[float], full: float) -> float | None:
 
 def step_kappas(table: pa.Table) -> dict[tuple, float | None]:
     """κ_steps of every row of an influence table (its per-step ``value`` column): {ROW key: Σ_t Σ_c |I_c,t| /
-    Σ_t |I_full,t|}, None where every step's full influence is 0."""
-    table = table.select([*ROW, "component", "value"]).filter(pc.is_in(table["component"],
-                                                                      pa.array([*PARTS, "full"])))
-    table = table.append_column("abs", pc.abs(table["value"]))
-    table = table.append_column("is_full", pc.equal(table["component"], "full"))
-    sums = table.group_by([*ROW, "is_full"]).aggregate([("abs", "sum")]).to_pylist()
-    parts, full = {}, {}
-    for r in sums:
-        (full if r["is_full"] else parts)[tuple(r[k] for k in ROW)] = r["abs_sum"]
-    return {k: (parts.get(k, 0.0) / f if f else None) for k, f in full.items()}
+    Σ_t |I_full,t|}, None where every step's full influence is 0. Summed in the table's order (``np.bincount``), so
+    the same table gives the same bits whatever the thread count."""
+    table = table.select([*ROW, "component", "value"])
+    comp = np.asarray(table["component"].to_pylist(), dtype=object)
+    keep = np.isin(comp, [*PARTS, "full"])
+    cols = [table[k].to_pylist() for k in ROW]
+    keys = [tuple(c[j] for c in cols) for j in np.flatnonzero(keep)]
+    index: dict[tuple, int] = {}
+    ids = np.fromiter((index.setdefault(k, len(index)) for k in keys), dtype=np.int64, count=len(keys))
+    absval = np.abs(table["value"].to_numpy(zero_copy_only=False)[keep])
+    is_full = comp[keep] == "full"
+    parts = np.bincount(ids[~is_full], absval[~is_full], minlength=len(index))
+    full = np.bincount(ids[is_full], absval[is_full], minlength=len(index))
+    return {k: (float(parts[i] / full[i]) if full[i] else None) for k, i in index.items()}
 
 
 def readings(entry: dict) -> list[str]:
