@@ -64,3 +64,23 @@ def test_parse_steps_and_bad_input(attributed, tmp_path, capsys):
         err = capsys.readouterr().err
         assert fragment in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "x").exists()
+
+
+def test_a_plain_sgd_run_is_broken_down_in_its_one_reading(tmp_path):
+    """Plain SGD (momentum 0): one reading, lr · g_c, whose full is the real step: the tensors' sums equal the exact
+    account's rows and the full its exact change."""
+    run = tmp_path / "run"
+    train(TrainConfig(**{**TINY, "steps": 6, "ckpt_every": 3}, optimizer="sgd", lr=0.5), run, progress=False)
+    rows = pq.read_table(attribute(run, [SITE], [FEATURE], device="cpu", progress=False, readout=64)
+                         / "influence.parquet").to_pylist()
+    summary = json.loads((breakdown(run, [4], [SITE], [FEATURE], readout=64, out_dir=tmp_path / "bd")
+                          / "summary.json").read_text())
+    assert summary["optimizer"] == "sgd" and {e["reading"] for e in summary["entries"]} == {"sgd"}
+    for e in summary["entries"]:
+        r0 = next(r["value"] for r in rows if r["step"] == 0 and r["component"] == "risk"
+                  and r["mismatch"] == e["mismatch"] and r["feature_type"] == -1)
+        for c, v in e["components"].items():
+            (ref,) = [r["value"] for r in rows if (r["step"], r["mismatch"], r["optimizer"], r["component"],
+                                                    r["feature_type"]) == (4, e["mismatch"], "sgd", c, -1)]
+            assert v["total"] == pytest.approx(ref, abs=1e-5 * r0)
+        assert abs(e["residual"]) <= 1e-4 * r0

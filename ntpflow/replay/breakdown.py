@@ -134,7 +134,7 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
             moments = {"full": torch.zeros_like(g_full)} | {s: {c: torch.zeros_like(g_full) for c in PARTS[:2]}
                                                             for s in sites}
         lr = opt.param_groups[0]["lr"]
-        step_of = _step_rule(opt, model, g_full, moments)
+        step_of = _step_rule(opt, model, moments)
         step_of.advance(moments["full"], g_full)
         for s in sites:
             for c in PARTS[:2]:
@@ -149,14 +149,13 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
         real = theta - torch.cat([p.detach().reshape(-1) for p in model.parameters()])  # the step as subtracted
         grads, change = _path_gradients(model, theta, real, held, r_star, probes, points)
         sqrt_v = None if own != "adam" else _sqrt_vhat(opt, model)
-        truncation = 0.0 if start == 0 else _decay(opt, cfg) ** (step_taken - start + 1)
+        truncation = 0.0 if start == 0 else _decay(cfg) ** (step_taken - start + 1)
         for p in probes:
             for mismatch in MISMATCHES:
                 gr = grads[p.name, p.site, mismatch]
-                dirs = {own: {c: scale * moments[p.site][c] for c in PARTS[:2]} | {"full": real},
-                        "sgd": {c: lr * getattr(parts[p.site], c) for c in PARTS[:2]} | {"full": lr * g_full}}
-                if own == "sgd":
-                    dirs.pop(own)
+                dirs = {"sgd": {c: lr * getattr(parts[p.site], c) for c in PARTS[:2]} | {"full": lr * g_full}}
+                if own != "sgd":  # the optimizer's own split first (plain SGD's is the SGD direction itself)
+                    dirs = {own: {c: scale * moments[p.site][c] for c in PARTS[:2]} | {"full": real}, **dirs}
                 for reading, d in dirs.items():
                     per = {c: (gr * d[c]).split(sizes) for c in (*PARTS[:2], "full")}
                     eps_share = None if sqrt_v is None else (sqrt_v < opt.param_groups[0]["eps"])
@@ -190,7 +189,7 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
     return rows, summary
 
 
-def _step_rule(opt, model, g_full, moments):
+def _step_rule(opt, model, moments):
     """The optimizer's step as a rule on moments (``advance``, ``scale``): Adam's (with the second moment before
     this step) or SGD's with momentum (plain SGD: momentum 0, so the moment is the gradient)."""
     group = opt.param_groups[0]
@@ -200,7 +199,7 @@ def _step_rule(opt, model, g_full, moments):
     return MomentumStep(group.get("momentum", 0.0), moments["full"], None)
 
 
-def _decay(opt, cfg) -> float:
+def _decay(cfg) -> float:
     """The factor by which a moment forgets one step: β1 (Adam) or the momentum."""
     return cfg.beta1 if cfg.optimizer == "adam" else cfg.momentum
 
