@@ -31,6 +31,7 @@ from ntpflow.experiments.claims import (
     within_margin,
 )
 from ntpflow.experiments.formats import COMPONENT_LABELS, COMPONENTS, fmt, fmt_ci, fmt_g, fmt_interval, fmt_sigma
+from ntpflow.replay.conditioning import PARTS, kappa
 from ntpflow.stats import has_ci, stats
 
 # ------------------------------------------------------------------ when each rule was fixed, and against what data
@@ -74,13 +75,6 @@ KAPPA_LIMIT = 2.0  # a "built by" claim: κ = Σ_c |I_c| / |I_full| of every row
 KAPPA_WHY = ("at κ ≤ 2 the components working against the net change add up to at most half of it ((κ − 1)/2), so "
              "no component's sign or size is an artefact of cancellation")
 OPTIMIZER_NAMES = {"adam": "Adam", "momentum": "SGD with momentum", "sgd": "SGD"}
-PARTS = ("direct", "pre_cached", "shared")
-
-
-def _kappa(row: dict) -> float | None:
-    """κ of one row {component: influence} (None when its full influence is 0)."""
-    full = row.get("full")
-    return sum(abs(row[c]) for c in PARTS) / abs(full) if full else None
 
 
 def meaning_checks(rows: list[dict], own: str, where: str) -> tuple[Check, Check]:
@@ -91,7 +85,7 @@ def meaning_checks(rows: list[dict], own: str, where: str) -> tuple[Check, Check
     agree). A failure makes the claim "ill-posed under <optimizer>"; a row without the SGD direction (a replay made
     with --adam-only, or before it was kept) leaves the agreement unmeasured (not testable)."""
     ill = f"{ILL_POSED} under {OPTIMIZER_NAMES.get(own, own)}"
-    kappas = [_kappa(r["own"]) for r in rows]
+    kappas = [kappa([r["own"][c] for c in PARTS], r["own"]["full"]) for r in rows]
     worst = None if not rows or None in kappas else max(kappas)
     kappa_check = Check(f"conditioning: κ = Σ|direct, pre-cached, shared| / |full| of the {own} reading at most "
                         f"{KAPPA_LIMIT:g} on every row ({where}; the largest): {KAPPA_WHY}",

@@ -12,7 +12,8 @@ import math
 
 import numpy as np
 
-PARTS = ("direct", "pre_cached", "shared")
+from ntpflow.replay.conditioning import PARTS
+
 LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared"}
 MISMATCH_LABELS = {"centred": "R_c", "paper": "R"}
 

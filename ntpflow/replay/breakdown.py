@@ -39,12 +39,12 @@ from ntpflow.engine.influence import (
 from ntpflow.files import DirLock, ensure_writable_dir, resolve_device, stamp, write_json
 from ntpflow.model.sites import Site
 from ntpflow.replay.attribution import make_probes, readout_size, run_sites
+from ntpflow.replay.conditioning import PARTS
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.run import Run
 from ntpflow.runs.training import make_optimizer, train_step
 
 log = logging.getLogger(__name__)
-PARTS = ("direct", "pre_cached", "shared")
 TOP = 3  # tensors named per component in summary.json and the printed lines
 
 
