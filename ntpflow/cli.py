@@ -22,6 +22,7 @@ from ntpflow.replay.balance import audit_balance
 from ntpflow.replay.breakdown import breakdown, parse_steps
 from ntpflow.replay.directions import parse_direction, sae_directions
 from ntpflow.replay.discover import discover
+from ntpflow.runs.account import DEFAULT_CHUNKS, AccountSpec
 from ntpflow.runs.config import REGIMES, config_from
 from ntpflow.runs.group import group_dirs
 from ntpflow.runs.probe import check_feature, load_or_probe, probe_run
@@ -111,7 +112,11 @@ def cmd_train(args) -> int:
         task = f"{Path(path).stem}-{hashlib.sha256(path.encode()).hexdigest()[:6]}"
     out = Path(args.out or f"runs/{task}-{cfg.regime}-s{cfg.seed}")
     track = [t for t in (args.track or "").split(",") if t]
-    run = train(cfg, out, progress=not args.quiet, track=track, force_unlock=args.force_unlock)
+    if (args.readout is not None or args.chunks is not None) and not args.account:
+        raise ValueError("--readout and --chunks go with --account SITES")
+    account = None if not args.account else AccountSpec(
+        tuple(parse_sites(args.account)), args.readout, args.chunks if args.chunks is not None else DEFAULT_CHUNKS)
+    run = train(cfg, out, progress=not args.quiet, track=track, force_unlock=args.force_unlock, account=account)
     final = run.metrics()[-1]
     scores = " ".join(f"{k}={final[k]:.4f}" for k in ("eval_loss", "legal_acc", "first_acc") if k in final)
     log.info("finished %s: %s", out, scores)
@@ -160,7 +165,8 @@ def cmd_attribute(args) -> int:
     if len(dirs) == 1 and not args.group:
         outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
                           progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                          reading=reading, readout=args.readout, directions=directions, matrices=args.matrices)]
+                          reading=reading, readout=args.readout, directions=directions, matrices=args.matrices,
+                          replay=args.replay)]
     elif args.out:
         raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
     else:
@@ -373,6 +379,15 @@ def _add_train(sub) -> None:
     t.add_argument("--track", help="extra metric sinks besides metrics.jsonl: tensorboard, wandb (comma-separated)")
     t.add_argument("--force-unlock", action="store_true",
                    help="take over the run directory's lock left by a process on another host that is gone")
+    t.add_argument("--account", metavar="SITES",
+                   help="keep the exact account at these sites while training (LAYER:POS list or ranges, e.g. "
+                        "1:4,1:14): attribute, --direction, --sae and discover then read RUN/account instead of "
+                        "replaying the run (docs/balance.md#in-run)")
+    t.add_argument("--readout", type=int, metavar="N",
+                   help="with --account: the readout set, the first N evaluation sequences (default the batch size, "
+                        "at most 256)")
+    t.add_argument("--chunks", type=int, metavar="N",
+                   help="with --account: at most N chunks of steps kept (the curves' resolution; default 100)")
     _common(t)
     t.set_defaults(fn=cmd_train)
 
@@ -434,6 +449,8 @@ def _add_attribute(sub) -> None:
                    help="also save every site's influence matrices (OUT/matrices.safetensors; the exact account "
                         "only), from which any direction's influence is read afterwards and ntpflow discover finds "
                         "the directions each component moved most (docs/discover.md)")
+    a.add_argument("--replay", action="store_true",
+                   help="replay the run even where it was trained with --account (which attribute otherwise reads)")
     a.add_argument("--force-unlock", action="store_true",
                    help="take over the output folder's lock left by a process on another host that is gone")
     a.add_argument("--device", help="auto (default), cpu, cuda, ...")

@@ -302,9 +302,9 @@ def test_qscan_bad_model_sae_or_domains_is_a_one_line_error(tmp_path, capsys):
 
 
 def test_own_loop_example_gives_the_exact_account(tmp_path):
-    """examples/own_loop.py runs as written, and its account checks against plain forwards: Σ change = R_H(θ_0) −
-    R_H(θ_T) on the held-out set (float64 projections), each row's components add up to its full influence, and
-    the residual is small against R_H(θ_0)."""
+    """examples/own_loop.py (AdamW with weight decay, warmup-cosine, clipping, through ntpflow.Account) runs as
+    written (tests/test_account.py checks such a loop against torch's own calls in float64); Σ change = R_H(θ_0) − R_H(θ_T) by plain forwards; each chunk's parts (with ``decay``) add up to its full influence,
+    decay is not 0, and the residual is small against R_H(θ_0)."""
     import runpy
 
     from ntpflow import GPT
@@ -312,29 +312,25 @@ def test_own_loop_example_gives_the_exact_account(tmp_path):
     example = ROOT / "examples" / "own_loop.py"
     printed = dict(zip(*[iter(ntpflow_script(example, cwd=tmp_path).split())] * 2))
     ns = runpy.run_path(str(example))  # its definitions, without its __main__ block
-    final, _ = ns["train"]()
-    tracker = ns["InfluenceTracker"](final, [ns["Probe"](Site(1, 5), "mine", ns["w"])])
-    held = ns["tokens"][512:]
-    tracker.use_readout(held)
-    replayed, rows = ns["train"](tracker=tracker)
-    torch.manual_seed(0)
-    start = GPT(ns["cfg"])
+    final, account = ns["train"]()
+    result = account.finish({"mine": (Site(1, 5), ns["w"])})
+    tokens = ns["tokens"]
+    held = tokens[512:]
 
     def proj(model):
         with torch.no_grad():
             return model(held, return_resid=True)[1][1][:, 5].double() @ ns["w"].double()
 
-    r0, r_end = ((proj(m) - proj(final)).pow(2).mean().item() for m in (start, replayed))
-    paper = [r for r in rows if r["mismatch"] == "paper"]
-    total = {c: sum(r["value"] for r in paper if r["component"] == c and r["optimizer"] in ("adam", "none"))
-             for c in ("direct", "pre_cached", "shared", "full", "change", "residual")}
-    eps32 = torch.finfo(torch.float32).eps  # the residuals are float32; the tracker's end point is its own θ_t − Δ
-    assert total["change"] == pytest.approx(r0 - r_end, rel=10 * eps32)
-    assert abs(total["residual"]) < 1e-3 * r0 and total["pre_cached"] != 0
-    for step in {r["step"] for r in paper}:
-        v = {r["component"]: r["value"] for r in paper if r["step"] == step and r["optimizer"] == "adam"}
-        assert v["direct"] + v["pre_cached"] + v["shared"] == pytest.approx(v["full"], rel=1e-9, abs=1e-12 * r0)
-    assert float(printed["change"]) == pytest.approx(total["change"], rel=1e-3)  # the script prints the same
+    r0 = (proj(GPT(ns["cfg"], seed=0)) - proj(final)).pow(2).mean().item()
+    paper = next(e for e in result.summary if e["mismatch"] == "paper")
+    eps32 = torch.finfo(torch.float32).eps
+    assert paper["change"] == pytest.approx(r0, rel=10 * eps32)  # R_H(θ_T) = 0: θ_T is θ*
+    assert abs(paper["residual"]) < 1e-3 * r0 and paper["adamw_decay"] != 0 and paper["adamw_pre_cached"] != 0
+    for row in [r for r in result.rows if r["optimizer"] == "adamw" and r["component"] == "full"]:
+        parts = [r["value"] for r in result.rows if (r["step"], r["mismatch"], r["optimizer"]) == (
+            row["step"], row["mismatch"], "adamw") and r["component"] in ("direct", "pre_cached", "shared", "decay")]
+        assert sum(parts) == pytest.approx(row["value"], rel=1e-9, abs=1e-12 * r0)
+    assert float(printed["change"]) == pytest.approx(paper["change"], rel=1e-3)  # the script prints the same
 
 
 def ntpflow_script(path: Path, cwd: Path) -> str:

@@ -57,17 +57,17 @@ def flat_grads(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tens
 def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, sites: Sequence[Site],
                     primals: Primals, functional: bool = False):
     """(full gradient [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i, filled at the sites' positions},
-    the per-parameter gradients), cotangents [batch, pos, d_model]: one forward and backward in the model's own
+    the per-parameter gradients, the loss (0-dim, detached)), cotangents [batch, pos, d_model]: one forward and backward in the model's own
     regime (``torch.autograd``, or ``torch.func`` with ``functional``, which runs under ``vmap``), plus
     ``reverse_mode.own_cotangents`` on ``primals`` (the cached ordinary forward) where a later loss can reach
     r^k_i."""
     params = list(model.parameters())
     layers = sorted({s.layer for s in sites})
     backward = _functional_backward if functional else _autograd_backward
-    param_grads, c_all, d_logits = backward(model, tokens, loss_mask, layers)
+    param_grads, c_all, d_logits, loss = backward(model, tokens, loss_mask, layers)
     full = flat_grads(param_grads, params)
     if model.myopic != "none" or all(k == model.cfg.n_layer for k in layers):
-        return full, c_all, c_all, param_grads  # a myopic loss, or any loss at the last layer, reaches r^k_i
+        return full, c_all, c_all, param_grads, loss  # a myopic loss, or any loss at the last layer, reaches r^k_i
         # only from i
     c_own = {k: torch.zeros_like(c_all[k]) for k in layers}
     for k in layers:
@@ -78,18 +78,18 @@ def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | 
         for chunk in pos.split(16):  # bounds the [rows, batch, vocab] cotangents
             at = chunk.to(tokens.device)
             c_own[k][:, at] = own_cotangents(primals, k, chunk, d_logits[:, at].transpose(0, 1)).transpose(0, 1)
-    return full, c_all, c_own, param_grads
+    return full, c_all, c_own, param_grads, loss
 
 
 def _autograd_backward(model: GPT, tokens, loss_mask, layers):
-    """(per-parameter gradients, {k: ∂L/∂r^k} [batch, pos, d_model], ∂L/∂logits [batch, pos, vocab]) by one
+    """(per-parameter gradients, {k: ∂L/∂r^k} [batch, pos, d_model], ∂L/∂logits [batch, pos, vocab], the loss) by one
     ``torch.autograd.grad``: the ops of ``training.train_step``, so the parameter gradients are its bits."""
     params = list(model.parameters())
     logits, resid = model.run_with_resid(tokens)
     loss = lm_loss(logits, tokens, loss_mask)
     grads = torch.autograd.grad(loss, params + [resid[k] for k in layers] + [logits], allow_unused=True)
     c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
-    return grads[:len(params)], c_all, grads[-1]
+    return grads[:len(params)], c_all, grads[-1], loss.detach()
 
 
 def _functional_backward(model: GPT, tokens, loss_mask, layers):
@@ -114,7 +114,7 @@ def _functional_backward(model: GPT, tokens, loss_mask, layers):
     loss, pull, logits = torch.func.vjp(loss_of, tuple(named.values()), zeros, has_aux=True)
     grads, c_all = pull(torch.ones_like(loss))
     d_logits = torch.func.grad(lambda lg: lm_loss(lg, tokens, loss_mask))(logits)
-    return grads, dict(zip(layers, c_all)), d_logits
+    return grads, dict(zip(layers, c_all)), d_logits, loss.detach()
 
 
 class SitePasses:
@@ -135,8 +135,8 @@ class SitePasses:
         self.params = list(model.parameters())
         self.n_params = sum(p.numel() for p in self.params)
         self.primals = Primals(model, tokens[:, :max(s.pos for s in sites) + 1])
-        self.full, self.c_all, self.c_own, self.param_grads = _cotangent_pass(model, tokens, loss_mask, sites,
-                                                                              self.primals, functional)
+        self.full, self.c_all, self.c_own, self.param_grads, self.loss = _cotangent_pass(
+            model, tokens, loss_mask, sites, self.primals, functional)
 
     def has_pre_cached(self, site: Site) -> bool:
         """False where pre-caching is structurally zero: a myopic model, or the last layer (only ln_final reads it)."""

@@ -35,7 +35,7 @@ import torch
 from ntpflow.engine.decomposition import SitePasses, flat_grads
 from ntpflow.engine.forward_mode import Primals, all_tangents, site_tangents
 from ntpflow.engine.matrices import InfluenceMatrices
-from ntpflow.model.gpt import GPT
+from ntpflow.model.gpt import GPT, GPTConfig
 from ntpflow.model.shapes import Labels, Mask, Rows, Tokens
 from ntpflow.model.sites import Site, checked_sites
 
@@ -192,7 +192,7 @@ class MomentumStep:
         return lr
 
 
-def adam_second_moment(opt: torch.optim.Adam, params: Sequence[torch.Tensor], rows: torch.Tensor | None = None
+def adam_second_moment(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], rows: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, int]:
     """The optimizer's second moment of ``params`` flat [n_params] (zero before the first step) and the number of
     the step about to be taken. ``rows``: for parameters stacked over a run axis ([R, ...]), the second moments of
@@ -219,8 +219,9 @@ class InfluenceTracker:
     ``change`` (optimizer none) and ``residual`` rows.
     """
 
-    def __init__(self, final_model: GPT, probes: Sequence[Probe], sgd_rows: bool = True,
-                 bucket_width: int | None = None, bucket_elements: int = 2**25, midpoint: bool = False):
+    def __init__(self, final_model: GPT | None, probes: Sequence[Probe], sgd_rows: bool = True,
+                 bucket_width: int | None = None, bucket_elements: int = 2**25, midpoint: bool = False, *,
+                 sites: Sequence[Site] = (), cfg: GPTConfig | None = None):
         """``sgd_rows=False`` drops the SGD rows of an Adam run. ``midpoint=True`` reads ∇R at the midpoint of the
         step actually taken, θ_t − Δ/2 (Δ the real Adam or SGD step), instead of at θ_t: the components then add up
         to the change of R along the step to second order, where at θ_t they do to first order only (see
@@ -228,15 +229,17 @@ class InfluenceTracker:
         together in buckets (one reverse-mode and one forward-mode call each, see ``buckets``): ``bucket_width`` is
         the widest spread of positions in a bucket of sites above the embedding (None: 1 on a CPU, where padding
         costs FLOPs, 4 elsewhere, where few large kernels win); ``bucket_elements`` caps rows × batch × positions ×
-        d_model of a bucket's largest intermediate (memory)."""
+        d_model of a bucket's largest intermediate (memory). ``sites``: tracked besides the probes' own;
+        ``final_model=None`` (``ntpflow.engine.exact``, which reads no θ*) takes the model's shape from ``cfg``."""
         self.bucket_width, self.bucket_elements = bucket_width, bucket_elements
         self._dataset: torch.Tensor | None = None  # see use_dataset
         self._last_grads: tuple | None = None  # (model, per-parameter gradients) of the last track(), see step
-        self.final_model = final_model.eval()
+        self.final_model = final_model.eval() if final_model is not None else None
+        self.cfg = final_model.cfg if final_model is not None else cfg
         self.probes = list(probes)
-        self.sites = checked_sites((p.site for p in self.probes), final_model.cfg.n_layer, final_model.cfg.n_ctx)
+        self.sites = checked_sites([p.site for p in self.probes] + list(sites), self.cfg.n_layer, self.cfg.n_ctx)
         self.top_layer = max((s.layer for s in self.sites), default=0)  # the highest residual any reader reads
-        d = final_model.cfg.d_model
+        d = self.cfg.d_model
         for p in self.probes:
             if p.w.shape != (d,):
                 raise ValueError(f"probe {p.name} at {p.site} has shape {tuple(p.w.shape)}, expected ({d},)")
@@ -265,7 +268,7 @@ class InfluenceTracker:
         ``bucket_elements``.
         """
         width = self.bucket_width or (1 if torch.device(device).type == "cpu" else 4)
-        d = self.final_model.cfg.d_model
+        d = self.cfg.d_model
         out, start = [], 0
         for j, s in enumerate(self.sites):
             first = self.sites[start]

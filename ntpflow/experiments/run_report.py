@@ -19,8 +19,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ntpflow.files import read_json
-from ntpflow.replay.answer import LABELS, MISMATCH_LABELS, PARTS, answer_lines, shares
+from ntpflow.replay.answer import LABELS, MISMATCH_LABELS, answer_lines, shares
 from ntpflow.replay.attribution import attribute as replay_attribute
+from ntpflow.replay.conditioning import PARTS
 from ntpflow.runs.run import AttributionDir, RunPaths
 
 GROUPS = {True: "NTP-useful", False: "NTP-useless", None: "your directions"}

@@ -12,9 +12,9 @@ import math
 
 import numpy as np
 
-from ntpflow.replay.conditioning import PARTS
+from ntpflow.replay.conditioning import parts_of
 
-LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared"}
+LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "decay": "decay"}
 MISMATCH_LABELS = {"centred": "R_c", "paper": "R"}
 
 
@@ -32,7 +32,7 @@ def shares(entry: dict, own: str) -> dict[str, float] | None:
     change = entry.get("change", entry.get("R0_minus_RT_eval"))
     if not change or f"{own}_full" not in entry:
         return None
-    return {c: entry[f"{own}_{c}"] / change for c in PARTS}
+    return {c: entry[f"{own}_{c}"] / change for c in parts_of(entry, own)}
 
 
 def answer_lines(summary: list[dict], own: str, limit: int = 40) -> list[str]:
@@ -52,7 +52,7 @@ def answer_lines(summary: list[dict], own: str, limit: int = 40) -> list[str]:
             extra.append(f"residual {abs(e['residual']) / e['R0_eval']:.1e} of R_H(θ₀)")
         change = e.get("change", e.get("R0_minus_RT_eval"))
         lines.append(f"⟨{e['layer']}, {e['pos']}⟩ {e['feature']} ({mark}), {MISMATCH_LABELS.get(e['mismatch'], e['mismatch'])}"
-                     f" change {change:.3g} = " + " + ".join(f"{LABELS[c]} {sh[c]:.2f}" for c in PARTS)
+                     f" change {change:.3g} = " + " + ".join(f"{LABELS[c]} {sh[c]:.2f}" for c in sh)
                      + (f" ({'; '.join(extra)})" if extra else ""))
     if len(lines) > limit:
         lines = lines[:limit] + [f"... {len(lines) - limit} more in summary.json"]

@@ -43,7 +43,9 @@ from ntpflow.progress import progress_of
 from ntpflow.replay.answer import shares, useful_flag
 from ntpflow.replay.conditioning import condition, conditioning_lines, step_kappas
 from ntpflow.replay.directions import direction_probes, direction_records
+from ntpflow.replay.from_account import account_rows, rule_text, save_account_matrices
 from ntpflow.replay.matrices import save_matrices
+from ntpflow.runs.account import KeptAccount, read_account
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
 from ntpflow.runs.probe import load_or_probe
@@ -86,8 +88,12 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
               out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
               progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
               reading: str = "exact", readout: int | None = None, directions: dict | None = None,
-              matrices: bool = False) -> Path:
+              matrices: bool = False, replay: bool = False) -> Path:
     """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
+
+    A run trained with the account (``train --account``) is not replayed: its exact account is read from
+    ``RUN_DIR/account`` when it covers the sites (and ``readout``, if given, is its own), for any features and
+    directions (``ntpflow.replay.from_account``); ``replay=True`` replays it all the same.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
     its last saved state when interrupted. ``block`` (default: the run's ``ckpt_every``) is the number of steps
@@ -109,19 +115,61 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
-    readout = readout_size(reading, readout, cfg.n_eval, cfg.batch_size)
-    if matrices and readout is None:
-        raise ValueError("--matrices needs the exact account (not --paper or --midpoint)")
+    readout_size(reading, readout, cfg.n_eval, cfg.batch_size)  # checked before the account is read
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, sites) if sites or not directions else []
     mc = run.model_config()
     extra = direction_probes(directions or {}, mc.n_layer, run.task.seq_len, mc.d_model, run.task.feature_names)
+    kept = None if reading != "exact" or replay else read_account(run)
+    if kept is not None and not ({*sites, *(p.site for p in extra)} <= set(kept.sites)
+                                 and readout in (None, kept.spec["readout"])):
+        log.info("%s's account (sites %s, readout %d) does not cover this attribution: replaying the run", run.dir,
+                 ", ".join(f"{s.layer}:{s.pos}" for s in kept.sites), kept.spec["readout"])
+        kept = None
+    readout = kept.spec["readout"] if kept is not None else readout_size(reading, readout, cfg.n_eval,
+                                                                          cfg.batch_size)
+    if matrices and readout is None:
+        raise ValueError("--matrices needs the exact account (not --paper or --midpoint)")
     if sites:
         check_features(run, features)  # before the output folder is made
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
+        if kept is not None:
+            return _from_account(run, kept, out, sites, features, dev, device, extra, matrices)
         return _replay(run, out, sites, features, dev, device, block, progress, sgd_rows, reading == "midpoint",
                        readout, extra, matrices)
+
+
+def _from_account(run: Run, kept: KeptAccount, out: Path, sites: list[Site], features, dev, device,
+                  extra: Sequence[Probe], matrices: bool) -> Path:
+    """The attribution of a run trained with the account: rows, summary (and matrices) read from its account."""
+    folder = AttributionDir(out)
+    task_probes = make_probes(run, sites, features, device) if sites else []
+    probes = task_probes + list(extra)
+    spec = {"sites": [[s.layer, s.pos] for s in sites], "features": sorted({p.name for p in task_probes}),
+            "config_hash": run.cfg.hash(), "sgd_rows": kept.spec["sgd_rows"], "midpoint": False, "run_axis": False,
+            "readout": kept.spec["readout"], "directions": direction_records(extra), "matrices": matrices,
+            "account": True}
+    if folder.spec.exists():
+        old = read_json(folder.spec)
+        if old == spec and folder.done:
+            return out
+        if old != spec:
+            raise ValueError(f"{out} holds another attribution (other sites, features, directions or a replay's); "
+                             "write to another folder (attribute --out) or remove it")
+    write_json(folder.spec, spec)
+    folder.parts.mkdir(exist_ok=True)
+    for part in folder.part_files():
+        part.unlink()
+    _write_part(folder.part(0), account_rows(kept.chunks(), kept.final, kept.meta["own"], kept.rows, probes))
+    if matrices:  # before influence.parquet, which marks the folder done
+        save_account_matrices(out, kept, {"readout": kept.spec["readout"], "steps": run.cfg.steps,
+                                          "config_hash": run.cfg.hash(), "optimizer": kept.meta["own"]})
+    _, eval_set = run.datasets()
+    notes = {k: kept.meta[k] for k in ("refined_steps", "subdivided_steps", "point_evaluations")}
+    _finish(out, run, probes, run.load_model("final", dev), eval_set, dev, kept.spec["readout"],
+            {**notes, "rule": rule_text(kept.meta), "account": True, "chunk_steps": kept.spec["chunk_steps"]})
+    return out
 
 
 READINGS = ("exact", "paper", "midpoint")
@@ -394,7 +442,8 @@ class _Tracked:
             save_matrices(self.out, self.tracker, {"readout": self.readout, "steps": self.run.cfg.steps,
                                                    "config_hash": self.run.cfg.hash(),
                                                    "optimizer": self.run.cfg.own_rows})
-        _finish(self.out, self.run, self.probes, self.tracker, self.eval_set, self.dev, self.readout)
+        _finish(self.out, self.run, self.probes, self.tracker.final_model, self.eval_set, self.dev, self.readout,
+                None if self.readout is None else exact_notes(self.tracker))
 
 
 def _batch_types(run: Run, readout: int | None):
@@ -466,7 +515,22 @@ def check_replay(run: Run, model):
                            "its influences would not describe that run")
 
 
-def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, dev, readout: int | None = None):
+def exact_notes(tracker: InfluenceTracker) -> dict:
+    """The exact account's counters and rule (summary.json) of a replay's tracker."""
+    ro = tracker.readout
+    return {"refined_steps": tracker.refined, "subdivided_steps": tracker.subdivided,
+            "point_evaluations": tracker.evaluations,
+            "rule": f"Gauss-Legendre {'/'.join(map(str, ro.levels))} points, then the step split into "
+                    f"{'/'.join(map(str, ro.pieces)) or 'no'} pieces of {ro.levels[-1]} points each, a step "
+                    f"re-integrated while |residual| > min({ro.rtol:g} |change|, {ro.cap:g} R_H(θ_0)) + "
+                    f"{ro.floor:g} R_H(θ_0), each split after the first kept only if it cuts the worst excess by "
+                    f"{ro.stall:g}"}
+
+
+def _finish(out: Path, run: Run, probes, final_model, eval_set, dev, readout: int | None = None,
+            exact: dict | None = None):
+    """Write influence.parquet (the parts' rows, self-describing) and summary.json; log the closing lines.
+    ``exact``: the exact account's counters and rule (:func:`exact_notes`), with ``readout``."""
     folder = AttributionDir(out)
     parts = folder.part_files()
     table = pa.concat_tables([pq.read_table(p) for p in parts])
@@ -482,7 +546,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
     # θ_T is θ* (the replay was checked bit for bit against the final weights before this)
     tokens = torch.as_tensor(eval_set.tokens[:readout or 1024], device=dev)
     with torch.no_grad():
-        r_star = tracker.final_model(tokens, return_resid=True, myopic="none")[1]
+        r_star = final_model(tokens, return_resid=True, myopic="none")[1]
         r0 = run.load_model("init", dev)(tokens, return_resid=True, myopic="none")[1]
     last = table.filter(pa.compute.equal(table["step"], pa.compute.max(table["step"]))).to_pylist()
     steps, own = step_kappas(table), run.cfg.own_rows
@@ -507,13 +571,7 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
             entry["shares"] = shares(entry, own)
             summary.append(entry)
     extra = {} if readout is None else {
-        "readout": readout, "refined_steps": tracker.refined, "subdivided_steps": tracker.subdivided,
-        "point_evaluations": tracker.evaluations,
-        "rule": f"Gauss-Legendre {'/'.join(map(str, tracker.readout.levels))} points, then the step split into "
-                f"{'/'.join(map(str, tracker.readout.pieces)) or 'no'} pieces of {tracker.readout.levels[-1]} points "
-                f"each, a step re-integrated while |residual| > min({tracker.readout.rtol:g} |change|, "
-                f"{tracker.readout.cap:g} R_H(θ_0)) + {tracker.readout.floor:g} R_H(θ_0), each split after the "
-                f"first kept only if it cuts the worst excess by {tracker.readout.stall:g}",
+        "readout": readout, **(exact or {}),
         "exact": "R0_eval = R_H(θ_0) and R0_minus_RT_eval on the readout set; change = Σ_t R_H(θ_t) − R_H(θ_t+1); "
                  "residual = Σ_t (full influence − change)"}
     write_json(folder.summary, {"probes": summary, "steps": run.cfg.steps, "own_rows": own, **extra,
@@ -530,8 +588,10 @@ def _finish(out: Path, run: Run, probes, tracker: InfluenceTracker, eval_set, de
         for line in conditioning_lines(summary, own):
             log.info(f"{run.name}: {line}")
         return
-    log.info(f"{what} with the exact account on a readout of {readout}; {tracker.refined}/{run.cfg.steps} steps "
-             f"refined ({tracker.subdivided} split into pieces); {_balance_text(summary, own, 'change')}")
+    log.info(f"{what} with the exact account on a readout of {readout}"
+             f"{' (kept while training: no replay)' if exact.get('account') else ''}; {exact['refined_steps']}/"
+             f"{run.cfg.steps} steps refined ({exact['subdivided_steps']} split into pieces); "
+             f"{_balance_text(summary, own, 'change')}")
     for line in residual_lines(summary) + conditioning_lines(summary, own):
         log.info(f"{run.name}: {line}")
 

@@ -33,7 +33,7 @@ def step_kappas(table: pa.Table) -> dict[tuple, float | None]:
     the same table gives the same bits whatever the thread count."""
     table = table.select([*ROW, "component", "value"])
     comp = np.asarray(table["component"].to_pylist(), dtype=object)
-    keep = np.isin(comp, [*PARTS, "full"])
+    keep = np.isin(comp, [*PARTS, "decay", "full"])  # decay: AdamW's own row (ntpflow.engine.exact)
     cols = [table[k].to_pylist() for k in ROW]
     keys = [tuple(c[j] for c in cols) for j in np.flatnonzero(keep)]
     index: dict[tuple, int] = {}
@@ -47,7 +47,7 @@ def step_kappas(table: pa.Table) -> dict[tuple, float | None]:
 
 def readings(entry: dict) -> list[str]:
     """The readings whose totals a summary entry holds (``{optimizer}_{component}`` keys), in a fixed order."""
-    return [o for o in ("adam", "momentum", "sgd") if f"{o}_full" in entry]
+    return [o for o in ("adam", "adamw", "momentum", "sgd") if f"{o}_full" in entry]
 
 
 def condition(entry: dict, steps: dict[tuple, float | None], key: tuple, own: str) -> dict:
@@ -57,11 +57,17 @@ def condition(entry: dict, steps: dict[tuple, float | None], key: tuple, own: st
     entry's (layer, pos, feature, feature_type, mismatch), to look up ``steps`` (:func:`step_kappas`)."""
     out: dict = {}
     for o in readings(entry):
-        out[f"kappa_{o}"] = kappa([entry[f"{o}_{c}"] for c in PARTS], entry[f"{o}_full"])
+        out[f"kappa_{o}"] = kappa([entry[f"{o}_{c}"] for c in parts_of(entry, o)], entry[f"{o}_full"])
         out[f"kappa_steps_{o}"] = steps.get((*key, o))
     if own != "sgd" and {own, "sgd"} <= set(readings(entry)):
         out["signs_agree"] = {c: _sign(entry[f"{own}_{c}"]) == _sign(entry[f"sgd_{c}"]) for c in PARTS}
     return out
+
+
+def parts_of(entry: dict, reading: str) -> tuple[str, ...]:
+    """The parts a summary entry splits ``reading``'s full influence into: PARTS, and ``decay`` where the reading has
+    it (AdamW's weight decay, its own row so that the parts still add up to the step)."""
+    return PARTS + (("decay",) if f"{reading}_decay" in entry else ())
 
 
 def _sign(x: float) -> int:

@@ -33,6 +33,7 @@ from ntpflow.runs.data import DataOrder, make_datasets, to_torch
 from ntpflow.runs.run import Run, load_latest, task_for
 from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import (
+    PlainSteps,
     fit,
     init_members,
     make_optimizer,
@@ -156,7 +157,7 @@ def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, 
     return runs
 
 
-class Stacked:
+class Stacked(PlainSteps):
     """The members of a run group stepping as one batched model (a :class:`~ntpflow.runs.training.Stepper`): the
     models and Adams stacked (:func:`stack_runs`), one :func:`group_step` per step on the batches [R, batch, pos]."""
 

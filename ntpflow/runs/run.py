@@ -65,6 +65,28 @@ class AttributionDir:
         return self.influence.exists()
 
 
+@dataclass(frozen=True)
+class AccountDir:
+    """The exact account kept while training (``train --account``, ``ntpflow.runs.account``): ``RUN_DIR/account``::
+
+        spec.json   chunks/chunk_NNNNNN.safetensors(+.json)   final.safetensors(+.json)
+    """
+
+    dir: Path
+
+    spec = InFolder("spec.json")
+    chunks = InFolder("chunks")
+    final = InFolder("final.safetensors")
+
+    def chunk(self, first: int) -> Path:
+        """The accumulators of the chunk of steps that begins at ``first``."""
+        return self.chunks / f"chunk_{first:06d}.safetensors"
+
+    def chunk_files(self) -> list[Path]:
+        """The finished chunks (their sidecar written), in step order."""
+        return sorted(p.with_suffix(".safetensors") for p in self.chunks.glob("chunk_*.json"))
+
+
 class RunPaths:
     """The paths inside a run folder, the only place they are spelled (the folder may not hold a run yet).
     ``RunPaths(dir)``; every :class:`Run` has them."""
@@ -95,6 +117,11 @@ class RunPaths:
     def attribution(self, out: str | Path | None = None) -> AttributionDir:
         """The attribution folder ``out`` (default ``RUN_DIR/attribution``)."""
         return AttributionDir(Path(out) if out is not None else self.dir / "attribution")
+
+    @property
+    def account(self) -> AccountDir:
+        """The exact account kept while training (``train --account``)."""
+        return AccountDir(self.dir / "account")
 
     def attributions(self) -> list[Path]:
         """Every attribution folder inside the run folder (``attribution*``)."""

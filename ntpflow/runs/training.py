@@ -110,7 +110,7 @@ def prepare_run_dir(run: Run, *, extend: bool = False) -> None:
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track: Sequence = (),
-          force_unlock: bool = False, threads: int | None = None) -> Run:
+          force_unlock: bool = False, threads: int | None = None, account=None) -> Run:
     """Train ``cfg`` into ``run_dir``, resuming from its last good checkpoint if one exists. Returns the Run.
 
     Metrics go to ``run_dir/metrics.jsonl`` and to the optional ``track`` sinks (``ntpflow.runs.metrics``).
@@ -119,6 +119,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     run ends in the same bits, and starts a fresh one with this process's count (``ntpflow.runs.threads``); the
     caller's count is restored on return.
     A loss or weights becoming non-finite raise :class:`TrainingDiverged` (the checkpoints before stay; no DONE).
+    ``account`` (an ``ntpflow.runs.account.AccountSpec``): keep the exact account at its sites while training
+    (``RUN_DIR/account``; the weights are the same bits as without it).
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
     no weight decay; a constant learning rate, or the schedule of ``cfg.warmup``/``cfg.decay`` (:class:`ScheduledAdam`);
@@ -126,13 +128,20 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     """
     run = Run(Path(run_dir), cfg)
     check_sinks(track)  # missing packages or credentials fail before anything is written
+    if account is not None:
+        account.check(run)  # bad sites or sizes fail before anything is written
     prepare_run_dir(run)
     with DirLock(run.dir, force=force_unlock), kept_threads():  # one writer per run directory
+        if account is not None:
+            account.check(run)  # again under the lock, before any extension
         prepare_run_dir(run, extend=True)  # again under the lock: another process may have created it
+        if account is not None:
+            account.prepare(run)
         if run.done:
             log.info("%s is already finished", run.dir)
         else:
-            fit([run], Alone, progress=progress, track=track, threads=threads)
+            fit([run], Alone if account is None else account.stepper, progress=progress, track=track,
+                threads=threads)
     return run
 
 
@@ -190,11 +199,33 @@ class Stepper(Protocol):
     def weights_finite(self) -> torch.Tensor:
         """Whether each member's weights are all finite [R] (no sync)."""
 
+    def resume(self, start: int, states: list[dict[str, torch.Tensor]]) -> None:
+        """Restore what :meth:`extra_state` saved with the checkpoint of step ``start`` (each member's tensors)."""
 
-class Alone:
+    def extra_state(self) -> list[dict[str, torch.Tensor]]:
+        """Each member's extra tensors saved with a checkpoint."""
+
+    def finish(self) -> None:
+        """Write what the stepper keeps besides the weights, after the final weights and before ``DONE``."""
+
+
+class PlainSteps:
+    """A stepper that keeps nothing besides the weights (the no-op :class:`Stepper` hooks)."""
+
+    def resume(self, start: int, states: list[dict[str, torch.Tensor]]) -> None:
+        pass
+
+    def extra_state(self) -> list[dict[str, torch.Tensor]]:
+        return [{} for _ in self.members()]
+
+    def finish(self) -> None:
+        pass
+
+
+class Alone(PlainSteps):
     """One run trained alone (:class:`Stepper`): :func:`train_step` on its own batch, so a run keeps its bits."""
 
-    def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Adam], device):
+    def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], device):
         (run,), (self.model,), (self.opt,) = runs, models, opts
         train_set, eval_set = make_datasets(run.cfg, run.task)  # not cached on the Run, which train() returns
         self.data, self.evals = to_torch(train_set, device), [to_torch(eval_set, device)]
@@ -232,11 +263,13 @@ def fit(runs: Sequence[Run], stepper: Callable[..., Stepper], *, progress: bool 
         if not sidecar(run.weights_path("init")).exists():
             save_tensors(run.weights_path("init"), {f"model.{k}": v for k, v in model.state_dict().items()},
                          {"step": 0, "config_hash": run.cfg.hash()})
-    start, _ = load_latest([run.ckpts for run in runs], models, opts, device, cfg.steps)
+    start, states = load_latest([run.ckpts for run in runs], models, opts, device, cfg.steps)
     if start:
         log.info("resuming %s from step %d", ", ".join(str(run.dir) for run in runs), start)
     continue_threads([run.dir for run in runs], start, device, threads)
-    _loop(runs, stepper(runs, models, opts, device), start, device, progress, track)
+    steps = stepper(runs, models, opts, device)
+    steps.resume(start, states)
+    _loop(runs, steps, start, device, progress, track)
 
 
 def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: bool, track: Sequence) -> None:
@@ -271,8 +304,8 @@ def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: b
             if save:
                 for lg in logs:
                     lg.flush()
-                for run, (model, opt) in zip(runs, stepper.members()):
-                    run.ckpts.save(done, model, opt, {"config_hash": run.cfg.hash()})
+                for run, (model, opt), extra in zip(runs, stepper.members(), stepper.extra_state()):
+                    run.ckpts.save(done, model, opt, {"config_hash": run.cfg.hash()}, extra)
                 fault_point("train:after_checkpoint")
         _check_finite(finite, stepper, runs, checked, cfg.steps)
         finals = _evaluate(stepper, runs, cfg.steps)
@@ -283,6 +316,7 @@ def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: b
             lg.close()
     for run, (model, opt) in zip(runs, stepper.members()):
         save_state(run.weights_path("final"), model, opt, {"step": cfg.steps, "config_hash": run.cfg.hash()})
+    stepper.finish()
     for run, final in zip(runs, finals):  # DONE last
         write_json(run.done_path, {"step": cfg.steps, **final})
 

@@ -1,0 +1,359 @@
+"""The exact account kept while training: each site's influence accumulators, free of the final model.
+
+At a site ⟨k, i⟩ and on the readout set H (N sequences) a feature w's mismatch is R(w) = wᵀ S w with S = mean_b e_b
+e_bᵀ, e_b = r_b − r*_b, and r* the final model's residual: unknown while training. Along a component's update Δ_c (as
+subtracted, θ ← θ − Σ_c Δ_c) the path integral of R's decrease splits into a part free of r* and a part linear in it:
+
+    ∫₀¹ ∇R(θ_t − sΔ)·Δ_c ds = 2 wᵀ G_c w − 2 mean_b ⟨w, T_c,b⟩ ⟨w, r*_b⟩
+    G_c = ∫₀¹ mean_b ṙ_b r_bᵀ ds  [d, d],    T_c = ∫₀¹ ṙ_b ds  [N, d],    ṙ_b = J_b(θ_t − sΔ) Δ_c
+
+and the centred mismatch R_c (the covariance over H) the same with Ḡ_c = ∫ (mean_b ṙ_b)(mean_b r_b)ᵀ ds taken
+from G_c and the means of T_c and r* from theirs. Both are sums over steps, so they are kept per chunk of steps (the
+integrals by the same Gauss–Legendre points as the replay's exact account, ``InfluenceTracker.use_readout``);
+:func:`chunk_values` contracts a chunk with r* and any directions afterwards: the probe rows and the influence
+matrices of ``ntpflow.engine.matrices``, without replaying the run.
+
+Without r* a step's quadrature is judged by what it integrates exactly: the readout's displacement r_{t+1} − r_t
+= −Σ T_full and the change of its second moment mean_b r rᵀ = −(G_full + G_fullᵀ) (the same refinement ladder as
+the replay: more points, then the step split into pieces).
+
+Rows per (kind, component), kind the reading: ``sgd`` (lr · g_c, the SGD direction) and the optimizer's own
+(``adam``, ``adamw``, ``momentum``; ``sgd`` for plain SGD); components ``direct``, ``pre_cached``, ``full`` (the step
+actually taken) and, under AdamW with weight decay, ``decay`` (lr · λ · θ_t, its own row, so that the rows still add
+up to the change); ``shared`` = full − direct − pre_cached − decay.
+"""
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ntpflow.engine.decomposition import SitePasses
+from ntpflow.engine.forward_mode import Primals
+from ntpflow.engine.influence import (
+    AdamStep,
+    InfluenceTracker,
+    MomentumStep,
+    Readout,
+    adam_second_moment,
+    composite_gauss_legendre,
+)
+from ntpflow.model.gpt import GPT
+from ntpflow.model.shapes import Mask, Tokens
+from ntpflow.model.sites import Site
+
+ACCUMULATORS = ("G", "Gbar", "T")  # per site: [rows, d, d], [rows, d, d], [rows, N, d]
+
+
+def account_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
+    """(the own rows' name, the parameter group) of an optimizer the account supports: Adam ("adam"), AdamW
+    ("adamw", decoupled weight decay), SGD ("sgd") or SGD with momentum ("momentum"); ValueError (one line)
+    otherwise."""
+    if len(opt.param_groups) != 1:
+        raise ValueError("the account needs an optimizer with exactly one parameter group")
+    g = opt.param_groups[0]
+    if g.get("maximize", False):
+        raise ValueError("the account needs maximize=False (a maximizing optimizer flips every sign)")
+    decoupled = isinstance(opt, torch.optim.AdamW) or g.get("decoupled_weight_decay", False)
+    if isinstance(opt, torch.optim.Adam) and not g.get("amsgrad", False):
+        if g.get("weight_decay", 0) and not decoupled:
+            raise ValueError("the account supports Adam's decoupled weight decay (AdamW), not its L2 penalty "
+                             "(weight_decay on torch.optim.Adam): use torch.optim.AdamW")
+        return ("adamw" if decoupled else "adam"), g
+    if type(opt) is torch.optim.SGD and not g.get("nesterov", False) and g.get("dampening", 0) == 0:
+        if g.get("weight_decay", 0):
+            raise ValueError("the account supports SGD without weight decay (use AdamW for a decayed run)")
+        return ("momentum" if g.get("momentum", 0) else "sgd"), g
+    raise ValueError(f"the account supports Adam, AdamW and SGD (with momentum, no dampening or Nesterov), not "
+                     f"{type(opt).__name__} with these options")
+
+
+def row_names(own: str, sgd_rows: bool, decay: bool) -> list[tuple[str, str]]:
+    """The accumulated rows, (kind, component): the SGD direction's (direct, pre_cached, full) unless the run is
+    plain SGD without ``sgd_rows``, then the optimizer's own (with ``decay`` under AdamW)."""
+    rows = [("sgd", c) for c in ("direct", "pre_cached", "full")] if own == "sgd" or sgd_rows else []
+    if own != "sgd":
+        rows += [(own, c) for c in ("direct", "pre_cached", "full")] + ([(own, "decay")] if decay else [])
+    return rows
+
+
+class _Clipped:
+    """A step's ``SitePasses`` with every gradient times ``factor`` (0-dim; gradient-norm clipping): the clip
+    factor applies to every component, so the components still add up to the clipped gradient."""
+
+    def __init__(self, passes: SitePasses, factor: torch.Tensor):
+        self._passes, self.factor = passes, factor
+        self.full, self.primals, self.loss = factor * passes.full, passes.primals, passes.loss
+        self.param_grads = [None if g is None else factor * g for g in passes.param_grads]
+
+    def has_pre_cached(self, site: Site) -> bool:
+        return self._passes.has_pre_cached(site)
+
+    def run_many(self, sites: Sequence[Site]) -> torch.Tensor:
+        return self.factor * self._passes.run_many(sites)
+
+
+class ExactAccount(InfluenceTracker):
+    """The exact account of a training run, kept while it trains.
+
+    ``account.train_step(tokens, loss_mask)`` takes the optimizer step of that batch (one ordinary backward, as
+    ``training.train_step``; gradients clipped to norm ``clip`` if set) and adds its influence accumulators. Steps are
+    grouped in chunks of ``chunk_steps``; each finished chunk goes to ``on_chunk(first_step, tensors)`` (default: kept
+    in ``self.chunks``). ``state_dict``/``load_state_dict`` resume it. Nothing here reads the final model.
+
+    model: the model being trained (its parameters are stepped); opt: its optimizer (:func:`account_optimizer`),
+    whose learning rate is read at every step (any scheduler); sites: the residual sites; readout: tokens [N, pos]
+    (N ≥ 2); levels, pieces, rtol, floor: the quadrature's refinement ladder (``InfluenceTracker.use_readout``).
+    """
+
+    def __init__(self, model: GPT, opt: torch.optim.Optimizer, sites: Sequence[Site], readout: Tokens, *,
+                 chunk_steps: int = 1, sgd_rows: bool = True, clip: float | None = None,
+                 levels: Sequence[int] = (2, 4, 8), pieces: Sequence[int] = (2, 4, 8, 16), rtol: float = 1e-3,
+                 floor: float = 1e-6, on_chunk: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
+                 bucket_width: int | None = None):
+        super().__init__(None, [], sgd_rows=sgd_rows, bucket_width=bucket_width, sites=sites, cfg=model.cfg)
+        if not self.sites:
+            raise ValueError("the account needs at least one site")
+        if len(readout) < 2:
+            raise ValueError("the readout set needs at least 2 sequences (R_c is a variance)")
+        if chunk_steps < 1:
+            raise ValueError(f"chunk_steps must be ≥ 1, not {chunk_steps}")
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be a positive gradient norm, not {clip}")
+        if any(k < 2 for k in pieces) or list(pieces) != sorted(set(pieces)):
+            raise ValueError(f"pieces must be increasing counts ≥ 2, not {tuple(pieces)}")
+        self.model, self.opt, self.clip, self.chunk_steps = model, opt, clip, chunk_steps
+        self.own, group = account_optimizer(opt)
+        self.decay = self.own == "adamw" and group["weight_decay"] != 0
+        self.names = row_names(self.own, sgd_rows, self.decay)
+        n_pos = max(s.pos for s in self.sites) + 1
+        self.rule = Readout(readout[:, :n_pos], readout.new_zeros((len(readout), 0)), None, tuple(levels), rtol,
+                            floor, tuple(pieces))  # the readout tokens and the quadrature's ladder
+        self.on_chunk = on_chunk or (lambda first, tensors: self.chunks.append((first, tensors)))
+        self.chunks: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._resid: dict[Site, torch.Tensor] | None = None  # the readout's residual at the step's start [N, d]
+        self._norms: dict[Site, tuple[float, float]] = {}  # ‖r_0‖, ‖mean r_0 r_0ᵀ‖: the floor's scale
+        self._chunk: dict[str, torch.Tensor] = {}  # the running chunk's tensors (see end_chunk)
+        self._first = 0  # the running chunk's first step
+        self._lr = 1.0
+        self.last_loss: torch.Tensor | None = None
+
+    # ---- one step ----
+    def train_step(self, tokens: Tokens, loss_mask: Mask | None = None) -> torch.Tensor:
+        """Take the training step of ``tokens`` [batch, T] (``loss_mask`` [batch, T]) and account for it; returns its
+        loss (0-dim, before the step)."""
+        own, group = account_optimizer(self.opt)
+        params = list(self.model.parameters())
+        passes: SitePasses | _Clipped = SitePasses(self.model, tokens, self.sites, loss_mask)
+        if self.clip is not None:
+            norm = passes.full.norm()
+            passes = _Clipped(passes, torch.clamp(self.clip / (norm + 1e-6), max=1.0))
+        self._lr = lr = group["lr"]
+        step: AdamStep | MomentumStep | None = None
+        if own in ("adam", "adamw"):
+            m_full, m_sites = self._moments(passes.full)
+            step = AdamStep(*adam_second_moment(self.opt, params), group["betas"], group["eps"], m_full, m_sites)
+        elif own == "momentum":
+            step = MomentumStep(group["momentum"], *self._moments(passes.full))
+        decay = None
+        if self.decay:
+            decay = lr * group["weight_decay"] * torch.cat([p.detach().reshape(-1) for p in params])
+        self._account_step(passes, lr, step, decay)
+        self.opt.zero_grad(set_to_none=True)
+        for p, g in zip(params, passes.param_grads):
+            p.grad = g
+        self.opt.step()
+        self.last_loss = passes.loss
+        return passes.loss
+
+    def _moments(self, g_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tracker's first moments (full [n_params], sites [n_sites, 2, n_params]), allocated on first use."""
+        self._ensure_moments(g_full)
+        assert self._m_full is not None and self._m_sites is not None
+        return self._m_full, self._m_sites
+
+    def _account_step(self, passes, lr: float, adam, decay: torch.Tensor | None) -> None:
+        ro = self.rule
+        if self._resid is None:  # θ_0, or a resumed step: its plain forward (later starts are the previous end)
+            self._resid = self._site_resid(Primals(self.model, ro.tokens, self.top_layer))
+            if not self._norms:
+                self._norms = {s: (float(r.norm()), float((r.T @ r).norm() / len(r))) for s, r in self._resid.items()}
+        if not self._chunk:
+            self._first = self.step
+            self._chunk = {f"start.{s.layer}:{s.pos}": r for s, r in self._resid.items()}
+        previous = math.inf
+        for level, (n, pieces) in enumerate(ro.rules):
+            sink: dict[Site, dict[str, torch.Tensor]] = {}
+            end = self._integral(passes, lr, adam, decay, n, pieces, level == 0, sink)
+            excess = self._excess(sink, end)
+            if ro.settles(level, excess, previous):
+                break
+            previous = excess
+        for s, acc in sink.items():
+            for name, value in acc.items():
+                key = f"{name}.{s.layer}:{s.pos}"
+                self._chunk[key] = value if key not in self._chunk else self._chunk[key] + value
+        self.evaluations += sum(n * k for n, k in ro.rules[:level + 1])
+        self.refined += level > 0
+        self.subdivided += ro.rules[level][1] > 1
+        self._resid = end
+        self.step += 1
+        if self.step % self.chunk_steps == 0:
+            self.end_chunk()
+
+    def end_chunk(self) -> None:
+        """Hand the running chunk, if it holds a step, to ``on_chunk(first_step, tensors)``: ``start.{site}`` and
+        ``end.{site}`` [N, d] (the readout's residuals at its first step's start and its last step's end) and
+        ``G``/``Gbar``/``T``.{site} (:data:`ACCUMULATORS`). Called every ``chunk_steps`` steps, and once at the end
+        of training for a shorter last chunk."""
+        if not self._chunk:
+            return
+        assert self._resid is not None  # a chunk holds a step, which set it
+        tensors = {**self._chunk, **{f"end.{s.layer}:{s.pos}": r for s, r in self._resid.items()}}
+        self._chunk = {}
+        self.on_chunk(self._first, tensors)
+
+    def _site_resid(self, primals: Primals) -> dict[Site, torch.Tensor]:
+        return {s: primals.resid[s.layer][:, s.pos].to(torch.float64) for s in self.sites}
+
+    def _integral(self, passes, lr: float, adam, decay, n: int, pieces: int, update: bool, sink: dict
+                  ) -> dict[Site, torch.Tensor]:
+        """One step by the ``n``-point rule on each of ``pieces`` parts: fills ``sink`` {site: G, Gbar, T}; returns
+        the readout's residuals at the step's end {site: [N, d]}."""
+        shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam, update)
+        if decay is not None:
+            shared_dirs = torch.cat([shared_dirs, decay[None]])
+        step = (shared_dirs[-2] + decay if decay is not None else shared_dirs[-1]) if adam is not None \
+            else lr * passes.full  # the real step, as subtracted
+        scratch = itertools.count()
+        tokens = self.rule.tokens
+
+        def points(s: float) -> Primals:
+            return Primals(self._point(self.model, step, s, next(scratch) % (n + 1)), tokens, self.top_layer)
+
+        end = self._site_resid(points(1.0))
+        rule = composite_gauss_legendre(n, pieces)
+        for j in range(pieces):
+            nodes = [(weight, points(s), []) for s, weight in rule[j * n:(j + 1) * n]]
+            self._integrate(passes, nodes, self.directions, shared_dirs, scale, sgd, adam, update and j == 0,
+                            mats=sink)
+        return end
+
+    def _matrix_terms(self, mats: dict, site: Site, resid: torch.Tensor, tau: torch.Tensor, weight, with_pre: bool,
+                      sgd: bool, adam: bool) -> None:
+        """Add one quadrature point's ω_j (mean_b ṙ_b r_bᵀ, (mean_b ṙ_b)(mean_b r_b)ᵀ, ṙ) of every row to
+        ``mats[site]``: ``resid`` [N, d] the site's residual at the point, ``tau`` [m, N, d] its tangents along the
+        bucket's directions (the SGD parts, the optimizer's parts, then the shared ones: g_full, the optimizer's
+        step, the decay)."""
+        mix = self._mixing(with_pre, sgd, adam, tau)
+        t = torch.einsum("rm,mnd->rnd", mix, tau.to(torch.float64))  # [rows, N, d]
+        r = resid.to(torch.float64)
+        w = 1.0 if weight is None else weight
+        terms = {"G": w * torch.einsum("rnd,ne->rde", t, r) / len(r),
+                 "Gbar": w * t.mean(1)[:, :, None] * r.mean(0)[None, None, :], "T": w * t}
+        acc = mats.setdefault(site, {})
+        for k, v in terms.items():
+            acc[k] = v if k not in acc else acc[k] + v
+
+    def _mixing(self, with_pre: bool, sgd: bool, adam: bool, like: torch.Tensor) -> torch.Tensor:
+        """[rows, m]: each accumulated row (``self.names``) as a combination of the bucket's tangent directions."""
+        n_own = 2 if with_pre else 1
+        shared = n_own * (sgd + adam)  # the first shared direction
+        mix = torch.zeros((len(self.names), shared + sgd + adam + (self.decay and adam)), dtype=torch.float64)
+        for j, (kind, comp) in enumerate(self.names):
+            on_sgd = kind == "sgd"
+            base, scale = (0, self._lr) if on_sgd else (n_own * sgd, 1.0)
+            if comp == "direct":
+                mix[j, base] = scale
+            elif comp == "pre_cached" and with_pre:
+                mix[j, base + 1] = scale
+            elif comp == "full":
+                mix[j, shared + (0 if on_sgd else sgd)] = scale
+                if not on_sgd and self.decay:
+                    mix[j, shared + sgd + 1] = 1.0
+            elif comp == "decay":
+                mix[j, shared + sgd + 1] = 1.0
+        return mix.to(like.device)
+
+    def _excess(self, sink: dict, end: dict[Site, torch.Tensor]) -> float:
+        """The worst site's error of what the step's rule integrates exactly, over its tolerance (0 within): the
+        displacement r_end − r_start + T_full and the second moment's change + G_full + G_fullᵀ, each against
+        rtol × its change + floor × its size at θ_0."""
+        ro, real = self.rule, self._real_row()
+        worst = torch.zeros((), dtype=torch.float64)
+        assert self._resid is not None
+        for s, acc in sink.items():
+            start, stop = self._resid[s], end[s]
+            moved = stop - start
+            g = acc["G"][real]
+            second = (stop.T @ stop - start.T @ start) / len(stop)
+            for err, change, size in (((moved + acc["T"][real]).norm(), moved.norm(), self._norms[s][0]),
+                                      ((second + g + g.T).norm(), second.norm(), self._norms[s][1])):
+                tol = ro.rtol * change + ro.floor * size
+                worst = torch.maximum(worst, torch.where(err <= tol, 0.0, err / tol))
+        return float(worst)
+
+    def _real_row(self) -> int:
+        """The row of the step actually taken: the optimizer's own full."""
+        return self.names.index((self.own, "full"))
+
+    # ---- resuming ----
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The tracker's state (step, moments), the readout's residual at the next step's start, the running chunk
+        and the counters."""
+        state = super().state_dict()
+        state.update({f"account.chunk.{k}": v for k, v in self._chunk.items()})
+        state["account.first"] = torch.tensor(self._first)
+        if self._resid is not None:
+            state.update({f"account.resid.{s.layer}:{s.pos}": r for s, r in self._resid.items()})
+            state.update({f"account.norms.{s.layer}:{s.pos}": torch.tensor(v, dtype=torch.float64)
+                          for s, v in self._norms.items()})
+        state.update({f"account.{k}": torch.tensor(getattr(self, k))
+                      for k in ("refined", "evaluations", "subdivided")})
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        super().load_state_dict({k: v for k, v in state.items() if not k.startswith("account.")})
+        self._chunk = {k[len("account.chunk."):]: v for k, v in state.items() if k.startswith("account.chunk.")}
+        resid = {k[len("account.resid."):]: v for k, v in state.items() if k.startswith("account.resid.")}
+        self._resid = {s: resid[f"{s.layer}:{s.pos}"] for s in self.sites} if resid else None
+        self._norms = {s: tuple(state[f"account.norms.{s.layer}:{s.pos}"].tolist()) for s in self.sites
+                       if f"account.norms.{s.layer}:{s.pos}" in state}
+        for k in ("refined", "evaluations", "subdivided", "first"):
+            setattr(self, k if k != "first" else "_first", int(state.get(f"account.{k}", 0)))
+
+
+def chunk_values(tensors: dict[str, torch.Tensor], site: Site, r_star: torch.Tensor, w: torch.Tensor
+                 ) -> dict[str, torch.Tensor]:
+    """One chunk's values at ``site`` for directions ``w`` [n, d] (float64), given θ*'s readout residuals ``r_star``
+    [N, d]: ``influence`` [2 (paper, centred), rows, n] (each accumulated row's integrated influence, positive = toward
+    the final value), ``risk`` [2, n] R_H at the chunk's start and ``change`` [2, n] its decrease over the chunk."""
+    key = f"{site.layer}:{site.pos}"
+    G, Gbar, T = (tensors[f"{a}.{key}"] for a in ACCUMULATORS)
+    rs = r_star.to(torch.float64)
+    wG = torch.einsum("nd,rde,ne->rn", w, G, w)  # wᵀ G w per row and direction
+    wGbar = torch.einsum("nd,rde,ne->rn", w, Gbar, w)
+    pt, ps = T @ w.T, rs @ w.T  # [rows, N, n], [N, n]: ⟨w, T_b⟩, ⟨w, r*_b⟩
+    cross = (pt * ps).mean(1)  # [rows, n]
+    cross_c = cross - pt.mean(1) * ps.mean(0)
+    influence = torch.stack([2 * (wG - cross), 2 * (wG - wGbar - cross_c)])
+
+    def risks(r: torch.Tensor) -> torch.Tensor:
+        d = (r - rs) @ w.T  # [N, n]
+        return torch.stack([d.pow(2).mean(0), (d - d.mean(0)).pow(2).mean(0)])
+
+    start, end = risks(tensors[f"start.{key}"]), risks(tensors[f"end.{key}"])
+    return {"influence": influence, "risk": start, "change": start - end}
+
+
+def chunk_matrices(tensors: dict[str, torch.Tensor], site: Site, r_star: torch.Tensor) -> torch.Tensor:
+    """One chunk's influence matrices at ``site`` [2 (paper, centred), rows, d, d]: M with wᵀ M w the row's
+    influence on R(w) for any w (``chunk_values``), given θ*'s readout residuals ``r_star`` [N, d]."""
+    key = f"{site.layer}:{site.pos}"
+    G, Gbar, T = (tensors[f"{a}.{key}"] for a in ACCUMULATORS)
+    rs = r_star.to(torch.float64)
+    Q = torch.einsum("rnd,ne->rde", T, rs) / len(rs)  # mean_b T_b r*_bᵀ
+    Qc = Q - T.mean(1)[:, :, None] * rs.mean(0)[None, None, :]
+    M = torch.stack([G - Q, G - Gbar - Qc])
+    return M + M.transpose(-1, -2)

@@ -1,0 +1,105 @@
+"""``attribute`` without a replay: the rows and matrices of a run trained with the exact account (``train
+--account``), contracted with θ*'s readout residuals and the probes' directions (``ntpflow.engine.exact``).
+
+The rows have the replay's schema with one difference of granularity: the account keeps chunks of steps (at most
+``DEFAULT_CHUNKS``), so a row's ``step`` is its chunk's first step, its risk R_H at that step's start, and its
+influences, ``change`` and ``residual`` the sums over the chunk's steps (the cumulative values at a chunk's end equal
+the replay's; ``kappa_steps`` is then read over chunks, a lower bound of the per-step figure).
+"""
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from ntpflow.engine.exact import chunk_matrices, chunk_values
+from ntpflow.engine.influence import MISMATCHES, Probe
+from ntpflow.files import save_tensors
+from ntpflow.model.sites import Site
+from ntpflow.runs.account import KeptAccount
+from ntpflow.runs.run import AttributionDir
+
+COMPONENTS = ("direct", "pre_cached", "shared", "full")
+
+
+def account_rows(chunks: Iterable[tuple[int, dict[str, torch.Tensor]]], final: dict[Site, torch.Tensor], own: str,
+                 names: Sequence[tuple[str, str]], probes: Sequence[Probe]) -> list[dict]:
+    """Every probe's rows from an account's ``chunks`` [(first step, tensors)], θ*'s readout residuals ``final``
+    {site: [N, d]}, its own reading's name and its accumulated rows ``names`` [(kind, component)]: chunk by chunk, in
+    the schema of ``InfluenceTracker`` rows (feature_type -1) with ``cumulative``."""
+    by_site: dict[Site, list[Probe]] = defaultdict(list)
+    for p in probes:
+        by_site[p.site].append(p)
+    rows, cums = [], defaultdict(float)
+    for first, tensors in chunks:
+        for site, ps in by_site.items():
+            w = torch.stack([p.w.detach().cpu() for p in ps]).to(torch.float64)
+            v = {k: x.tolist() for k, x in chunk_values(tensors, site, final[site].cpu(), w).items()}
+            for mi, mismatch in enumerate(MISMATCHES):
+                for j, p in enumerate(ps):
+                    def row(component, optimizer, value):
+                        key = (site.layer, site.pos, p.name, mismatch, component, optimizer)
+                        cums[key] += value if component != "risk" else 0.0
+                        return {"step": first, "layer": site.layer, "pos": site.pos, "feature": p.name,
+                                "feature_type": -1, "mismatch": mismatch, "component": component,
+                                "optimizer": optimizer, "value": value,
+                                "cumulative": cums[key] if component != "risk" else value}
+
+                    rows.append(row("risk", "none", v["risk"][mi][j]))
+                    kinds: dict[str, dict[str, float]] = defaultdict(dict)
+                    for r, (kind, comp) in enumerate(names):
+                        kinds[kind][comp] = v["influence"][mi][r][j]
+                    for kind, c in kinds.items():
+                        c["shared"] = c["full"] - c["direct"] - c["pre_cached"] - c.get("decay", 0.0)
+                        rows += [row(comp, kind, c[comp]) for comp in COMPONENTS + (("decay",) * ("decay" in c))]
+                    change = v["change"][mi][j]
+                    rows += [row("change", "none", change), row("residual", own, kinds[own]["full"] - change)]
+    return rows
+
+
+def account_matrices(kept: KeptAccount) -> dict[str, torch.Tensor]:
+    """The influence matrices of the account's own rows in the replay's ``matrices.safetensors`` layout
+    (``ntpflow.replay.matrices``): ``M.{site}.{mismatch}.{component}`` (direct, pre_cached, shared, full, and decay
+    under AdamW), ``S0.{site}.{mismatch}`` and ``final_resid.{site}``."""
+    own, names = kept.meta["own"], kept.rows
+    total: dict[Site, torch.Tensor] = {}
+    start: dict[Site, torch.Tensor] = {}
+    for first, tensors in kept.chunks():
+        for site in kept.sites:
+            m = chunk_matrices(tensors, site, kept.final[site])
+            total[site] = m if site not in total else total[site] + m
+            if first == 0:
+                start[site] = tensors[f"start.{site.layer}:{site.pos}"]
+    out = {}
+    for site in kept.sites:
+        key, rs = f"{site.layer}:{site.pos}", kept.final[site]
+        out[f"final_resid.{key}"] = rs
+        e = start[site] - rs
+        ec = e - e.mean(0)
+        for mi, mismatch in enumerate(MISMATCHES):
+            c = {comp: total[site][mi, names.index((kind, comp))] for kind, comp in names if kind == own}
+            c["shared"] = c["full"] - c["direct"] - c["pre_cached"] - c.get("decay", 0.0)
+            for comp, m in c.items():
+                out[f"M.{key}.{mismatch}.{comp}"] = m
+            out[f"S0.{key}.{mismatch}"] = (e.T @ e if mismatch == "paper" else ec.T @ ec) / len(e)
+    return out
+
+
+def save_account_matrices(out: Path, kept: KeptAccount, meta: dict) -> Path:
+    """Write the account's matrices to ``out``'s ``matrices.safetensors`` (atomic, sidecar last) with ``meta``."""
+    path = AttributionDir(Path(out)).matrices
+    comps = list(COMPONENTS) + (["decay"] if (kept.meta["own"], "decay") in kept.rows else [])
+    save_tensors(path, account_matrices(kept), {**meta, "sites": [f"{s.layer}:{s.pos}" for s in kept.sites],
+                                                "components": comps, "sign": "positive = moved toward the final value"})
+    return path
+
+
+def rule_text(meta: dict) -> str:
+    """The quadrature rule of an account, in words (summary.json's ``rule``)."""
+    r = meta["rule"]
+    return (f"kept while training: Gauss-Legendre {'/'.join(map(str, r['levels']))} points, then the step split into "
+            f"{'/'.join(map(str, r['pieces'])) or 'no'} pieces of {r['levels'][-1]} points each, a step re-integrated "
+            f"while the readout's displacement or second moment misses its change by more than {r['rtol']:g} of it "
+            f"+ {r['floor']:g} of its size at θ_0, each split after the first kept only if it cuts the worst excess "
+            f"by {r['stall']:g}")

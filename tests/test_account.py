@@ -1,0 +1,219 @@
+"""The exact account kept while training (``ntpflow.engine.exact``, ``train --account``, ``ntpflow.Account``): equal
+to the replay's account, row by row and matrix by matrix (float64), for any loop (AdamW's decay, clipping, a
+schedule) against torch's own calls, and read by ``attribute``/``discover`` without a replay."""
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ntpflow import GPT, Account, GPTConfig, Site, lm_loss
+from ntpflow.cli import main
+from ntpflow.engine.exact import ExactAccount, chunk_matrices, chunk_values
+from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe
+from ntpflow.files import SimulatedKill, load_tensors
+from ntpflow.runs.run import Run
+
+T, V, D = 8, 7, 16
+SITES = [Site(1, 3), Site(2, 5), Site(0, 2)]
+EPS64 = torch.finfo(torch.float64).eps
+TINY_SET = ["n_layer=1", "d_model=32", "n_head=2", "steps=12", "batch_size=32", "n_train=256", "n_eval=128",
+            "eval_every=6", "ckpt_every=4", "log_every=2"]
+
+
+def tiny(seed=0, **kw) -> GPT:
+    return GPT(GPTConfig(vocab_size=V, n_ctx=T, n_layer=2, n_head=2, d_model=D, **kw), seed=seed).double()
+
+
+def batch(seed, n):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (n, T), generator=g), torch.rand(n, T, generator=g) > 0.2
+
+
+def optimizer(name, model):
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=1e-2)
+    return torch.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9 if name == "momentum" else 0.0)
+
+
+@pytest.mark.parametrize("opt_name,kw", [("adam", {}), ("momentum", {}), ("sgd", {}), ("adam", {"myopic": "kv"}), ("adam", {"position_groups": "untied"})])
+def test_in_run_account_equals_the_replay(opt_name, kw):
+    """Trained once with the account, then replayed with θ* known (``InfluenceTracker.use_readout``, the same fixed
+    rule): the weights are the same bits, and every row and influence matrix agrees to float64 rounding."""
+    start, held = tiny(0, **kw), batch(99, 10)[0]
+    steps = [batch(10 + t, 6) for t in range(4)]
+    model = copy.deepcopy(start)
+    account = ExactAccount(model, optimizer(opt_name, model), SITES, held, levels=(8,), pieces=())
+    for tokens, mask in steps:
+        account.train_step(tokens, mask)
+    g = torch.Generator().manual_seed(3)
+    probes = [Probe(s, f"w{j}", torch.randn(D, generator=g, dtype=torch.float64)) for j, s in enumerate(SITES)]
+    tracker = InfluenceTracker(copy.deepcopy(model), probes)
+    tracker.use_readout(held, levels=(8,), pieces=(), matrices=True)
+    replayed = copy.deepcopy(start)
+    opt = optimizer(opt_name, replayed)
+    rows = []
+    for tokens, mask in steps:
+        rows += tracker.track(replayed, opt, tokens, mask)
+        tracker.optimizer_step(replayed, opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), replayed.parameters()))
+    with torch.no_grad():
+        resid = model(held, return_resid=True, myopic="none")[1]
+    final = {s: resid[s.layer][:, s.pos] for s in SITES}
+    want = {(r["step"], r["layer"], r["pos"], r["mismatch"], r["component"], r["optimizer"]): r["value"] for r in rows
+            if r["feature_type"] == -1}
+    compared = 0
+    for first, tensors in account.chunks:
+        for p in probes:
+            v = chunk_values(tensors, p.site, final[p.site], p.w[None])
+            for mi, mismatch in enumerate(MISMATCHES):
+                key = (first, p.site.layer, p.site.pos, mismatch)
+                got = {(c, o): v["influence"][mi, j, 0].item() for j, (o, c) in enumerate(account.names)}
+                got |= {("risk", "none"): v["risk"][mi, 0].item(), ("change", "none"): v["change"][mi, 0].item()}
+                scale = abs(want[(*key, "risk", "none")])
+                for (c, o), value in got.items():
+                    assert value == pytest.approx(want[(*key, c, o)], rel=1e-9, abs=1e-12 * scale), (key, c, o)
+                    compared += 1
+    assert compared == len(account.chunks) * len(probes) * 2 * (len(account.names) + 2)
+    for s in SITES:  # the matrices: Σ over the chunks against the replay's (the own rows)
+        own = account.own
+        total = sum(chunk_matrices(t, s, final[s]) for _, t in account.chunks)
+        ref = tracker.matrices.total[s]  # [3 (direct, pre_cached, full), 2, d, d]
+        for j, comp in enumerate(("direct", "pre_cached", "full")):
+            got = total[:, account.names.index((own, comp))]
+            torch.testing.assert_close(got, ref[j], rtol=1e-9, atol=1e-12 * float(ref[2].abs().max()))
+
+
+def test_adamw_clipping_and_a_schedule_are_torchs_and_add_up():
+    """``ntpflow.Account`` under AdamW with weight decay, clipping and a warmup-cosine LambdaLR: its weights are the
+    same loop's written with torch's calls (clip_grad_norm_, AdamW, LambdaLR) to float64 rounding; with many points
+    the rows (with ``decay``) add up to each chunk's exact change; the clip bit (the first steps' norms exceed it)."""
+    steps, lr = 12, 3e-2
+
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(1.0, (t + 1) / 3)
+                                                 * 0.5 * (1 + math.cos(math.pi * t / steps)))
+
+    held = batch(99, 10)[0]
+    model = tiny(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    sched = schedule(opt)
+    account = Account(model, opt, ["1:3", Site(2, 5)], held, clip=0.05, chunk_steps=5)
+    account._account.rule = account._account.rule.__class__(  # many points: the residual is the rule's
+        account._account.rule.tokens, account._account.rule.final_proj, None, (48,), 1e-4, 1e-6, ())
+    plain = tiny(0)
+    popt = torch.optim.AdamW(plain.parameters(), lr=lr, weight_decay=0.1)
+    psched = schedule(popt)
+    norms = []
+    for t in range(steps):
+        tokens, mask = batch(10 + t, 6)
+        account.step(tokens, mask)
+        sched.step()
+        popt.zero_grad()
+        lm_loss(plain(tokens), tokens, mask).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.05)))
+        popt.step()
+        psched.step()
+    assert max(norms) > 0.05  # clipping acted
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    g = torch.Generator().manual_seed(5)
+    result = account.finish({"u": ("1:3", torch.randn(D, generator=g, dtype=torch.float64)),
+                             "v": (Site(2, 5), torch.randn(D, generator=g, dtype=torch.float64))})
+    assert result.own == "adamw" and account.steps == steps
+    for e in result.summary:
+        assert abs(e["residual"]) <= 1e-8 * e["R0"], e
+        assert e["adamw_decay"] != 0 and e["change"] == pytest.approx(e["R0"], rel=1e-9)  # R_H(θ_T) = 0
+        parts = sum(e[f"adamw_{c}"] for c in ("direct", "pre_cached", "shared", "decay"))
+        assert parts == pytest.approx(e["adamw_full"], rel=1e-12)
+    assert {r["step"] for r in result.rows} == {0, 5, 10}
+
+
+@pytest.mark.parametrize("opt", ["amsgrad", "l2", "nesterov"])
+def test_unsupported_optimizers_are_one_line_errors(opt):
+    model = tiny(0)
+    made = {"amsgrad": lambda: torch.optim.Adam(model.parameters(), amsgrad=True),
+            "l2": lambda: torch.optim.Adam(model.parameters(), weight_decay=0.1),
+            "nesterov": lambda: torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)}[opt]()
+    with pytest.raises(ValueError) as err:
+        Account(model, made, [Site(1, 3)], batch(0, 4)[0])
+    assert "\n" not in str(err.value) and "account" in str(err.value)
+
+
+# ---------------------------------------------------------------- train --account, then attribute without a replay
+
+
+def train_args(out: Path, *extra: str) -> list[str]:
+    return ["-q", "train", "--task", "majority", "--device", "cpu", "--out", str(out), *extra, "--set", *TINY_SET]
+
+
+@pytest.fixture(scope="module")
+def accounted(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("acc") / "run"
+    assert main(train_args(out, "--account", "1:4,1:14", "--chunks", "5")) == 0
+    return out
+
+
+def test_train_with_account_keeps_the_bits_and_attribute_reads_it(accounted, tmp_path, caplog):
+    """The weights are plain training's bits; attribute reads the account (no replay) and its totals equal the
+    replay's to float32 rounding and quadrature; a direction of one's own and discover read it too."""
+    assert main(train_args(tmp_path / "plain")) == 0
+    mine, plain = Run.open(accounted).weights("final"), Run.open(tmp_path / "plain").weights("final")
+    assert all(torch.equal(mine[k], plain[k]) for k in plain)
+    np.save(tmp_path / "w.npy", np.random.default_rng(0).standard_normal(32))
+    common = ["attribute", str(accounted), "--sites", "1:4,1:14", "--features", "is_majority_<0>",
+              "--direction", f"mine=1:4:{tmp_path / 'w.npy'}"]
+    with caplog.at_level("INFO", logger="ntpflow"):
+        assert main(["-q", *common, "--out", str(tmp_path / "kept"), "--matrices"]) == 0
+    assert "kept while training: no replay" in caplog.text
+    assert main(["-q", *common, "--out", str(tmp_path / "replayed"), "--replay"]) == 0
+    kept, replayed = (json.loads((tmp_path / d / "summary.json").read_text()) for d in ("kept", "replayed"))
+    assert kept["account"] and kept["chunk_steps"] == 3 and "account" not in replayed
+    assert len(kept["probes"]) == len(replayed["probes"]) == 6
+    for a, b in zip(kept["probes"], replayed["probes"]):
+        assert (a["pos"], a["feature"], a["mismatch"]) == (b["pos"], b["feature"], b["mismatch"])
+        for k in ("R0_eval", "change", "adam_direct", "adam_pre_cached", "adam_shared", "adam_full", "sgd_direct",
+                  "sgd_shared", "sgd_full"):
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-4 * b["R0_eval"]), k
+    assert main(["-q", "discover", str(accounted), "--site", "1:4", "--attribution", str(tmp_path / "kept"),
+                 "--null", "50"]) == 0
+
+
+def test_interrupted_training_resumes_to_the_same_account(accounted, tmp_path, monkeypatch):
+    """Killed right after a checkpoint (step 4, inside the chunk of steps 3–5), rerun: every chunk and the final
+    file have the bits of the uninterrupted run's."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("NTPFLOW_FAULT", "train:after_checkpoint")
+    with pytest.raises(SimulatedKill):
+        main(train_args(out, "--account", "1:4,1:14", "--chunks", "5"))
+    monkeypatch.delenv("NTPFLOW_FAULT")
+    assert main(train_args(out, "--account", "1:4,1:14", "--chunks", "5")) == 0
+    ref, got = Run.open(accounted).account, Run.open(out).account
+    assert [p.name for p in got.chunk_files()] == [p.name for p in ref.chunk_files()] and ref.chunk_files()
+    for a, b in zip(ref.chunk_files() + [ref.final], got.chunk_files() + [got.final]):
+        x, y = load_tensors(a), load_tensors(b)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), b.name
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    (["--readout", "8"], "go with --account"),
+    (["--account", "3:4"], "layer"),
+    (["--account", "1:4", "--readout", "1"], "--readout takes 2..128"),
+])
+def test_bad_account_options_are_one_line_errors_and_write_nothing(tmp_path, capsys, extra, fragment):
+    assert main(train_args(tmp_path / "run", *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ntpflow: error:") and fragment in err[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_account_on_a_run_trained_without_it_is_refused(tmp_path, capsys):
+    assert main(train_args(tmp_path / "run")) == 0
+    assert main(train_args(tmp_path / "run", "--account", "1:4")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trained without --account" in err[0], err
+    assert not (tmp_path / "run" / "account").exists()
