@@ -29,6 +29,7 @@ from ntpflow.runs.probe import check_feature, load_or_probe, probe_run
 from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.sweep import SweepSpec, failures, run_sweep
 from ntpflow.runs.training import train
+from ntpflow.runs.workers import launch, leave_workers, worker_env
 
 DESCRIPTION = (
     "ntpflow trains small GPT-2 models on next-token prediction in four regimes, splits the training gradient "
@@ -104,8 +105,18 @@ def _config(args, task=None, regime=None, extra_set=()):
 
 
 def cmd_train(args) -> int:
-    """``ntpflow train``: train (or resume) one run, log its final scores and print its directory."""
+    """``ntpflow train``: train (or resume) one run, log its final scores and print its directory; with ``--workers
+    N``, start N workers that train it together (``ntpflow.runs.workers``)."""
     cfg = _config(args)
+    if args.workers is not None and args.workers < 1:
+        raise ValueError(f"--workers takes a positive count, not {args.workers}")
+    if args.workers and args.workers > 1 and worker_env() is None:
+        if not args.account:
+            raise ValueError("--workers trains with the account only (--account SITES): the workers share its "
+                             "readout")
+        argv = list(args.argv)
+        at = argv.index("--workers")
+        return launch(args.workers, argv[:at] + argv[at + 2:])
     task = cfg.task.rpartition(":")[2].rpartition(".")[2]  # a task's own class name when named by its import path
     if cfg.task.startswith("file:"):  # a task file: its name and a digest of its path, unique to the file
         path = cfg.task.removeprefix("file:")
@@ -116,7 +127,11 @@ def cmd_train(args) -> int:
         raise ValueError("--readout and --chunks go with --account SITES")
     account = None if not args.account else AccountSpec(
         tuple(parse_sites(args.account)), args.readout, args.chunks if args.chunks is not None else DEFAULT_CHUNKS)
-    run = train(cfg, out, progress=not args.quiet, track=track, force_unlock=args.force_unlock, account=account)
+    run = train(cfg, out, progress=not args.quiet and worker_env() is None, track=track,
+                force_unlock=args.force_unlock, account=account)
+    leave_workers()
+    if worker_env() is not None and worker_env()[0] != 0:
+        return 0  # worker 0 reports
     final = run.metrics()[-1]
     scores = " ".join(f"{k}={final[k]:.4f}" for k in ("eval_loss", "legal_acc", "first_acc") if k in final)
     log.info("finished %s: %s", out, scores)
@@ -388,6 +403,10 @@ def _add_train(sub) -> None:
                         "at most 256)")
     t.add_argument("--chunks", type=int, metavar="N",
                    help="with --account: at most N chunks of steps kept (the curves' resolution; default 100)")
+    t.add_argument("--workers", type=int, metavar="N",
+                   help="with --account: N workers on this machine (torch.distributed: gloo on a CPU, NCCL on GPUs) "
+                        "that share the account's readout; or start it as torchrun --nproc-per-node N -m ntpflow "
+                        "train ...")
     _common(t)
     t.set_defaults(fn=cmd_train)
 
@@ -657,11 +676,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line on ``argv`` (default ``sys.argv[1:]``); returns the exit status (2 on error, 130 on ^C)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.command == "qscan":  # its options belong to its own parser
         args.options = unknown + args.options
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
+    follower = worker_env() is not None and worker_env()[0] != 0  # a worker beside worker 0: worker 0 speaks
+    logging.basicConfig(level=logging.WARNING if args.quiet or follower else logging.INFO, format="%(message)s")
     try:
         return args.fn(args)
     except KeyboardInterrupt:

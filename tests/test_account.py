@@ -217,3 +217,29 @@ def test_account_on_a_run_trained_without_it_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "trained without --account" in err[0], err
     assert not (tmp_path / "run" / "account").exists()
+
+
+def test_two_gloo_workers_equal_one_process(accounted, tmp_path, capfd):
+    """train --workers 2 (two processes, gloo, the readout split between them) writes the run one process writes:
+    the weights to float32 rounding (the same bits where the thread counts agree), every chunk's accumulators and
+    θ*'s residuals to float64 rounding of float32 inputs."""
+    out = tmp_path / "two"
+    assert main(train_args(out, "--account", "1:4,1:14", "--chunks", "5", "--workers", "2")) == 0
+    assert capfd.readouterr().out.strip().splitlines() == [str(out)]  # worker 0 alone reports
+    one, two = Run.open(accounted), Run.open(out)
+    for k, v in one.weights("final").items():
+        torch.testing.assert_close(two.weights("final")[k], v, rtol=1e-5, atol=1e-6)
+    assert [p.name for p in two.account.chunk_files()] == [p.name for p in one.account.chunk_files()]
+    for a, b in zip(one.account.chunk_files() + [one.account.final], two.account.chunk_files() + [two.account.final]):
+        x, y = load_tensors(a), load_tensors(b)
+        assert x.keys() == y.keys()
+        for k in x:
+            torch.testing.assert_close(y[k], x[k], rtol=1e-4, atol=1e-6 * float(x[k].abs().max()))
+    assert json.loads((out / "DONE").read_text())["step"] == 12
+
+
+def test_workers_need_the_account(tmp_path, capsys):
+    assert main(train_args(tmp_path / "run", "--workers", "2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--account" in err[0], err
+    assert not (tmp_path / "run").exists()

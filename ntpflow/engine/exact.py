@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from ntpflow.engine.decomposition import SitePasses
 from ntpflow.engine.forward_mode import Primals
@@ -94,6 +95,43 @@ class _Clipped:
         return self.factor * self._passes.run_many(sites)
 
 
+class Shard:
+    """This worker's part of the readout set when the account is kept by several workers (``torch.distributed``
+    initialized; ``ntpflow.runs.workers``): rows ``rows`` of the N sequences, contiguous, in rank order; sums and
+    gathers over the workers. With one worker every operation is the identity."""
+
+    def __init__(self, n: int):
+        on = dist.is_available() and dist.is_initialized()
+        self.rank, self.size = (dist.get_rank(), dist.get_world_size()) if on else (0, 1)
+        self.bounds = [n * r // self.size for r in range(self.size + 1)]
+        self.rows = slice(self.bounds[self.rank], self.bounds[self.rank + 1])
+        if self.rows.start == self.rows.stop:
+            raise ValueError(f"a readout of {n} sequences leaves worker {self.rank} of {self.size} none: use fewer "
+                             "workers or a larger readout")
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the workers, in place (the same bits on every worker)."""
+        if self.size > 1:
+            dist.all_reduce(t)
+        return t
+
+    def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """The workers' parts ``t`` (their rows of the readout along ``dim``) joined in rank order."""
+        if self.size == 1:
+            return t
+        most = max(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+        pad = list(t.shape)
+        pad[dim] = most - t.shape[dim]
+        padded = torch.cat([t, t.new_zeros(pad)], dim).contiguous()
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded)
+        return torch.cat([p.narrow(dim, 0, b - a) for p, a, b in zip(parts, self.bounds, self.bounds[1:])], dim)
+
+    def take(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This worker's rows of a whole-readout tensor ``t`` along ``dim``."""
+        return t.narrow(dim, self.rows.start, self.rows.stop - self.rows.start)
+
+
 class ExactAccount(InfluenceTracker):
     """The exact account of a training run, kept while it trains.
 
@@ -105,6 +143,8 @@ class ExactAccount(InfluenceTracker):
     model: the model being trained (its parameters are stepped); opt: its optimizer (:func:`account_optimizer`),
     whose learning rate is read at every step (any scheduler); sites: the residual sites; readout: tokens [N, pos]
     (N ≥ 2); levels, pieces, rtol, floor: the quadrature's refinement ladder (``InfluenceTracker.use_readout``).
+    Under ``torch.distributed`` each worker integrates its rows of the readout (:class:`Shard`) and takes the same
+    step; the chunks, the state and every decision are the workers' together (equal to one worker's to rounding).
     """
 
     def __init__(self, model: GPT, opt: torch.optim.Optimizer, sites: Sequence[Site], readout: Tokens, *,
@@ -128,8 +168,11 @@ class ExactAccount(InfluenceTracker):
         self.decay = self.own == "adamw" and group["weight_decay"] != 0
         self.names = row_names(self.own, sgd_rows, self.decay)
         n_pos = max(s.pos for s in self.sites) + 1
-        self.rule = Readout(readout[:, :n_pos], readout.new_zeros((len(readout), 0)), None, tuple(levels), rtol,
-                            floor, tuple(pieces))  # the readout tokens and the quadrature's ladder
+        self.shard, self.n_readout = Shard(len(readout)), len(readout)
+        self.tokens = readout[:, :n_pos]  # the whole readout set [N, pos]
+        mine = self.tokens[self.shard.rows]  # this worker's rows
+        self.rule = Readout(mine, mine.new_zeros((len(mine), 0)), None, tuple(levels), rtol, floor,
+                            tuple(pieces))  # the readout tokens and the quadrature's ladder
         self.on_chunk = on_chunk or (lambda first, tensors: self.chunks.append((first, tensors)))
         self.chunks: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._resid: dict[Site, torch.Tensor] | None = None  # the readout's residual at the step's start [N, d]
@@ -178,7 +221,7 @@ class ExactAccount(InfluenceTracker):
         if self._resid is None:  # θ_0, or a resumed step: its plain forward (later starts are the previous end)
             self._resid = self._site_resid(Primals(self.model, ro.tokens, self.top_layer))
             if not self._norms:
-                self._norms = {s: (float(r.norm()), float((r.T @ r).norm() / len(r))) for s, r in self._resid.items()}
+                self._norms = {s: self._sizes(r) for s, r in self._resid.items()}
         if not self._chunk:
             self._first = self.step
             self._chunk = {f"start.{s.layer}:{s.pos}": r for s, r in self._resid.items()}
@@ -210,9 +253,33 @@ class ExactAccount(InfluenceTracker):
         if not self._chunk:
             return
         assert self._resid is not None  # a chunk holds a step, which set it
-        tensors = {**self._chunk, **{f"end.{s.layer}:{s.pos}": r for s, r in self._resid.items()}}
+        tensors = self._whole({**self._chunk, **{f"end.{s.layer}:{s.pos}": r for s, r in self._resid.items()}})
         self._chunk = {}
         self.on_chunk(self._first, tensors)
+
+    def _whole(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A chunk's tensors over the whole readout: the workers' rows of T and of the residuals gathered, their
+        parts of G summed (Gbar is every worker's already)."""
+        out = {}
+        for key, t in tensors.items():
+            name = key.split(".", 1)[0]
+            out[key] = (self.shard.sum_(t.clone()) if name == "G" else t if name == "Gbar"
+                        else self.shard.gather(t, 1 if name == "T" else 0))
+        return out
+
+    def _mine(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The inverse of :meth:`_whole`: this worker's rows, and G on the first worker only (so the sum stays)."""
+        out = {}
+        for key, t in tensors.items():
+            name = key.split(".", 1)[0]
+            out[key] = ((t if self.shard.rank == 0 else torch.zeros_like(t)) if name == "G" else t
+                        if name == "Gbar" else self.shard.take(t, 1 if name == "T" else 0))
+        return out
+
+    def _sizes(self, r: torch.Tensor) -> tuple[float, float]:
+        """‖r‖ and ‖mean_b r_b r_bᵀ‖ of the whole readout's residuals (this worker's rows ``r`` [n, d])."""
+        parts = self.shard.sum_(torch.cat([r.pow(2).sum()[None], (r.T @ r).flatten() / self.n_readout]))
+        return float(parts[0].sqrt()), float(parts[1:].norm())
 
     def _site_resid(self, primals: Primals) -> dict[Site, torch.Tensor]:
         return {s: primals.resid[s.layer][:, s.pos].to(torch.float64) for s in self.sites}
@@ -250,8 +317,10 @@ class ExactAccount(InfluenceTracker):
         t = torch.einsum("rm,mnd->rnd", mix, tau.to(torch.float64))  # [rows, N, d]
         r = resid.to(torch.float64)
         w = 1.0 if weight is None else weight
-        terms = {"G": w * torch.einsum("rnd,ne->rde", t, r) / len(r),
-                 "Gbar": w * t.mean(1)[:, :, None] * r.mean(0)[None, None, :], "T": w * t}
+        sums = self.shard.sum_(torch.cat([t.sum(1).flatten(), r.sum(0)])) / self.n_readout  # the whole readout's means
+        t_mean, r_mean = sums[:-r.shape[1]].view(len(t), -1), sums[-r.shape[1]:]
+        terms = {"G": w * torch.einsum("rnd,ne->rde", t, r) / self.n_readout,
+                 "Gbar": w * t_mean[:, :, None] * r_mean[None, None, :], "T": w * t}
         acc = mats.setdefault(site, {})
         for k, v in terms.items():
             acc[k] = v if k not in acc else acc[k] + v
@@ -287,9 +356,12 @@ class ExactAccount(InfluenceTracker):
             start, stop = self._resid[s], end[s]
             moved = stop - start
             g = acc["G"][real]
-            second = (stop.T @ stop - start.T @ start) / len(stop)
-            for err, change, size in (((moved + acc["T"][real]).norm(), moved.norm(), self._norms[s][0]),
-                                      ((second + g + g.T).norm(), second.norm(), self._norms[s][1])):
+            second = (stop.T @ stop - start.T @ start) / self.n_readout
+            parts = self.shard.sum_(torch.cat([(moved + acc["T"][real]).pow(2).sum()[None], moved.pow(2).sum()[None],
+                                               (second + g + g.T).flatten(), second.flatten()]))
+            d2 = g.numel()
+            for err, change, size in ((parts[0].sqrt(), parts[1].sqrt(), self._norms[s][0]),
+                                      (parts[2:2 + d2].norm(), parts[2 + d2:].norm(), self._norms[s][1])):
                 tol = ro.rtol * change + ro.floor * size
                 worst = torch.maximum(worst, torch.where(err <= tol, 0.0, err / tol))
         return float(worst)
@@ -303,10 +375,10 @@ class ExactAccount(InfluenceTracker):
         """The tracker's state (step, moments), the readout's residual at the next step's start, the running chunk
         and the counters."""
         state = super().state_dict()
-        state.update({f"account.chunk.{k}": v for k, v in self._chunk.items()})
+        state.update({f"account.chunk.{k}": v for k, v in self._whole(self._chunk).items()})
         state["account.first"] = torch.tensor(self._first)
         if self._resid is not None:
-            state.update({f"account.resid.{s.layer}:{s.pos}": r for s, r in self._resid.items()})
+            state.update({f"account.resid.{s.layer}:{s.pos}": self.shard.gather(r, 0) for s, r in self._resid.items()})
             state.update({f"account.norms.{s.layer}:{s.pos}": torch.tensor(v, dtype=torch.float64)
                           for s, v in self._norms.items()})
         state.update({f"account.{k}": torch.tensor(getattr(self, k))
@@ -315,8 +387,10 @@ class ExactAccount(InfluenceTracker):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         super().load_state_dict({k: v for k, v in state.items() if not k.startswith("account.")})
-        self._chunk = {k[len("account.chunk."):]: v for k, v in state.items() if k.startswith("account.chunk.")}
-        resid = {k[len("account.resid."):]: v for k, v in state.items() if k.startswith("account.resid.")}
+        self._chunk = self._mine({k[len("account.chunk."):]: v for k, v in state.items()
+                                  if k.startswith("account.chunk.")})
+        resid = {k[len("account.resid."):]: self.shard.take(v, 0) for k, v in state.items()
+                 if k.startswith("account.resid.")}
         self._resid = {s: resid[f"{s.layer}:{s.pos}"] for s in self.sites} if resid else None
         self._norms = {s: tuple(state[f"account.norms.{s.layer}:{s.pos}"].tolist()) for s in self.sites
                        if f"account.norms.{s.layer}:{s.pos}" in state}

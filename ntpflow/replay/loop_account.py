@@ -79,7 +79,7 @@ class Account:
                 raise ValueError(f"direction {name!r} is at {site}, not one of the account's sites {acc.sites}")
             probes.append(Probe(site, name, torch.as_tensor(w).reshape(-1).to(torch.float64)))
         with torch.no_grad():
-            resid = self.model(acc.rule.tokens, return_resid=True, myopic="none")[1]
+            resid = self.model(acc.tokens, return_resid=True, myopic="none")[1]
         final = {s: resid[s.layer][:, s.pos].to(torch.float64) for s in acc.sites}
         rows = account_rows(acc.chunks, final, acc.own, acc.names, probes)
         return AccountResult(rows, _summary(rows, acc.own), acc.own)

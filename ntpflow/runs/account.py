@@ -24,6 +24,7 @@ from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site, checked_sites
 from ntpflow.runs.run import AccountDir, Run
 from ntpflow.runs.training import Alone
+from ntpflow.runs.workers import is_lead
 
 DEFAULT_READOUT = 256  # the most sequences of the default readout set of the exact account
 DEFAULT_CHUNKS = 100  # the most chunks of steps an account keeps (its curves' resolution)
@@ -108,7 +109,8 @@ class Accounted(Alone):
                                     on_chunk=self._write_chunk)
 
     def _write_chunk(self, first: int, tensors: dict[str, torch.Tensor]) -> None:
-        save_tensors(self.folder.chunk(first), tensors, {"first": first, "config_hash": self.run.cfg.hash()})
+        if is_lead():
+            save_tensors(self.folder.chunk(first), tensors, {"first": first, "config_hash": self.run.cfg.hash()})
 
     def resume(self, start: int, state: list[dict[str, torch.Tensor]]) -> None:
         """Restore the account saved with the checkpoint of step ``start`` (none: start over) and drop the chunks
@@ -120,7 +122,7 @@ class Accounted(Alone):
         if tensors:
             self.account.load_state_dict(tensors)
         running = self.account._first if self.account._chunk else start
-        for path in self.folder.chunk_files():
+        for path in self.folder.chunk_files() if is_lead() else ():
             if int(path.stem.split("_")[1]) >= running:
                 sidecar(path).unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
@@ -135,9 +137,11 @@ class Accounted(Alone):
     def finish(self) -> None:
         """The last chunk, then θ*'s readout residuals and the counters (``final.safetensors``: the account is done)."""
         acc = self.account
-        acc.end_chunk()
+        acc.end_chunk()  # every worker: the chunk is gathered
+        if not is_lead():
+            return
         with torch.no_grad():
-            resid = self.model(acc.rule.tokens, return_resid=True, myopic="none")[1]
+            resid = self.model(acc.tokens, return_resid=True, myopic="none")[1]
         save_tensors(self.folder.final, {f"final_resid.{s.layer}:{s.pos}": resid[s.layer][:, s.pos].to(torch.float64)
                                          for s in acc.sites},
                      {"steps": self.run.cfg.steps, "refined_steps": acc.refined, "subdivided_steps": acc.subdivided,

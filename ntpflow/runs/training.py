@@ -41,6 +41,7 @@ from ntpflow.runs.data import DataOrder, check_task, make_datasets, to_torch
 from ntpflow.runs.metrics import MetricsLog, check_sinks, make_sinks
 from ntpflow.runs.run import Run, load_latest, optimizer_path, save_state
 from ntpflow.runs.threads import continue_threads, kept_threads
+from ntpflow.runs.workers import barrier, check_same_weights, join_workers, same_threads, worker_env
 from ntpflow.tasks import Task
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     caller's count is restored on return.
     A loss or weights becoming non-finite raise :class:`TrainingDiverged` (the checkpoints before stay; no DONE).
     ``account`` (an ``ntpflow.runs.account.AccountSpec``): keep the exact account at its sites while training
-    (``RUN_DIR/account``; the weights are the same bits as without it).
+    (``RUN_DIR/account``; the weights are the same bits as without it). Started as one of several workers
+    (``ntpflow.runs.workers``: torchrun, or ``train --workers``), the workers share the account's readout and worker 0
+    writes the folder.
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
     no weight decay; a constant learning rate, or the schedule of ``cfg.warmup``/``cfg.decay`` (:class:`ScheduledAdam`);
@@ -128,8 +131,17 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     """
     run = Run(Path(run_dir), cfg)
     check_sinks(track)  # missing packages or credentials fail before anything is written
+    workers = worker_env()
+    if workers is not None and account is None:
+        raise ValueError("several workers train with the account only (--account SITES): each worker takes the "
+                         "whole batch, and they share the account's readout")
     if account is not None:
         account.check(run)  # bad sites or sizes fail before anything is written
+    if workers is not None and join_workers(cfg.device) != 0:  # a worker beside worker 0, which writes the folder
+        barrier()  # worker 0 has prepared the folder
+        if not run.done:
+            fit([run], account.stepper, progress=False, track=(), threads=threads, lead=False)
+        return run
     prepare_run_dir(run)
     with DirLock(run.dir, force=force_unlock), kept_threads():  # one writer per run directory
         if account is not None:
@@ -137,6 +149,7 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
         prepare_run_dir(run, extend=True)  # again under the lock: another process may have created it
         if account is not None:
             account.prepare(run)
+        barrier()  # the other workers, if any, may read the folder now
         if run.done:
             log.info("%s is already finished", run.dir)
         else:
@@ -251,44 +264,48 @@ def init_members(runs: Sequence[Run], device) -> tuple[list[GPT], list[torch.opt
 
 
 def fit(runs: Sequence[Run], stepper: Callable[..., Stepper], *, progress: bool = True, track: Sequence = (),
-        threads: int | None = None) -> None:
+        threads: int | None = None, lead: bool = True) -> None:
     """Train the prepared, unfinished ``runs`` (one run, or the members of a group: one regime, one schedule) to
     their ``steps`` with ``stepper``, resuming from their newest common checkpoint that verifies; ``track`` and
     ``threads`` as in :func:`train`. Writes each member's ``init`` weights (once), metrics, checkpoints, final
-    weights and, last, ``DONE`` (see :func:`_loop`)."""
+    weights and, last, ``DONE`` (see :func:`_loop`). ``lead=False``: a worker beside worker 0, which computes the
+    same steps and writes nothing (``ntpflow.runs.workers``)."""
     cfg = runs[0].cfg
     device = resolve_device(cfg.device)
     models, opts = init_members(runs, device)
     for run, model in zip(runs, models):
-        if not sidecar(run.weights_path("init")).exists():
+        if lead and not sidecar(run.weights_path("init")).exists():
             save_tensors(run.weights_path("init"), {f"model.{k}": v for k, v in model.state_dict().items()},
                          {"step": 0, "config_hash": run.cfg.hash()})
     start, states = load_latest([run.ckpts for run in runs], models, opts, device, cfg.steps)
     if start:
         log.info("resuming %s from step %d", ", ".join(str(run.dir) for run in runs), start)
-    continue_threads([run.dir for run in runs], start, device, threads)
+    if lead:
+        continue_threads([run.dir for run in runs], start, device, threads)
+    same_threads()  # the workers on worker 0's count
     steps = stepper(runs, models, opts, device)
     steps.resume(start, states)
-    _loop(runs, steps, start, device, progress, track)
+    _loop(runs, steps, start, device, progress, track, lead)
 
 
-def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: bool, track: Sequence) -> None:
+def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: bool, track: Sequence,
+          lead: bool = True) -> None:
     """The training cadence of one run or a group, from step ``start``: evaluate every ``eval_every`` steps (at the
     step's start), log the train losses every ``log_every`` steps, checkpoint every ``ckpt_every`` steps; the losses
     are checked finite without a sync, and with the weights before each log and checkpoint (:class:`TrainingDiverged`,
     nothing of that step saved). At the end: the final evaluation, the final weights, and ``DONE`` last (a member is
-    finished only once every member is saved)."""
+    finished only once every member is saved). ``lead=False``: compute the same and write nothing."""
     cfg = runs[0].cfg
-    for run in runs:
+    for run in runs if lead else ():
         _truncate_metrics(run.metrics_path, start)
-    logs = [MetricsLog(run.metrics_path, make_sinks(track, run.dir, run.cfg.to_dict())) for run in runs]
+    logs = [MetricsLog(run.metrics_path, make_sinks(track, run.dir, run.cfg.to_dict())) for run in runs if lead]
     try:
         desc = runs[0].name if len(runs) == 1 else f"group of {len(runs)}: {runs[0].name}"
         bar = progress_of(range(start, cfg.steps), initial=start, total=cfg.steps, enabled=progress, desc=desc)
         finite = torch.ones(len(runs), dtype=torch.bool, device=device)  # each member's losses so far (no sync)
         checked = start  # the last step known good
         for step in bar:
-            if step % cfg.eval_every == 0:
+            if step % cfg.eval_every == 0 and lead:
                 for lg, ev in zip(logs, _evaluate(stepper, runs, step)):
                     lg.log({"step": step, "kind": "eval", **ev})
             losses = stepper.step(step)
@@ -304,19 +321,22 @@ def _loop(runs: Sequence[Run], stepper: Stepper, start: int, device, progress: b
             if save:
                 for lg in logs:
                     lg.flush()
-                for run, (model, opt), extra in zip(runs, stepper.members(), stepper.extra_state()):
+                extras = stepper.extra_state()  # every worker: the account's parts are gathered
+                check_same_weights([m for m, _ in stepper.members()], done)
+                for run, (model, opt), extra in zip(runs if lead else (), stepper.members(), extras):
                     run.ckpts.save(done, model, opt, {"config_hash": run.cfg.hash()}, extra)
                 fault_point("train:after_checkpoint")
         _check_finite(finite, stepper, runs, checked, cfg.steps)
-        finals = _evaluate(stepper, runs, cfg.steps)
+        check_same_weights([m for m, _ in stepper.members()], cfg.steps)
+        finals = _evaluate(stepper, runs, cfg.steps) if lead else []
         for lg, final in zip(logs, finals):
             lg.log({"step": cfg.steps, "kind": "eval", **final})
     finally:
         for lg in logs:
             lg.close()
-    for run, (model, opt) in zip(runs, stepper.members()):
+    for run, (model, opt) in zip(runs if lead else (), stepper.members()):
         save_state(run.weights_path("final"), model, opt, {"step": cfg.steps, "config_hash": run.cfg.hash()})
-    stepper.finish()
+    stepper.finish()  # every worker (the account's last chunk is gathered); worker 0 writes
     for run, final in zip(runs, finals):  # DONE last
         write_json(run.done_path, {"step": cfg.steps, **final})
 
