@@ -4,7 +4,8 @@
 Each round times, into fresh folders: plain training; the replay of that run (``attribute``, its probes fitted
 first); training with the account, followed by the ``attribute`` that reads it (no replay; its probes fitted first). Printed per configuration (sites × readout): medians of the process's CPU
 time (one torch thread; steadier than wall time on a shared machine) and of wall time, and the ratios
-in-run / (plain + replay) (the pass saved) and in-run / plain (the account's own cost). The paper's toy model
+in-run / (plain + replay) (the pass saved) and in-run / plain (the account's own cost). The account keeps chunks of 10
+steps (a run of 1000+ steps keeps at most 100 chunks, so 10 or more steps each). The paper's toy model
 (majority, 2 layers, d_model 128), batch ``--batch``; readout = batch and 4 × batch by default. Memory per site: the
 account's accumulators per chunk, from its chunk files.
 
@@ -55,6 +56,7 @@ def main(argv=None) -> None:
                       n_train=args.batch * args.steps, n_eval=max(1024, 4 * args.batch), eval_every=args.steps,
                       ckpt_every=args.steps, log_every=args.steps, device="cpu")
     root = Path(args.root or tempfile.mkdtemp(prefix="bench-in-run-"))
+    chunks = max(1, args.steps // 10)  # 10 steps a chunk (a real run's default: at most 100 chunks over its steps)
     configs = [(sites, k * args.batch) for sites in args.sites.split(";") for k in map(int, args.readouts.split(","))]
     print(f"model: majority, 2 layers, d_model 128, batch {args.batch}, {args.steps} steps, Adam; {args.threads} "
           f"torch thread(s); {args.rounds} rounds; medians of CPU s (wall s)")
@@ -69,7 +71,8 @@ def main(argv=None) -> None:
                 "plain": lambda: train(cfg, plain, progress=False),
                 "replay": lambda: attribute(plain, parsed, ["is_majority_<0>"], readout=readout, progress=False,
                                             sgd_rows=True),
-                "in-run": lambda: (train(cfg, accounted, progress=False, account=AccountSpec(tuple(parsed), readout)),
+                "in-run": lambda: (train(cfg, accounted, progress=False, account=AccountSpec(tuple(parsed), readout,
+                                                                              chunks=chunks)),
                                    attribute(accounted, parsed, ["is_majority_<0>"], progress=False)),
             }
             order = ["plain", "replay", "in-run"] if r % 2 == 0 else ["in-run", "plain", "replay"]

@@ -86,7 +86,7 @@ def test_report_names_the_shipped_sample_by_folder_licence_and_hashes():
     from ntpflow.experiments.stories_report import _corpus_text
 
     text = _corpus_text("sample")
-    assert text.startswith("data/tinystories-sample") and "CDLA-Sharing-1.0" in text
+    assert text.startswith("ntpflow/data/tinystories-sample") and "CDLA-Sharing-1.0" in text
     for name in ("train.txt", "valid.txt"):
         assert f"{name} {hashlib.sha256((SAMPLE / name).read_bytes()).hexdigest()[:12]}…" in text
     assert _corpus_text(text) == text  # a re-render from summary.json keeps it

@@ -55,8 +55,9 @@ def _corpus_text(corpus) -> str:
     c = str(corpus or "?")
     if c == "sample":
         hashes = ", ".join(f"{name} {digest[:12]}…" for name, digest in SAMPLE_SHA256.items())
-        return f"data/tinystories-sample, shipped in the repository, CDLA-Sharing-1.0, SHA-256 {hashes}"
-    keep = c in ("hf", "?") or c.startswith(("hf:", "generated", "local folder", "data/tinystories-sample"))
+        return f"ntpflow/data/tinystories-sample, shipped in the package, CDLA-Sharing-1.0, SHA-256 {hashes}"
+    keep = c in ("hf", "?") or c.startswith(("hf:", "generated", "local folder", "ntpflow/data/tinystories-sample",
+                                             "data/tinystories-sample"))
     return c if keep else f"local folder '{Path(c).name}'"
 
 
