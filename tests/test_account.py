@@ -130,7 +130,8 @@ def test_adamw_clipping_and_a_schedule_are_torchs_and_add_up():
         assert e["adamw_decay"] != 0 and e["change"] == pytest.approx(e["R0"], rel=1e-9)  # R_H(θ_T) = 0
         parts = sum(e[f"adamw_{c}"] for c in ("direct", "pre_cached", "shared", "decay"))
         assert parts == pytest.approx(e["adamw_full"], rel=1e-12)
-    assert {r["step"] for r in result.rows} == {0, 5, 10}
+    assert {r["step"] for r in result.rows if r["component"] == "risk"} == {0, 5, 10}  # the chunks' first steps
+    assert {r["step"] for r in result.rows if r["component"] != "risk"} == {4, 9, 11}  # their last
 
 
 @pytest.mark.parametrize("opt", ["amsgrad", "l2", "nesterov"])
@@ -243,3 +244,19 @@ def test_workers_need_the_account(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--account" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_typed_task_is_replayed_for_its_per_type_rows(tmp_path, caplog):
+    """Othello's squares are typed (empty / NTP-useless / NTP-useful per example), whose per-type rows the account does
+    not keep: attribute says so and replays, and the rows carry every type."""
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "oth"
+    assert main(["-q", "train", "--task", "othello", "--device", "cpu", "--out", str(out), "--account", "1:5",
+                 "--set", "board_size=6", "n_layer=1", "d_model=32", "n_head=2", "steps=6", "batch_size=16",
+                 "n_train=128", "n_eval=64", "eval_every=6", "ckpt_every=6", "log_every=2"]) == 0
+    with caplog.at_level("INFO", logger="ntpflow"):
+        assert main(["-q", "attribute", str(out), "--sites", "1:5", "--features", "sq_C3"]) == 0
+    assert "does not keep: replaying the run" in caplog.text
+    types = set(pq.read_table(out / "attribution" / "influence.parquet")["feature_type"].to_pylist())
+    assert -1 in types and len(types) > 1

@@ -249,11 +249,12 @@ class ExactAccount(InfluenceTracker):
         """Hand the running chunk, if it holds a step, to ``on_chunk(first_step, tensors)``: ``start.{site}`` and
         ``end.{site}`` [N, d] (the readout's residuals at its first step's start and its last step's end) and
         ``G``/``Gbar``/``T``.{site} (:data:`ACCUMULATORS`). Called every ``chunk_steps`` steps, and once at the end
-        of training for a shorter last chunk."""
+        of training for a shorter last chunk; ``steps``: how many steps it holds."""
         if not self._chunk:
             return
         assert self._resid is not None  # a chunk holds a step, which set it
         tensors = self._whole({**self._chunk, **{f"end.{s.layer}:{s.pos}": r for s, r in self._resid.items()}})
+        tensors["steps"] = torch.tensor(self.step - self._first)
         self._chunk = {}
         self.on_chunk(self._first, tensors)
 

@@ -14,6 +14,7 @@ from ntpflow.files import resolve_device
 from ntpflow.model.sites import Site
 from ntpflow.progress import on_terminal, progress_of
 from ntpflow.replay.attribution import attribute
+from ntpflow.runs.account import account_for
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import run_name
@@ -63,20 +64,23 @@ def run_threads(device: str, workers: int) -> int:
 
 def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features: list[str], device: str,
             threads: int, reading: str = "exact", readout: int | None = 256, *, stages: bool = False) -> dict:
-    """The job of one run (for :func:`run_jobs`): train it, probe its final and step-0 weights and, with ``sites``,
-    replay it with influence tracking at ``sites`` × ``features`` (``reading`` and the exact account's ``readout``,
+    """The job of one run (for :func:`run_jobs`): train it (with the exact account at ``sites``, ``train --account``,
+    unless the run was begun without it), probe its final and step-0 weights and, with ``sites``, attribute it at
+    ``sites`` × ``features`` (read from its account, or replayed; ``reading`` and the exact account's ``readout``,
     256 as the committed results were replayed, or the run's evaluation set if smaller: see
     ``ntpflow.replay.attribution.attribute``); each
     stage skips itself when done, and reports its progress as stage lines when ``stages``. Runs on ``threads`` torch
     threads and gives the caller its count back."""
-    with on_threads(threads):
-        run = train(TrainConfig.from_dict(cfg_dict), run_dir, progress=stages)
+    cfg = TrainConfig.from_dict(cfg_dict)
+    readout = min(readout, cfg.n_eval) if reading == "exact" and readout else None
+    tracked = [Site(*s) for s in sites]
+    with on_threads(threads):  # the exact account is kept while training (no replay) unless the run began without it
+        run = train(cfg, run_dir, progress=stages,
+                    account=account_for(run_dir, tracked, readout) if reading == "exact" else None)
         load_or_probe(run, "final", device)
         load_or_probe(run, "init", device)
         if sites:
-            readout = min(readout, run.cfg.n_eval) if reading == "exact" and readout else None
-            attribute(run.dir, [Site(*s) for s in sites], features, device=device, progress=stages,
-                      reading=reading, readout=readout)
+            attribute(run.dir, tracked, features, device=device, progress=stages, reading=reading, readout=readout)
     return {"run_dir": run_dir}
 
 

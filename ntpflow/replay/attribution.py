@@ -126,6 +126,10 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
         log.info("%s's account (sites %s, readout %d) does not cover this attribution: replaying the run", run.dir,
                  ", ".join(f"{s.layer}:{s.pos}" for s in kept.sites), kept.spec["readout"])
         kept = None
+    if kept is not None and sites and run.datasets()[1].feature_types is not None:
+        log.info("%s's task labels its features by type (e.g. Othello's squares), whose per-type rows the account "
+                 "does not keep: replaying the run", run.dir)
+        kept = None
     readout = kept.spec["readout"] if kept is not None else readout_size(reading, readout, cfg.n_eval,
                                                                           cfg.batch_size)
     if matrices and readout is None:

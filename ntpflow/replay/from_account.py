@@ -2,9 +2,10 @@
 --account``), contracted with θ*'s readout residuals and the probes' directions (``ntpflow.engine.exact``).
 
 The rows have the replay's schema with one difference of granularity: the account keeps chunks of steps (at most
-``DEFAULT_CHUNKS``), so a row's ``step`` is its chunk's first step, its risk R_H at that step's start, and its
-influences, ``change`` and ``residual`` the sums over the chunk's steps (the cumulative values at a chunk's end equal
-the replay's; ``kappa_steps`` is then read over chunks, a lower bound of the per-step figure).
+``DEFAULT_CHUNKS``). A chunk's ``risk`` rows are at its first step (R_H at that step's start, as the replay's), its
+influence, ``change`` and ``residual`` rows at its last step, their values the sums over the chunk's steps and their
+cumulative values the replay's at that step; ``kappa_steps`` is then read over chunks, a lower bound of the per-step
+figure (one step a chunk gives the replay's rows).
 """
 
 from collections import defaultdict
@@ -33,6 +34,7 @@ def account_rows(chunks: Iterable[tuple[int, dict[str, torch.Tensor]]], final: d
         by_site[p.site].append(p)
     rows, cums = [], defaultdict(float)
     for first, tensors in chunks:
+        last = first + int(tensors["steps"]) - 1
         for site, ps in by_site.items():
             w = torch.stack([p.w.detach().cpu() for p in ps]).to(torch.float64)
             v = {k: x.tolist() for k, x in chunk_values(tensors, site, final[site].cpu(), w).items()}
@@ -41,7 +43,7 @@ def account_rows(chunks: Iterable[tuple[int, dict[str, torch.Tensor]]], final: d
                     def row(component, optimizer, value):
                         key = (site.layer, site.pos, p.name, mismatch, component, optimizer)
                         cums[key] += value if component != "risk" else 0.0
-                        return {"step": first, "layer": site.layer, "pos": site.pos, "feature": p.name,
+                        return {"step": first if component == "risk" else last, "layer": site.layer, "pos": site.pos, "feature": p.name,
                                 "feature_type": -1, "mismatch": mismatch, "component": component,
                                 "optimizer": optimizer, "value": value,
                                 "cumulative": cums[key] if component != "risk" else value}

@@ -15,6 +15,7 @@ The running chunk, the tracker's moments and the readout's residual travel in ea
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -22,7 +23,7 @@ from ntpflow.engine.exact import ExactAccount
 from ntpflow.files import load_tensors, read_json, save_tensors, sidecar, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site, checked_sites
-from ntpflow.runs.run import AccountDir, Run
+from ntpflow.runs.run import AccountDir, Checkpoints, Run, RunPaths
 from ntpflow.runs.training import Alone
 from ntpflow.runs.workers import is_lead
 
@@ -79,6 +80,16 @@ class AccountSpec:
     def stepper(self):
         """The training's stepper (``runs.training.Stepper``): :class:`Accounted`."""
         return Accounted
+
+
+def account_for(run_dir: str | Path, sites: Sequence[Site], readout: int | None) -> AccountSpec | None:
+    """The account an experiment's run trains with: at ``sites`` on ``readout`` sequences, unless the run was begun or
+    finished without one (such a run is replayed, as before the account existed); None without sites."""
+    paths = RunPaths(run_dir)
+    begun = paths.config_path.exists() and (paths.done_path.exists() or bool(Checkpoints(paths.ckpt_dir).steps()))
+    if not sites or (begun and not paths.account.spec.exists()):
+        return None
+    return AccountSpec(tuple(sites), readout)
 
 
 def check_accountable(run: Run, spec: dict) -> None:
