@@ -25,7 +25,7 @@ import torch
 from ntpflow.engine.forward_mode import Primals
 from ntpflow.engine.reverse_mode import own_cotangents, site_vjps
 from ntpflow.model.gpt import GPT
-from ntpflow.model.loss import lm_loss
+from ntpflow.model.loss import lm_loss, lm_loss_part
 from ntpflow.model.shapes import FlatParams, Mask, Tokens
 from ntpflow.model.sites import Site
 
@@ -55,16 +55,21 @@ def flat_grads(grads: Sequence[torch.Tensor | None], params: Sequence[torch.Tens
 
 
 def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | None, sites: Sequence[Site],
-                    primals: Primals, functional: bool = False):
+                    primals: Primals, functional: bool = False, weights: torch.Tensor | None = None):
     """(full gradient [n_params], c_all {k: ∂L/∂r^k}, c_own {k: ∂L_i/∂r^k_i, filled at the sites' positions},
     the per-parameter gradients, the loss (0-dim, detached)), cotangents [batch, pos, d_model]: one forward and backward in the model's own
     regime (``torch.autograd``, or ``torch.func`` with ``functional``, which runs under ``vmap``), plus
     ``reverse_mode.own_cotangents`` on ``primals`` (the cached ordinary forward) where a later loss can reach
-    r^k_i."""
+    r^k_i. ``weights``: the rows are a part of a batch, whose loss is ``lm_loss_part`` with these position weights."""
     params = list(model.parameters())
     layers = sorted({s.layer for s in sites})
     backward = _functional_backward if functional else _autograd_backward
-    param_grads, c_all, d_logits, loss = backward(model, tokens, loss_mask, layers)
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        return (lm_loss(logits, tokens, loss_mask) if weights is None
+                else lm_loss_part(logits, tokens, loss_mask, weights))
+
+    param_grads, c_all, d_logits, loss = backward(model, tokens, loss_of, layers)
     full = flat_grads(param_grads, params)
     if model.myopic != "none" or all(k == model.cfg.n_layer for k in layers):
         return full, c_all, c_all, param_grads, loss  # a myopic loss, or any loss at the last layer, reaches r^k_i
@@ -81,18 +86,18 @@ def _cotangent_pass(model: GPT, tokens: torch.Tensor, loss_mask: torch.Tensor | 
     return full, c_all, c_own, param_grads, loss
 
 
-def _autograd_backward(model: GPT, tokens, loss_mask, layers):
-    """(per-parameter gradients, {k: ∂L/∂r^k} [batch, pos, d_model], ∂L/∂logits [batch, pos, vocab], the loss) by one
-    ``torch.autograd.grad``: the ops of ``training.train_step``, so the parameter gradients are its bits."""
+def _autograd_backward(model: GPT, tokens, loss_of, layers):
+    """(per-parameter gradients, {k: ∂L/∂r^k} [batch, pos, d_model], ∂L/∂logits [batch, pos, vocab], the loss
+    ``loss_of(logits)``) by one ``torch.autograd.grad``: the ops of ``training.train_step``, so the parameter gradients are its bits."""
     params = list(model.parameters())
     logits, resid = model.run_with_resid(tokens)
-    loss = lm_loss(logits, tokens, loss_mask)
+    loss = loss_of(logits)
     grads = torch.autograd.grad(loss, params + [resid[k] for k in layers] + [logits], allow_unused=True)
     c_all = {k: g if g is not None else torch.zeros_like(resid[k]) for k, g in zip(layers, grads[len(params):])}
     return grads[:len(params)], c_all, grads[-1], loss.detach()
 
 
-def _functional_backward(model: GPT, tokens, loss_mask, layers):
+def _functional_backward(model: GPT, tokens, loss_of, layers):
     """As :func:`_autograd_backward`, by ``torch.func.vjp`` (which ``vmap`` sees through, ``torch.autograd`` does
     not): the loss as a function of the parameters and of zero perturbations added to each r^k (by the hook after
     its block, or after the token embedding for k = 0), whose cotangents are ∂L/∂r^k."""
@@ -100,20 +105,20 @@ def _functional_backward(model: GPT, tokens, loss_mask, layers):
     buffers = dict(model.named_buffers())
     points = [model.hook_embed if k == 0 else model.blocks[k - 1].hook_resid_post for k in layers]
 
-    def loss_of(values, zeros):
+    def loss_at(values, zeros):
         handles = [pt.add_hook(lambda act, _hook, z=z: act + z) for pt, z in zip(points, zeros)]
         try:
             logits = torch.func.functional_call(model, ({**dict(zip(named, values)), **buffers}), (tokens,))
         finally:
             for h in handles:
                 h.remove()
-        return lm_loss(logits, tokens, loss_mask), logits
+        return loss_of(logits), logits
 
     zeros = [tokens.new_zeros((*tokens.shape, model.cfg.d_model), dtype=next(iter(named.values())).dtype)
              for _ in layers]
-    loss, pull, logits = torch.func.vjp(loss_of, tuple(named.values()), zeros, has_aux=True)
+    loss, pull, logits = torch.func.vjp(loss_at, tuple(named.values()), zeros, has_aux=True)
     grads, c_all = pull(torch.ones_like(loss))
-    d_logits = torch.func.grad(lambda lg: lm_loss(lg, tokens, loss_mask))(logits)
+    d_logits = torch.func.grad(loss_of)(logits)
     return grads, dict(zip(layers, c_all)), d_logits, loss.detach()
 
 
@@ -128,7 +133,7 @@ class SitePasses:
     """
 
     def __init__(self, model: GPT, tokens: torch.Tensor, sites: Sequence[Site], loss_mask: torch.Tensor | None = None,
-                 functional: bool = False):
+                 functional: bool = False, weights: torch.Tensor | None = None):
         for s in sites:
             s.check(model.cfg.n_layer, tokens.shape[1])
         self.model, self.tokens = model, tokens
@@ -136,7 +141,7 @@ class SitePasses:
         self.n_params = sum(p.numel() for p in self.params)
         self.primals = Primals(model, tokens[:, :max(s.pos for s in sites) + 1])
         self.full, self.c_all, self.c_own, self.param_grads, self.loss = _cotangent_pass(
-            model, tokens, loss_mask, sites, self.primals, functional)
+            model, tokens, loss_mask, sites, self.primals, functional, weights)
 
     def has_pre_cached(self, site: Site) -> bool:
         """False where pre-caching is structurally zero: a myopic model, or the last layer (only ln_final reads it)."""

@@ -41,6 +41,7 @@ from ntpflow.engine.influence import (
     composite_gauss_legendre,
 )
 from ntpflow.model.gpt import GPT
+from ntpflow.model.loss import position_weights
 from ntpflow.model.shapes import Mask, Tokens
 from ntpflow.model.sites import Site
 
@@ -83,7 +84,7 @@ class _Clipped:
     """A step's ``SitePasses`` with every gradient times ``factor`` (0-dim; gradient-norm clipping): the clip
     factor applies to every component, so the components still add up to the clipped gradient."""
 
-    def __init__(self, passes: SitePasses, factor: torch.Tensor):
+    def __init__(self, passes: "SitePasses | _Summed", factor: torch.Tensor):
         self._passes, self.factor = passes, factor
         self.full, self.primals, self.loss = factor * passes.full, passes.primals, passes.loss
         self.param_grads = [None if g is None else factor * g for g in passes.param_grads]
@@ -132,6 +133,24 @@ class Shard:
         return t.narrow(dim, self.rows.start, self.rows.stop - self.rows.start)
 
 
+class _Summed:
+    """A worker's ``SitePasses`` of its part of the batch (losses weighted by ``lm_loss_part``), every gradient summed
+    over the workers: the whole batch's, the same on every worker."""
+
+    def __init__(self, passes: SitePasses, shard: Shard):
+        self._passes, self.shard = passes, shard
+        self.full = shard.sum_(passes.full.clone())
+        self.loss, self.primals = shard.sum_(passes.loss.clone()), passes.primals
+        params = passes.params
+        self.param_grads = [g.view_as(p) for g, p in zip(self.full.split([p.numel() for p in params]), params)]
+
+    def has_pre_cached(self, site: Site) -> bool:
+        return self._passes.has_pre_cached(site)
+
+    def run_many(self, sites: Sequence[Site]) -> torch.Tensor:
+        return self.shard.sum_(self._passes.run_many(sites))
+
+
 class ExactAccount(InfluenceTracker):
     """The exact account of a training run, kept while it trains.
 
@@ -143,8 +162,9 @@ class ExactAccount(InfluenceTracker):
     model: the model being trained (its parameters are stepped); opt: its optimizer (:func:`account_optimizer`),
     whose learning rate is read at every step (any scheduler); sites: the residual sites; readout: tokens [N, pos]
     (N ≥ 2); levels, pieces, rtol, floor: the quadrature's refinement ladder (``InfluenceTracker.use_readout``).
-    Under ``torch.distributed`` each worker integrates its rows of the readout (:class:`Shard`) and takes the same
-    step; the chunks, the state and every decision are the workers' together (equal to one worker's to rounding).
+    Under ``torch.distributed`` each worker decomposes its rows of the batch and integrates its rows of the readout
+    (:class:`Shard`); the gradients are summed, every worker takes the same step, and the chunks, the state and every
+    decision are the workers' together (equal to one worker's to rounding).
     """
 
     def __init__(self, model: GPT, opt: torch.optim.Optimizer, sites: Sequence[Site], readout: Tokens, *,
@@ -188,7 +208,14 @@ class ExactAccount(InfluenceTracker):
         loss (0-dim, before the step)."""
         own, group = account_optimizer(self.opt)
         params = list(self.model.parameters())
-        passes: SitePasses | _Clipped = SitePasses(self.model, tokens, self.sites, loss_mask)
+        if self.shard.size == 1:
+            passes: SitePasses | _Summed | _Clipped = SitePasses(self.model, tokens, self.sites, loss_mask)
+        else:  # each worker decomposes its rows of the batch; the gradients are summed
+            rows = Shard(len(tokens)).rows
+            weights = position_weights(tokens, loss_mask)
+            part = SitePasses(self.model, tokens[rows], self.sites, None if loss_mask is None else loss_mask[rows],
+                              weights=weights)
+            passes = _Summed(part, self.shard)
         if self.clip is not None:
             norm = passes.full.norm()
             passes = _Clipped(passes, torch.clamp(self.clip / (norm + 1e-6), max=1.0))
