@@ -297,3 +297,20 @@ def test_a_typed_task_is_replayed_for_its_per_type_rows(tmp_path, caplog):
     assert "does not keep: replaying the run" in caplog.text
     types = set(pq.read_table(out / "attribution" / "influence.parquet")["feature_type"].to_pylist())
     assert -1 in types and len(types) > 1
+
+
+def test_loss_parts_sum_to_the_batch_loss():
+    """lm_loss_part of a batch's parts, weighted by position_weights of the whole batch, sums to its lm_loss (float64),
+    also where a position counts in one part only or in none."""
+    from ntpflow.model.loss import lm_loss_part, position_weights
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, T, V, generator=g, dtype=torch.float64)
+    tokens, mask = batch(1, 6)
+    mask[:3, 2] = False  # position 2 counts in the second part only
+    mask[:, 4] = False  # position 4 counts nowhere
+    for m in (mask, None):
+        w = position_weights(tokens, m)
+        parts = sum(lm_loss_part(logits[r], tokens[r], None if m is None else m[r], w)
+                    for r in (slice(0, 3), slice(3, 6)))
+        assert float(parts) == pytest.approx(float(lm_loss(logits, tokens, m)), rel=1e-13)
