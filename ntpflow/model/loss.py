@@ -34,7 +34,7 @@ def position_weights(tokens: torch.Tensor, loss_mask: torch.Tensor | None = None
     counted rows · the counted positions), 0 where nothing counts [pos-1] (so that :func:`lm_loss_part` of the parts of
     a batch sums to its ``lm_loss``)."""
     if loss_mask is None:
-        n = torch.full((tokens.shape[1] - 1,), float(tokens.shape[0]), device=tokens.device)
+        n = torch.full((tokens.shape[1] - 1,), float(tokens.shape[0]), dtype=torch.float64, device=tokens.device)
     else:
         n = loss_mask[:, :-1].sum(0).to(torch.float64)
     counted = n > 0
