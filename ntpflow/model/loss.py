@@ -33,10 +33,11 @@ def position_weights(tokens: torch.Tensor, loss_mask: torch.Tensor | None = None
     """The weight of each position's cross-entropy in ``lm_loss`` of the whole batch ``tokens`` [batch, pos]: 1 / (its
     counted rows · the counted positions), 0 where nothing counts [pos-1] (so that :func:`lm_loss_part` of the parts of
     a batch sums to its ``lm_loss``)."""
+    dtype = torch.float32 if tokens.device.type == "mps" else torch.float64  # MPS has no float64
     if loss_mask is None:
-        n = torch.full((tokens.shape[1] - 1,), float(tokens.shape[0]), dtype=torch.float64, device=tokens.device)
+        n = torch.full((tokens.shape[1] - 1,), float(tokens.shape[0]), dtype=dtype, device=tokens.device)
     else:
-        n = loss_mask[:, :-1].sum(0).to(torch.float64)
+        n = loss_mask[:, :-1].sum(0).to(dtype)
     counted = n > 0
     return torch.where(counted, 1.0 / (n.clamp(min=1) * counted.sum().clamp(min=1)), 0.0)
 
