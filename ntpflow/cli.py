@@ -125,8 +125,11 @@ def cmd_train(args) -> int:
     track = [t for t in (args.track or "").split(",") if t]
     if (args.readout is not None or args.chunks is not None) and not args.account:
         raise ValueError("--readout and --chunks go with --account SITES")
+    if args.account_types and not args.account:
+        raise ValueError("--account-types goes with --account SITES")
     account = None if not args.account else AccountSpec(
-        tuple(parse_sites(args.account)), args.readout, args.chunks if args.chunks is not None else DEFAULT_CHUNKS)
+        tuple(parse_sites(args.account)), args.readout, args.chunks if args.chunks is not None else DEFAULT_CHUNKS,
+        types=tuple(f for f in (args.account_types or "").split(",") if f))
     run = train(cfg, out, progress=not args.quiet and worker_env() is None, track=track,
                 force_unlock=args.force_unlock, account=account)
     leave_workers()
@@ -403,6 +406,10 @@ def _add_train(sub) -> None:
                         "at most 256)")
     t.add_argument("--chunks", type=int, metavar="N",
                    help="with --account: at most N chunks of steps kept (the curves' resolution; default 100)")
+    t.add_argument("--account-types", metavar="FEATURES",
+                   help="with --account: also keep the per-type rows of these features (comma-separated), for a task "
+                        "that labels its features by type on each example, as Othello's squares (empty / NTP-useless "
+                        "/ NTP-useful)")
     t.add_argument("--workers", type=int, metavar="N",
                    help="with --account: N workers on this machine (torch.distributed: gloo on a CPU, NCCL on GPUs) "
                         "that share the account's readout; or start it as torchrun --nproc-per-node N -m ntpflow "

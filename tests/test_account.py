@@ -232,10 +232,12 @@ def _worker(rank: int, size: int, init: str, out: str) -> None:
 
 
 def _float64_account() -> tuple[list, list]:
-    """A float64 account of 4 Adam steps at two sites, clipped, chunks of 2 steps: (weights, chunks)."""
+    """A float64 account of 4 Adam steps at two sites, clipped, chunks of 2 steps, a typed feature: (weights,
+    chunks)."""
     model = tiny(0)
+    labels = {"a": torch.randint(0, 3, (10, T), generator=torch.Generator().manual_seed(7))}  # a typed feature
     account = ExactAccount(model, torch.optim.Adam(model.parameters(), lr=1e-2), SITES[:2], batch(99, 10)[0],
-                           chunk_steps=2, clip=0.5, levels=(8,), pieces=())
+                           chunk_steps=2, clip=0.5, levels=(8,), pieces=(), types=labels)
     for t in range(4):
         account.train_step(*batch(10 + t, 6))
     return [p.detach().clone() for p in model.parameters()], account.chunks
@@ -283,20 +285,53 @@ def test_workers_need_the_account(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_typed_task_is_replayed_for_its_per_type_rows(tmp_path, caplog):
-    """Othello's squares are typed (empty / NTP-useless / NTP-useful per example), whose per-type rows the account does
-    not keep: attribute says so and replays, and the rows carry every type."""
+OTHELLO_SET = ["board_size=6", "n_layer=1", "d_model=32", "n_head=2", "steps=6", "batch_size=16", "n_train=128",
+               "n_eval=64", "eval_every=6", "ckpt_every=6", "log_every=2"]
+
+
+def othello_args(out: Path, *extra: str) -> list[str]:
+    return ["-q", "train", "--task", "othello", "--device", "cpu", "--out", str(out), *extra, "--set", *OTHELLO_SET]
+
+
+def test_a_typed_task_keeps_per_type_rows_or_is_replayed(tmp_path, caplog):
+    """Othello's squares are typed (empty / NTP-useless / NTP-useful per example). An account without
+    --account-types has no per-type rows: attribute says so and replays. With --account-types sq_C3, attribute reads
+    the account, and its per-type totals are the replay's to float32 rounding and quadrature."""
     import pyarrow.parquet as pq
 
-    out = tmp_path / "oth"
-    assert main(["-q", "train", "--task", "othello", "--device", "cpu", "--out", str(out), "--account", "1:5",
-                 "--set", "board_size=6", "n_layer=1", "d_model=32", "n_head=2", "steps=6", "batch_size=16",
-                 "n_train=128", "n_eval=64", "eval_every=6", "ckpt_every=6", "log_every=2"]) == 0
+    def totals(folder: Path) -> dict:
+        t = pq.read_table(folder / "influence.parquet").to_pylist()
+        last = max(r["step"] for r in t)
+        return {(r["pos"], r["feature_type"], r["mismatch"], r["component"], r["optimizer"]): r["cumulative"]
+                for r in t if r["component"] != "risk" and r["step"] == last}
+
+    plain = tmp_path / "plain"
+    assert main(othello_args(plain, "--account", "1:5")) == 0
     with caplog.at_level("INFO", logger="ntpflow"):
-        assert main(["-q", "attribute", str(out), "--sites", "1:5", "--features", "sq_C3"]) == 0
-    assert "does not keep: replaying the run" in caplog.text
-    types = set(pq.read_table(out / "attribution" / "influence.parquet")["feature_type"].to_pylist())
-    assert -1 in types and len(types) > 1
+        assert main(["-q", "attribute", str(plain), "--sites", "1:5", "--features", "sq_C3"]) == 0
+    assert "keeps no per-type rows of sq_C3" in caplog.text
+    typed = tmp_path / "typed"
+    assert main(othello_args(typed, "--account", "1:5", "--account-types", "sq_C3")) == 0
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ntpflow"):
+        assert main(["-q", "attribute", str(typed), "--sites", "1:5", "--features", "sq_C3"]) == 0
+        assert main(["-q", "attribute", str(typed), "--sites", "1:5", "--features", "sq_C3", "--replay",
+                     "--out", str(tmp_path / "replayed")]) == 0
+    assert caplog.text.count("kept while training: no replay") == 1
+    kept, replayed = totals(typed / "attribution"), totals(tmp_path / "replayed")
+    assert {k[1] for k in kept} == {k[1] for k in replayed} and len({k[1] for k in kept}) > 1
+    assert kept.keys() == replayed.keys()
+    for k, v in replayed.items():
+        assert kept[k] == pytest.approx(v, rel=1e-3, abs=1e-5), k
+
+
+def test_bad_account_types_are_one_line_errors(tmp_path, capsys):
+    assert main(othello_args(tmp_path / "a", "--account", "1:5", "--account-types", "sq_Z9")) == 2
+    assert main(train_args(tmp_path / "b", "--account", "1:4", "--account-types", "is_majority_<0>")) == 2
+    assert main(train_args(tmp_path / "c", "--account-types", "x")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and "unknown feature" in err[0] and "labels no feature by type" in err[1], err
+    assert "go" in err[2] and not any((tmp_path / d).exists() for d in "abc")
 
 
 def test_loss_parts_sum_to_the_batch_loss():
@@ -314,3 +349,40 @@ def test_loss_parts_sum_to_the_batch_loss():
         parts = sum(lm_loss_part(logits[r], tokens[r], None if m is None else m[r], w)
                     for r in (slice(0, 3), slice(3, 6)))
         assert float(parts) == pytest.approx(float(lm_loss(logits, tokens, m)), rel=1e-13)
+
+
+def test_type_subsets_equal_the_replays():
+    """With type labels on the readout (Othello's squares are typed so), the account's per-type rows equal the
+    replay's (``use_readout(types=...)``) to float64 rounding, every type present at each site's position."""
+    from ntpflow.replay.from_account import account_rows
+
+    start, held = tiny(0), batch(99, 12)[0]
+    g = torch.Generator().manual_seed(7)
+    labels = {"a": torch.randint(0, 3, (12, T), generator=g), "b": torch.randint(0, 2, (12, T), generator=g)}
+    steps = [batch(10 + t, 6) for t in range(3)]
+    model = copy.deepcopy(start)
+    account = ExactAccount(model, optimizer("adam", model), SITES[:2], held, levels=(8,), pieces=(), types=labels)
+    for tokens, mask in steps:
+        account.train_step(tokens, mask)
+    probes = [Probe(s, name, torch.randn(D, generator=g, dtype=torch.float64)) for s in SITES[:2] for name in "ab"]
+    tracker = InfluenceTracker(copy.deepcopy(model), probes)
+    tracker.use_readout(held, types=labels, levels=(8,), pieces=())
+    replayed = copy.deepcopy(start)
+    opt = optimizer("adam", replayed)
+    want = {}
+    for tokens, mask in steps:
+        for r in tracker.track(replayed, opt, tokens, mask):
+            want[(r["step"], r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"], r["component"],
+                  r["optimizer"])] = r["value"]
+        tracker.optimizer_step(replayed, opt)
+    with torch.no_grad():
+        resid = model(held, return_resid=True, myopic="none")[1]
+    final = {s: resid[s.layer][:, s.pos] for s in SITES[:2]}
+    got = account_rows(account.chunks, final, account.own, account.names, probes, labels)
+    typed = [r for r in got if r["feature_type"] >= 0]
+    assert {r["feature_type"] for r in typed} == {0, 1, 2} and len(typed) > len(got) / 2
+    for r in got:
+        key = (r["step"], r["layer"], r["pos"], r["feature"], r["feature_type"], r["mismatch"], r["component"],
+               r["optimizer"])
+        scale = abs(want[(*key[:6], "risk", "none")])
+        assert r["value"] == pytest.approx(want[key], rel=1e-9, abs=1e-12 * scale), key

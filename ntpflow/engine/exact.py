@@ -171,7 +171,7 @@ class ExactAccount(InfluenceTracker):
                  chunk_steps: int = 1, sgd_rows: bool = True, clip: float | None = None,
                  levels: Sequence[int] = (2, 4, 8), pieces: Sequence[int] = (2, 4, 8, 16), rtol: float = 1e-3,
                  floor: float = 1e-6, on_chunk: Callable[[int, dict[str, torch.Tensor]], None] | None = None,
-                 bucket_width: int | None = None):
+                 bucket_width: int | None = None, types: dict[str, torch.Tensor] | None = None):
         super().__init__(None, [], sgd_rows=sgd_rows, bucket_width=bucket_width, sites=sites, cfg=model.cfg)
         if not self.sites:
             raise ValueError("the account needs at least one site")
@@ -201,6 +201,19 @@ class ExactAccount(InfluenceTracker):
         self._first = 0  # the running chunk's first step
         self._lr = 1.0
         self.last_loss: torch.Tensor | None = None
+        self.types = {f: lab[:, :n_pos] for f, lab in (types or {}).items()}  # the whole readout's labels [N, pos]
+        self._subsets = {s: self._typed_subsets(s) for s in self.sites}
+
+    def _typed_subsets(self, site: Site) -> list[tuple[str, int, torch.Tensor, int]]:
+        """The type subsets kept at ``site``: (feature, type, this worker's rows of it [n] bool, its size over the
+        whole readout) for each feature of ``types`` and each type present at the site's position."""
+        out = []
+        for f, lab in self.types.items():
+            col = lab[:, site.pos]
+            mine = col[self.shard.rows]
+            for t, n in zip(*torch.unique(col, return_counts=True)):
+                out.append((f, int(t), mine == t, int(n)))
+        return out
 
     # ---- one step ----
     def train_step(self, tokens: Tokens, loss_mask: Mask | None = None) -> torch.Tensor:
@@ -262,7 +275,7 @@ class ExactAccount(InfluenceTracker):
             previous = excess
         for s, acc in sink.items():
             for name, value in acc.items():
-                key = f"{name}.{s.layer}:{s.pos}"
+                key = chunk_key(s, *name.split("|"))
                 self._chunk[key] = value if key not in self._chunk else self._chunk[key] + value
         self.evaluations += sum(n * k for n, k in ro.rules[:level + 1])
         self.refined += level > 0
@@ -345,10 +358,13 @@ class ExactAccount(InfluenceTracker):
         t = torch.einsum("rm,mnd->rnd", mix, tau.to(torch.float64))  # [rows, N, d]
         r = resid.to(torch.float64)
         w = 1.0 if weight is None else weight
-        sums = self.shard.sum_(torch.cat([t.sum(1).flatten(), r.sum(0)])) / self.n_readout  # the whole readout's means
-        t_mean, r_mean = sums[:-r.shape[1]].view(len(t), -1), sums[-r.shape[1]:]
-        terms = {"G": w * torch.einsum("rnd,ne->rde", t, r) / self.n_readout,
-                 "Gbar": w * t_mean[:, :, None] * r_mean[None, None, :], "T": w * t}
+        terms = {"T": w * t}
+        for key, rows, n in [("", None, self.n_readout)] + [(f"|{ty}|{f}", m, n) for f, ty, m, n in self._subsets[site]]:
+            ts, rs = (t, r) if rows is None else (t[:, rows], r[rows])
+            sums = self.shard.sum_(torch.cat([ts.sum(1).flatten(), rs.sum(0)])) / n  # the (sub)set's means, all rows
+            t_mean, r_mean = sums[:-r.shape[1]].view(len(t), -1), sums[-r.shape[1]:]
+            terms[f"G{key}"] = w * torch.einsum("rnd,ne->rde", ts, rs) / n
+            terms[f"Gbar{key}"] = w * t_mean[:, :, None] * r_mean[None, None, :]
         acc = mats.setdefault(site, {})
         for k, v in terms.items():
             acc[k] = v if k not in acc else acc[k] + v
@@ -426,13 +442,26 @@ class ExactAccount(InfluenceTracker):
             setattr(self, k if k != "first" else "_first", int(state.get(f"account.{k}", 0)))
 
 
-def chunk_values(tensors: dict[str, torch.Tensor], site: Site, r_star: torch.Tensor, w: torch.Tensor
-                 ) -> dict[str, torch.Tensor]:
+def chunk_key(site: Site, kind: str, type_: str | None = None, feature: str | None = None) -> str:
+    """A chunk tensor's name: ``{kind}.{layer}:{pos}`` (kind G, Gbar, T, start, end), and for a type subset's G and
+    Gbar ``{kind}.{layer}:{pos}.{type}.{feature}``."""
+    return f"{kind}.{site.layer}:{site.pos}" + ("" if type_ is None else f".{type_}.{feature}")
+
+
+def chunk_values(tensors: dict[str, torch.Tensor], site: Site, r_star: torch.Tensor, w: torch.Tensor,
+                 subset: tuple[str, int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """One chunk's values at ``site`` for directions ``w`` [n, d] (float64), given θ*'s readout residuals ``r_star``
     [N, d]: ``influence`` [2 (paper, centred), rows, n] (each accumulated row's integrated influence, positive = toward
-    the final value), ``risk`` [2, n] R_H at the chunk's start and ``change`` [2, n] its decrease over the chunk."""
+    the final value), ``risk`` [2, n] R_H at the chunk's start and ``change`` [2, n] its decrease over the chunk.
+    ``subset`` (feature, type, rows [N] bool): the values on that type subset of the readout (kept by the account's
+    ``types``)."""
     key = f"{site.layer}:{site.pos}"
     G, Gbar, T = (tensors[f"{a}.{key}"] for a in ACCUMULATORS)
+    rows = None
+    if subset is not None:
+        f, ty, rows = subset
+        G, Gbar, T = tensors[chunk_key(site, "G", str(ty), f)], tensors[chunk_key(site, "Gbar", str(ty), f)], T[:, rows]
+        r_star = r_star[rows]
     rs = r_star.to(torch.float64)
     wG = torch.einsum("nd,rde,ne->rn", w, G, w)  # wᵀ G w per row and direction
     wGbar = torch.einsum("nd,rde,ne->rn", w, Gbar, w)
@@ -445,7 +474,10 @@ def chunk_values(tensors: dict[str, torch.Tensor], site: Site, r_star: torch.Ten
         d = (r - rs) @ w.T  # [N, n]
         return torch.stack([d.pow(2).mean(0), (d - d.mean(0)).pow(2).mean(0)])
 
-    start, end = risks(tensors[f"start.{key}"]), risks(tensors[f"end.{key}"])
+    start, end = (tensors[f"{a}.{key}"] for a in ("start", "end"))
+    if rows is not None:
+        start, end = start[rows], end[rows]
+    start, end = risks(start), risks(end)
     return {"influence": influence, "risk": start, "change": start - end}
 
 

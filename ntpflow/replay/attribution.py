@@ -126,9 +126,12 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
         log.info("%s's account (sites %s, readout %d) does not cover this attribution: replaying the run", run.dir,
                  ", ".join(f"{s.layer}:{s.pos}" for s in kept.sites), kept.spec["readout"])
         kept = None
-    if kept is not None and sites and run.datasets()[1].feature_types is not None:
-        log.info("%s's task labels its features by type (e.g. Othello's squares), whose per-type rows the account "
-                 "does not keep: replaying the run", run.dir)
+    typed = [] if kept is None or not sites or run.datasets()[1].feature_types is None else [
+        f for f in (feature_name(f) for f in features or run.task.feature_names) if f not in kept.types]
+    if typed:
+        log.info("%s's task labels its features by type (e.g. Othello's squares) and its account keeps no per-type "
+                 "rows of %s (train --account-types): replaying the run", run.dir, ", ".join(typed[:5])
+                 + (f" and {len(typed) - 5} more" if len(typed) > 5 else ""))
         kept = None
     readout = kept.spec["readout"] if kept is not None else readout_size(reading, readout, cfg.n_eval,
                                                                           cfg.batch_size)
@@ -165,7 +168,8 @@ def _from_account(run: Run, kept: KeptAccount, out: Path, sites: list[Site], fea
     folder.parts.mkdir(exist_ok=True)
     for part in folder.part_files():
         part.unlink()
-    _write_part(folder.part(0), account_rows(kept.chunks(), kept.final, kept.meta["own"], kept.rows, probes))
+    _write_part(folder.part(0), account_rows(kept.chunks(), kept.final, kept.meta["own"], kept.rows, probes,
+                                             kept.types))
     if matrices:  # before influence.parquet, which marks the folder done
         save_account_matrices(out, kept, {"readout": kept.spec["readout"], "steps": run.cfg.steps,
                                           "config_hash": run.cfg.hash(), "optimizer": kept.meta["own"]})

@@ -25,26 +25,37 @@ COMPONENTS = ("direct", "pre_cached", "shared", "full")
 
 
 def account_rows(chunks: Iterable[tuple[int, dict[str, torch.Tensor]]], final: dict[Site, torch.Tensor], own: str,
-                 names: Sequence[tuple[str, str]], probes: Sequence[Probe]) -> list[dict]:
+                 names: Sequence[tuple[str, str]], probes: Sequence[Probe],
+                 types: dict[str, torch.Tensor] | None = None) -> list[dict]:
     """Every probe's rows from an account's ``chunks`` [(first step, tensors)], θ*'s readout residuals ``final``
     {site: [N, d]}, its own reading's name and its accumulated rows ``names`` [(kind, component)]: chunk by chunk, in
-    the schema of ``InfluenceTracker`` rows (feature_type -1) with ``cumulative``."""
-    by_site: dict[Site, list[Probe]] = defaultdict(list)
+    the schema of ``InfluenceTracker`` rows with ``cumulative``: feature_type -1 (the whole readout), and for a probe
+    whose feature has kept type labels ``types`` {feature: [N, pos]} one set per type present at its position."""
+    types = types or {}
+    by_site: dict[tuple[Site, int], list[Probe]] = defaultdict(list)
     for p in probes:
-        by_site[p.site].append(p)
+        present = [] if p.name not in types else torch.unique(types[p.name][:, p.site.pos]).tolist()
+        for t in [-1, *present]:
+            by_site[(p.site, t)].append(p)
     rows, cums = [], defaultdict(float)
     for first, tensors in chunks:
         last = first + int(tensors["steps"]) - 1
-        for site, ps in by_site.items():
+        for (site, ftype), ps in by_site.items():
             w = torch.stack([p.w.detach().cpu() for p in ps]).to(torch.float64)
-            v = {k: x.tolist() for k, x in chunk_values(tensors, site, final[site].cpu(), w).items()}
+            if ftype == -1:
+                values = chunk_values(tensors, site, final[site].cpu(), w)
+            else:  # each probe its own subset (its feature's labels)
+                parts = [chunk_values(tensors, site, final[site].cpu(), w[j:j + 1],
+                                      (p.name, ftype, types[p.name][:, site.pos] == ftype)) for j, p in enumerate(ps)]
+                values = {k: torch.cat([x[k] for x in parts], -1) for k in parts[0]}
+            v = {k: x.tolist() for k, x in values.items()}
             for mi, mismatch in enumerate(MISMATCHES):
                 for j, p in enumerate(ps):
                     def row(component, optimizer, value):
-                        key = (site.layer, site.pos, p.name, mismatch, component, optimizer)
+                        key = (site.layer, site.pos, p.name, ftype, mismatch, component, optimizer)
                         cums[key] += value if component != "risk" else 0.0
                         return {"step": first if component == "risk" else last, "layer": site.layer, "pos": site.pos, "feature": p.name,
-                                "feature_type": -1, "mismatch": mismatch, "component": component,
+                                "feature_type": ftype, "mismatch": mismatch, "component": component,
                                 "optimizer": optimizer, "value": value,
                                 "cumulative": cums[key] if component != "risk" else value}
 

@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ntpflow.engine.exact import ExactAccount
 from ntpflow.files import load_tensors, read_json, save_tensors, sidecar, write_json
 from ntpflow.model.gpt import GPT
-from ntpflow.model.sites import Site, checked_sites
+from ntpflow.model.sites import Site, checked_sites, feature_name
 from ntpflow.runs.run import AccountDir, Checkpoints, Run, RunPaths
 from ntpflow.runs.training import Alone
 from ntpflow.runs.workers import is_lead
@@ -41,12 +42,15 @@ def default_readout(n_eval: int, batch_size: int) -> int:
 @dataclass(frozen=True)
 class AccountSpec:
     """What ``train --account`` keeps: the residual ``sites``, the readout set's size (None: :func:`default_readout`),
-    at most ``chunks`` chunks of steps, and whether the SGD-direction rows are kept beside the optimizer's."""
+    at most ``chunks`` chunks of steps, whether the SGD-direction rows are kept beside the optimizer's, and the
+    features whose per-type rows are kept (``types``: a task that labels its features by type on the readout, as
+    Othello's squares; each costs two d × d accumulators per type and row)."""
 
     sites: tuple[Site, ...]
     readout: int | None = None
     chunks: int = DEFAULT_CHUNKS
     sgd_rows: bool = True
+    types: tuple[str, ...] = ()
 
     def resolved(self, run: Run) -> dict:
         """The spec.json of this account on ``run``; ValueError (one line) for sites or sizes the run cannot take."""
@@ -59,9 +63,19 @@ class AccountSpec:
             raise ValueError(f"--readout takes 2..{cfg.n_eval} (the run's evaluation sequences), got {readout}")
         if self.chunks < 1:
             raise ValueError(f"the account needs at least one chunk, not {self.chunks}")
-        return {"sites": [[s.layer, s.pos] for s in sites], "readout": readout,
+        spec = {"sites": [[s.layer, s.pos] for s in sites], "readout": readout,
                 "chunk_steps": math.ceil(cfg.steps / min(self.chunks, cfg.steps)), "sgd_rows": self.sgd_rows,
                 "rtol": ACCOUNT_RTOL, "config_hash": cfg.hash()}
+        if self.types:
+            names = [feature_name(f) for f in self.types]
+            unknown = [f for f in names if f not in run.task.feature_names]
+            if unknown:
+                raise ValueError(f"--account-types: unknown feature(s) {unknown}; the task has "
+                                 f"{list(run.task.feature_names)}")
+            if run.task.sample(2, np.random.default_rng(0)).feature_types is None:
+                raise ValueError(f"--account-types: the task {cfg.task} labels no feature by type")
+            spec["types"] = list(dict.fromkeys(names))
+        return spec
 
 
     def check(self, run: Run) -> None:
@@ -115,9 +129,14 @@ class Accounted(Alone):
         self.folder = self.run.account
         spec = read_json(self.folder.spec)
         tokens = self.evals[0]["tokens"][:spec["readout"]]
+        self.types = {}
+        if spec.get("types"):
+            assert self.eval_set.feature_types is not None  # checked by AccountSpec.resolved
+            labels = torch.as_tensor(self.eval_set.feature_types[:spec["readout"]], device=self.device)
+            self.types = {f: labels[..., self.run.task.feature_names.index(f)].long() for f in spec["types"]}
         self.account = ExactAccount(self.model, self.opt, [Site(*s) for s in spec["sites"]], tokens,
                                     chunk_steps=spec["chunk_steps"], sgd_rows=spec["sgd_rows"], rtol=spec["rtol"],
-                                    on_chunk=self._write_chunk)
+                                    on_chunk=self._write_chunk, types=self.types)
 
     def _write_chunk(self, first: int, tensors: dict[str, torch.Tensor]) -> None:
         if is_lead():
@@ -153,8 +172,9 @@ class Accounted(Alone):
             return
         with torch.no_grad():
             resid = self.model(acc.tokens, return_resid=True, myopic="none")[1]
+        labels = {f"types.{f}": lab for f, lab in acc.types.items()}
         save_tensors(self.folder.final, {f"final_resid.{s.layer}:{s.pos}": resid[s.layer][:, s.pos].to(torch.float64)
-                                         for s in acc.sites},
+                                         for s in acc.sites} | labels,
                      {"steps": self.run.cfg.steps, "refined_steps": acc.refined, "subdivided_steps": acc.subdivided,
                       "point_evaluations": acc.evaluations, "own": acc.own, "rows": [list(r) for r in acc.names],
                       "rule": {"levels": list(acc.rule.levels), "pieces": list(acc.rule.pieces),
@@ -171,6 +191,7 @@ class KeptAccount:
     spec: dict
     meta: dict
     final: dict[Site, torch.Tensor]
+    types: dict[str, torch.Tensor]  # the kept features' type labels on the readout [N, pos]
 
     @property
     def sites(self) -> list[Site]:
@@ -194,5 +215,7 @@ def read_account(run: Run) -> KeptAccount | None:
     spec, meta = read_json(folder.spec), read_json(sidecar(folder.final))
     if spec.get("config_hash") != run.cfg.hash():
         raise ValueError(f"{folder.dir} was kept for another config than {run.dir}'s")
-    final = {Site.parse(k.split(".", 1)[1]): v for k, v in load_tensors(folder.final).items()}
-    return KeptAccount(folder, spec, meta, final)
+    tensors = load_tensors(folder.final)
+    final = {Site.parse(k.split(".", 1)[1]): v for k, v in tensors.items() if k.startswith("final_resid.")}
+    types = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("types.")}
+    return KeptAccount(folder, spec, meta, final, types)

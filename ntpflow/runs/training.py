@@ -240,8 +240,8 @@ class Alone(PlainSteps):
 
     def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], device):
         (run,), (self.model,), (self.opt,) = runs, models, opts
-        train_set, eval_set = make_datasets(run.cfg, run.task)  # not cached on the Run, which train() returns
-        self.data, self.evals = to_torch(train_set, device), [to_torch(eval_set, device)]
+        train_set, self.eval_set = make_datasets(run.cfg, run.task)  # not cached on the Run, which train() returns
+        self.data, self.evals = to_torch(train_set, device), [to_torch(self.eval_set, device)]
         self.order, self.device = DataOrder(run.cfg.seed, run.cfg.n_train, run.cfg.batch_size), device
 
     def step(self, step: int) -> torch.Tensor:
