@@ -33,7 +33,7 @@ import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -48,6 +48,7 @@ from ntpflow.files import InFolder, ensure_writable_dir, read_json, resolve_devi
 from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute, influence_read_at
+from ntpflow.runs.account import AccountSpec, account_for
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import AttributionDir, Run
@@ -71,7 +72,9 @@ class OthelloScale:
     evaluation games (``attribute(readout=...)``; None: read on each step's batch, at its midpoint by default);
     ``fragility``: keyword arguments of ``othello_fragility.run_fragility`` (its defaults where absent); ``pilots``:
     the folder of the pilots that chose the scale, relative to the committed report (docs/results/othello-<scale>/),
-    which the report links to ("": none).
+    which the report links to ("": none); ``account_chunks``: the chunks of steps the vanilla run's account keeps
+    (its per-type accumulators of every square make each chunk large: 16 squares × 3 types × 2 × 6 rows × d² float64
+    per site, 75 MiB at d = 128).
     """
 
     name: str
@@ -84,6 +87,7 @@ class OthelloScale:
     readout: int | None = None
     fragility: dict = field(default_factory=dict)
     pilots: str = ""
+    account_chunks: int = 10
 
     def config(self, device: str = "auto", regime: str = "vanilla") -> TrainConfig:
         """The TrainConfig of this scale's run in ``regime`` (vanilla: the main run; myopic: the fragility test's
@@ -220,12 +224,13 @@ class _Timer:
         write_json(self.path, self.data)
 
 
-def _train_job(cfg_dict: dict, run_dir: str, threads: int | None, *, stages: bool = False) -> dict:
-    """The job of one training run (for ``run_jobs``): train (or resume) it on ``threads`` torch threads; returns its
-    ``run_dir`` and the wall and CPU seconds (of the worker process) it took."""
+def _train_job(cfg_dict: dict, run_dir: str, threads: int | None, account: AccountSpec | None = None, *,
+               stages: bool = False) -> dict:
+    """The job of one training run (for ``run_jobs``): train (or resume) it on ``threads`` torch threads, with
+    ``account`` if given; returns its ``run_dir`` and the wall and CPU seconds (of the worker process) it took."""
     t0, c0 = time.perf_counter(), time.process_time()
     with on_threads(threads):
-        train(TrainConfig.from_dict(cfg_dict), run_dir, progress=stages)
+        train(TrainConfig.from_dict(cfg_dict), run_dir, progress=stages, account=account)
     return {"run_dir": run_dir, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
 
 
@@ -249,6 +254,10 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     cfg, myopic_cfg = scale.config(device), scale.config(device, "myopic")
     timer = _Timer(layout.timings)
     trainings = (("vanilla", cfg, layout.run_dir, "train"), ("myopic", myopic_cfg, layout.myopic_dir, "train_myopic"))
+    readout = (scale.readout or min(256, cfg.n_eval)) if reading == "exact" else None
+    kept = account_for(layout.run_dir, list(scale.sites) if replays and reading == "exact" else [], readout)
+    accounts = {"vanilla": None if kept is None else replace(kept, chunks=scale.account_chunks,
+                                                                 types=tuple(scale.squares)), "myopic": None}
     pending = [(name, c, run_dir, stage) for name, c, run_dir, stage in trainings if not Run(run_dir, c).done]
     if workers is None:
         workers = min(2, os.cpu_count() or 1) if resolve_device(device).type == "cpu" else 1
@@ -256,7 +265,8 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
         dirs = [str(run_dir) for _, _, run_dir, _ in pending]
         if progress:
             log.info("othello %s: training %s side by side", scale.name, ", ".join(dirs))
-        done = run_jobs(_train_job, [(c.to_dict(), d, scale.threads) for (_, c, _, _), d in zip(pending, dirs)],
+        done = run_jobs(_train_job, [(c.to_dict(), d, scale.threads, accounts[name])
+                                     for (name, c, _, _), d in zip(pending, dirs)],
                         workers, f"othello {scale.name} training", progress)
         for (*_, stage), r in zip(pending, done):
             timer.add(stage, r["wall_s"], r["cpu_s"])
@@ -267,7 +277,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
             with timer.stage(stage, trained):
                 if progress and not trained:
                     log.info("othello %s: training %s (%s)", scale.name, run_dir, name)
-                runs[name] = train(c, run_dir, progress=progress)
+                runs[name] = train(c, run_dir, progress=progress, account=accounts[name])
             if name == "vanilla":  # claim (i) and the gates need only the vanilla run: report them before the myopic
                 _probe_vanilla(runs[name], timer, device)
                 write_json(layout.data, gather(scale, layout.dir))
@@ -280,10 +290,9 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                 run_fragility({k: r.dir for k, r in runs.items()}, layout.fragility_dir, device=device,
                               **scale.fragility)
         with timer.stage("attribution", run.attribution().done or not replays):
-            if replays:
+            if replays:  # read from the run's account where it was trained with one, else replayed
                 attribute(run.dir, list(scale.sites), list(scale.squares), device=device, progress=progress,
-                          reading=reading,
-                          readout=(scale.readout or min(256, run.cfg.n_eval)) if reading == "exact" else None)
+                          reading=reading, readout=readout)
         write_json(layout.data, gather(scale, layout.dir))
         write_report(layout.dir)
     return layout.dir
