@@ -11,22 +11,25 @@
 # a plain step is 1.77 TFLOP at batch 1024, so training is 5000 x 1.77e12 = 8.9e15 FLOPs: about 3.7 min at 40 TFLOP/s
 # (float32 without TF32 on an H200, whose float32 peak is about 67 TFLOP/s), 5 min at 30; the probes add well under a
 # minute. Measured on one H200 (2026-12-04): step 3500 of 5000 after 300 s, about 21 TFLOP/s (the math attention
-# kernel on CUDA), so training takes about 7 min: `--no-replays` fits inside 10 minutes, not well inside. The replay
-# does not: a tracked step at these 6 sites is 2.85 plain steps for the batch plus 1.06 for the 256 readout games,
-# 3.91 in all (a refined step adds 0.51 a quadrature point), 3.5e16 FLOPs over 5000 steps unrefined (about 28 min at
-# the 21 TFLOP/s measured for the training; the paper's 84 sites: 32.8 plain steps, 2.9e17 FLOPs, about 4 h). Run it
-# as further calls without --no-replays: each resumes from the replay's last resume point (every 500 steps), so cut
-# calls (timeout) lose at most one block.
+# kernel on CUDA), so training takes about 7 min: `--no-replays` fits inside 10 minutes, not well inside. With the
+# influence (the default), the vanilla run trains with the exact account kept while training (ntpflow train
+# --account, with the per-type rows of the 16 central squares): one call, no replay, no second training. A step with
+# the account at these 6 sites costs about what a replayed step did: 2.85 plain steps for the batch plus 1.06 for the
+# 256 readout games, 3.91 in all (a refined step adds 0.51 a quadrature point), 3.5e16 FLOPs over 5000 steps
+# unrefined, about 28 min at the 21 TFLOP/s measured for the training: more than one lent GPU's 15 minutes (the
+# paper's 84 sites: 32.8 plain steps, 2.9e17 FLOPs, about 4 h). The call resumes from the training's last checkpoint
+# (every ckpt_every steps, the account's running chunk saved with it), so cut calls lose at most one block. A run
+# first trained with --no-replays has no account: a later call without it replays that run instead.
 #
 # --six runs scale medium-6x6 instead (4 layers, d 128, a 6x6 board: NOT the paper's setting), its vanilla and myopic
-# runs, the fragility test and the tracked replays at its 4 sites, into results/othello-medium-6x6-gpu and
+# runs, the fragility test and the vanilla run's account at its 4 sites, into results/othello-medium-6x6-gpu and
 # docs/results/othello-medium-6x6-gpu/: the CPU result docs/results/othello-medium-6x6 has no replay (about 5.5
 # core-hours here), so this decides claims (ii)-(iv) on a model with a world model. FLOPs: 2 x 12,000 x 40 GFLOP =
-# 9.6e14 of training and 1.2e15 of replay, seconds of arithmetic on an H200 but small kernels: an estimate, not
-# measured, of 5-15 min in all, so run it as `--six --no-replays`, then `--six` (it resumes).
+# 9.6e14 of training and 1.2e15 of the account, seconds of arithmetic on an H200 but small kernels: an estimate, not
+# measured, of 5-15 min in all; run it as one call, `--six` (it resumes).
 #
 #   scripts/othello_gpu.sh --no-replays [WORK_DIR]   training, probes, report: the 10-minute call
-#   scripts/othello_gpu.sh [WORK_DIR]                the same plus the tracked replays (resumes; about 35 min in all)
+#   scripts/othello_gpu.sh [WORK_DIR]                trained with the account instead (resumes; about 35 min in all)
 #   scripts/othello_gpu.sh --six [--no-replays]      the 6x6 board's scale, with its replays unless --no-replays
 #   scripts/othello_gpu.sh --smoke [...]             the same code path at smoke size on the CPU (minutes); no copy
 set -euo pipefail
