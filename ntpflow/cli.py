@@ -400,7 +400,7 @@ def _add_train(sub) -> None:
     t.add_argument("--account", metavar="SITES",
                    help="keep the exact account at these sites while training (LAYER:POS list or ranges, e.g. "
                         "1:4,1:14): attribute, --direction, --sae and discover then read RUN/account instead of "
-                        "replaying the run (docs/balance.md#in-run)")
+                        "replaying the run (docs/balance.md#the-account-while-training-in-run)")
     t.add_argument("--readout", type=int, metavar="N",
                    help="with --account: the readout set, the first N evaluation sequences (default the batch size, "
                         "at most 256)")
@@ -412,7 +412,7 @@ def _add_train(sub) -> None:
                         "/ NTP-useful)")
     t.add_argument("--workers", type=int, metavar="N",
                    help="with --account: N workers on this machine (torch.distributed: gloo on a CPU, NCCL on GPUs) "
-                        "that share the account's readout; or start it as torchrun --nproc-per-node N -m ntpflow "
+                        "that split the batch and the account's readout; or start it as torchrun --nproc-per-node N -m ntpflow "
                         "train ...")
     _common(t)
     t.set_defaults(fn=cmd_train)

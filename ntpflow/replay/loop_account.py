@@ -1,4 +1,4 @@
-"""The exact account for a training loop of one's own: ``ntpflow.Account`` (docs/balance.md#in-run).
+"""The exact account for a training loop of one's own: ``ntpflow.Account`` (docs/balance.md#the-account-while-training-in-run).
 
     account = ntpflow.Account(model, opt, sites=[Site(1, 4)], readout=held_out_tokens, clip=1.0)
     for tokens, mask in batches:
