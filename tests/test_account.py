@@ -182,6 +182,12 @@ def test_train_with_account_keeps_the_bits_and_attribute_reads_it(accounted, tmp
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-4 * b["R0_eval"]), k
     assert main(["-q", "discover", str(accounted), "--site", "1:4", "--attribution", str(tmp_path / "kept"),
                  "--null", "50"]) == 0
+    # without an attribution's matrices, discover reads the account's: the same directions, bit for bit
+    assert main(["-q", "discover", str(accounted), "--site", "1:4", "--null", "50",
+                 "--out", str(tmp_path / "direct")]) == 0
+    found = [json.loads((d / "discover.json").read_text())
+             for d in (tmp_path / "kept" / "discover" / "1_4", tmp_path / "direct")]
+    assert found[0]["mismatches"] == found[1]["mismatches"]
 
 
 def test_interrupted_training_resumes_to_the_same_account(accounted, tmp_path, monkeypatch):

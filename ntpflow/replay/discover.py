@@ -40,7 +40,9 @@ import torch
 
 from ntpflow.files import atomic_write, write_json
 from ntpflow.model.sites import Site
-from ntpflow.replay.matrices import COMPONENTS, load_matrices
+from ntpflow.replay.from_account import account_matrices
+from ntpflow.replay.matrices import COMPONENTS, Matrices, load_matrices
+from ntpflow.runs.account import read_account
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
 
@@ -119,12 +121,20 @@ def discover(run_dir: str | Path, site: Site, *, attribution_dir: str | Path | N
              rcond: float = 1e-4, features: Sequence[str] | None = None) -> Path:
     """Find each component's top directions at ``site`` and compare them with the run's final probe directions
     (all of them, or those matching one of the shell patterns ``features``, e.g. ``sq_[C-F][3-6]``); write
-    ``discover.json`` and ``discover.md`` to ``out_dir`` (default ATTRIBUTION_DIR/discover/K_I) and return it. Bad
+    ``discover.json`` and ``discover.md`` to ``out_dir`` (default ATTRIBUTION_DIR/discover/K_I) and return it. The
+    matrices are the attribution's (``attribute --matrices``), or, for a run trained with the account and no such
+    attribution, its account's (``ntpflow.replay.from_account``). Bad
     input (no matrices, a site they lack, top < 1, null_draws < 1, a pattern no feature matches) raises ValueError
     before anything is written."""
     run = Run.open(run_dir)
     folder = run.attribution(attribution_dir)
-    mats = load_matrices(folder.dir)
+    kept = None if attribution_dir is not None or folder.matrices.exists() else read_account(run)
+    if kept is not None:  # a run trained with the account: its matrices, without attribute --matrices
+        mats = Matrices(run.account.dir, account_matrices(kept),
+                        {"sites": [f"{s.layer}:{s.pos}" for s in kept.sites], "config_hash": kept.spec["config_hash"],
+                         "readout": kept.spec["readout"], "optimizer": kept.meta["own"]})
+    else:
+        mats = load_matrices(folder.dir)
     mats.check_site(site)
     if mats.meta.get("config_hash") != run.cfg.hash():
         raise ValueError(f"the matrices in {folder.dir} come from another run than {run.dir}")
