@@ -596,7 +596,7 @@ def write_r_table(directory: str | os.PathLike[str], probes: ProbeSet, baseline:
     rows = csv.writer(text, lineterminator="\n")
     rows.writerow(["feature", "layer", "pos", "r", "r_init"])
     for f, name in enumerate(probes.feature_names):
-        f0 = None if r0 is None else baseline.feature_index(name)
+        f0 = None if baseline is None else baseline.feature_index(name)
         for layer in range(r.shape[0]):
             for p in probes.positions:
                 rows.writerow([name, layer, p, num(r, layer, p, f), num(r0, layer, p, f0) if r0 is not None else ""])

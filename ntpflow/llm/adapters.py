@@ -65,12 +65,15 @@ class ModelAdapter(Protocol):
     def logits(self, tokens: torch.Tensor, hook: str | None = None, edit: EditFn | None = None) -> torch.Tensor:
         """Logits ``[B, T, V]`` for ``tokens`` ``[B, T]``; if ``edit`` is given, the activation at ``hook`` is
         replaced by ``edit(activation)``."""
+        ...
 
     def logits_and_activations(self, tokens: torch.Tensor, hook: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Clean logits ``[B, T, V]`` and the activation ``[B, T, d]`` at ``hook``, from one forward pass."""
+        ...
 
     def activations(self, tokens: torch.Tensor, hook: str) -> torch.Tensor:
         """The activation ``[B, T, d]`` at ``hook``; the forward pass stops right after the site."""
+        ...
 
 
 class _AdapterBase:
@@ -89,7 +92,7 @@ class _AdapterBase:
     def _run(self, tokens: torch.Tensor, hook: str | None, fn: Callable | None) -> torch.Tensor:  # pragma: no cover
         raise NotImplementedError
 
-    def check_hook(self, hook: str) -> None:
+    def check_hook(self, hook: str | None) -> None:
         if not isinstance(hook, str) or not self._valid(hook):
             names = self._names()
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
@@ -217,6 +220,7 @@ class HFAdapter(_AdapterBase):
                 return None
             return (new, *output[1:]) if isinstance(output, tuple) else new
 
+        assert hook is not None  # callers check the site of a hook function (check_hook)
         handle = self._module(hook).register_forward_hook(hf_hook)
         try:
             return self.model(**kwargs)
@@ -263,7 +267,8 @@ class HFAdapter(_AdapterBase):
         per hook runs both ways and keeps the shortcut only if they agree to rounding.
         """
         site = _RESID_POST.match(hook or "")
-        if resid is not None and edit is not None and site and self._skip_exact.get(hook) is not False:
+        if resid is not None and edit is not None and hook is not None and site \
+                and self._skip_exact.get(hook) is not False:
             short = self._logits_above(kv, prefix_len, edit(resid), int(site.group(1)))
             if self._skip_exact.get(hook):
                 return short
@@ -290,6 +295,7 @@ class HFAdapter(_AdapterBase):
         from transformers import DynamicCache
 
         if inputs_embeds is None:
+            assert suffix is not None  # the tokens, where no embeddings are given
             suffix = self._check_tokens(suffix)
             b, S = suffix.shape
             inputs = {"input_ids": suffix}
@@ -363,11 +369,13 @@ def load_smollm2(device: str | torch.device = "cpu", dtype: torch.dtype = torch.
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        tok: Any = AutoTokenizer.from_pretrained(folder, gguf_file=name)  # Any: as LoadedModel.tokenizer
+        # transformers annotates from_pretrained's dtype as str; it takes a torch.dtype too (its docs)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=dtype)  # pyright: ignore[reportArgumentType]
     finally:
         hf_logging.set_verbosity(verbosity)
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # pyright: ignore[reportArgumentType]  # transformers' @wraps(Module.to) to()
     bos = tok.bos_token_id if tok.bos_token_id is not None else 0
     return LoadedModel(HFAdapter(model), tok, int(bos), "blocks.15.hook_resid_post", "SmolLM2-135M-Instruct")
 
@@ -392,11 +400,11 @@ def load_gemma_preset(device: str = "cuda") -> tuple[LoadedModel, Any]:
     from transformer_lens import HookedTransformer
 
     p = GEMMA_PRESET
-    model = HookedTransformer.from_pretrained(p["model_name"], device=device, dtype=torch.float32)
+    model = HookedTransformer.from_pretrained(p["model_name"], device=device, dtype="float32")  # torch.float32
     sae = SAE.from_pretrained(release=p["sae_release"], sae_id=p["sae_id"], device=device)
     if isinstance(sae, tuple):  # older sae-lens returned (sae, cfg, sparsity)
         sae = sae[0]
-    tok = model.tokenizer
+    tok: Any = model.tokenizer  # Any: as LoadedModel.tokenizer
     return LoadedModel(TLAdapter(model), tok, int(tok.bos_token_id), p["hook"], p["model_name"]), sae
 
 
@@ -429,7 +437,7 @@ def tiny_gpt2(seed: int = 0, device: str | torch.device = "cpu", n_ctx: int = 12
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = GPT2LMHeadModel(cfg)
-    model = model.to(device).eval()
+    model = model.to(device).eval()  # pyright: ignore[reportArgumentType]  # transformers' @wraps(Module.to) to()
     return LoadedModel(HFAdapter(model), ByteTokenizer(), 1, "blocks.0.hook_resid_post", "tiny-random-gpt2")
 
 
@@ -451,7 +459,7 @@ def load_model(name: str, device: str | torch.device = "cpu", seed: int = 0) -> 
     if os.sep in name and not re.fullmatch(r"[\w.\-]+/[\w.\-]+", name) or name.startswith((".", "~")):
         raise FileNotFoundError(f"model folder {name} does not exist")
     try:
-        from transformer_lens.loading_from_pretrained import OFFICIAL_MODEL_NAMES
+        from transformer_lens.supported_models import OFFICIAL_MODEL_NAMES
     except ImportError:
         OFFICIAL_MODEL_NAMES = ()
     try:
@@ -462,7 +470,8 @@ def load_model(name: str, device: str | torch.device = "cpu", seed: int = 0) -> 
             return _loaded(TLAdapter(model), model.tokenizer, int(model.cfg.n_layers), name)
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(name).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(name)
+        model = model.to(device).eval()  # pyright: ignore[reportArgumentType]  # transformers' @wraps(Module.to) to()
         tok = AutoTokenizer.from_pretrained(name)
     except (OSError, ValueError, RuntimeError) as e:  # offline, unknown name, gated model, ...
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -532,8 +541,11 @@ def load_local(path: str | os.PathLike, device: str | torch.device = "cpu") -> L
     if os.path.exists(os.path.join(path, "config.json")):
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(str(path)).to(device).eval()
-        tok = _local_tokenizer(path, int(model.get_input_embeddings().weight.shape[0]))
+        model = AutoModelForCausalLM.from_pretrained(str(path))
+        model = model.to(device).eval()  # pyright: ignore[reportArgumentType]  # transformers' @wraps(Module.to) to()
+        embeddings = model.get_input_embeddings().weight
+        assert isinstance(embeddings, torch.Tensor)  # a parameter (torch types module attributes Tensor | Module)
+        tok = _local_tokenizer(path, int(embeddings.shape[0]))
         return _loaded(HFAdapter(model), tok, len(_decoder_layers(model)[2]), os.path.basename(os.path.normpath(path)))
     raise FileNotFoundError(f"{path} holds no model: expected {TL_CONFIG} (save_hooked_transformer) or a Hugging "
                             "Face config.json (save_pretrained)")

@@ -233,12 +233,14 @@ class Contexts:
 
     def domain_ids(self) -> torch.Tensor:
         """``[N]`` int64 index into :attr:`domain_names`."""
+        assert self.domain_names is not None  # set by __post_init__
         return torch.tensor([self.domain_names.index(d) for d in self.domains], dtype=torch.long)
 
     def save(self, path: str | Path) -> None:
         """Save to ``path`` (``.safetensors``: ``tokens`` ``[N, L]``, ``domain`` ``[N]`` (index into
         :attr:`domain_names`), ``doc_index`` ``[N]``) and its JSON sidecar (the domain names, the formal ones and
         the file's checksum)."""
+        assert self.domain_names is not None and self.formal is not None  # set by __post_init__
         save_tensors(path, {"tokens": self.tokens, "domain": self.domain_ids(),
                             "doc_index": torch.tensor(self.doc_index, dtype=torch.long)},
                      {"domains": list(self.domain_names), "formal": list(self.formal)})

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -191,10 +191,20 @@ def _kl(clean_logits: torch.Tensor, abl_logits: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+@overload
+def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents: torch.Tensor,
+                contexts: torch.Tensor, positions: torch.Tensor, mode: str = "reconstruction",
+                horizon: int = 10, contexts_per_batch: int = 16, pairs_per_batch: int = 32, use_prefix_cache: bool = True,
+                progress: bool = False) -> torch.Tensor: ...
+@overload
+def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents: torch.Tensor,
+                contexts: torch.Tensor, positions: torch.Tensor, mode: Sequence[str] = ...,
+                horizon: int = 10, contexts_per_batch: int = 16, pairs_per_batch: int = 32, use_prefix_cache: bool = True,
+                progress: bool = False) -> dict[str, torch.Tensor]: ...
 def ablation_kl(adapter: Any, sae: Any, tokens: torch.Tensor, hook: str, latents: torch.Tensor,
                 contexts: torch.Tensor, positions: torch.Tensor, mode: str | Sequence[str] = "reconstruction",
                 horizon: int = 10, contexts_per_batch: int = 16, pairs_per_batch: int = 32, use_prefix_cache: bool = True,
-                progress: bool = False) -> torch.Tensor:
+                progress: bool = False) -> torch.Tensor | dict[str, torch.Tensor]:
     """Batched ``d_m`` for many (latent, context, position) pairs.
 
     Args:
@@ -456,6 +466,7 @@ def q_scan(adapter: Any, sae: Any, contexts: Contexts, hook: str, latents: Seque
             pp.append(e.position)
             owner.append(s)
     dom = contexts.domain_ids()
+    assert contexts.domain_names is not None and contexts.formal is not None  # set by Contexts.__post_init__
     names = list(contexts.domain_names)
     share = torch.zeros(len(lat_list), len(names))
     owner_t = torch.tensor(owner, dtype=torch.long)

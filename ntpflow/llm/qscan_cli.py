@@ -259,6 +259,7 @@ def run(args: argparse.Namespace) -> dict:
         domains, formal = _domains(args)
         ctx = make_contexts(lm, args.docs, args.ctx_len, args.seed, args.stories, args.windows, domains, formal)
         ctx.save(d.contexts_path)
+        assert ctx.domain_names is not None  # set by Contexts.__post_init__
         _say(f"corpus: {len(ctx)} windows of {args.ctx_len} tokens ({', '.join(ctx.domain_names)})")
         if args.step == "train" or args.train_sae:
             sae, quality = fit_sae(lm, ctx, _sae_spec(args), args.seed, say=_say)

@@ -197,6 +197,9 @@ def sae_quality(sae: Any, acts: torch.Tensor, batch_size: int = 4096) -> SAEQual
         nz = f != 0
         l0 += float(nz.sum())
         fired = nz.any(0) if fired is None else fired | nz.any(0)
+    if fired is None:
+        raise ValueError("sae_quality needs at least one activation row, got acts of shape "
+                         f"{list(acts.shape)}")
     n_dead = int((~fired).sum())
     return SAEQuality(1.0 - se / max(tot, 1e-30), l0 / acts.shape[0], n_dead / h.d_sae, n_dead, int(acts.shape[0]))
 

@@ -134,6 +134,8 @@ def fit_sae(lm: Any, ctx: Contexts, spec: dict | None, seed: int, given: tuple[A
     acts_ev = collect_activations(lm.adapter, ctx.tokens[perm[:n_eval]], hook)
     t1 = time.perf_counter()
     if given is None:
+        if spec is None:
+            raise ValueError("fit_sae needs an SAE spec to train, or a given (sae, info)")
         say(f"training a {spec['kind']} SAE ({spec['d_sae']} latents, k={spec['k']}, {spec['steps']} steps)")
         sae, info = train_sae_of_kind(acts_tr, spec, seed, progress=say is not _quiet)
         sae = sae.to(dev)

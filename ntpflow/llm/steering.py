@@ -107,6 +107,7 @@ def _generate_cached(adapter: Any, tokens: torch.Tensor, hook: str, vectors: tor
     step; the steering vector is added to every new position as it is computed, so every position is steered
     exactly as in the uncached loop."""
     def edit(act: torch.Tensor) -> torch.Tensor:
+        assert vectors is not None  # edit is used only with vectors (fn below)
         return act + vectors.to(act.device, act.dtype)[:, None, :]
 
     fn = None if vectors is None else edit

@@ -123,15 +123,17 @@ class TrainConfig:
         """A task of one's own, untied: ``split_at`` defaults to its ``first_output_pos`` and must fit its length."""
         task = make_task(self.task, **self.task_kwargs())
         T = task.seq_len
-        if self.split_at is None:
+        split_at = self.split_at
+        if split_at is None:
             if task.first_output_pos < 1:
                 raise ValueError(f"split_at: the task's first_output_pos is {task.first_output_pos}; give split_at "
                                  f"(1..{T - 1}, or 0 to untie every position)")
-            object.__setattr__(self, "split_at", int(task.first_output_pos))
+            split_at = int(task.first_output_pos)
+            object.__setattr__(self, "split_at", split_at)
             object.__setattr__(self, "_split_from_task", True)  # apply_overrides resolves it again
-        if self.split_at != 0 and not 0 < self.split_at < T:
+        if split_at != 0 and not 0 < split_at < T:
             raise ValueError(f"split_at must be 0 (untie every position) or in 1..{T - 1} (the task has {T} "
-                             f"positions), got {self.split_at}")
+                             f"positions), got {split_at}")
 
     @property
     def scheduled(self) -> bool:
@@ -156,7 +158,7 @@ class TrainConfig:
         return "adam" if self.optimizer == "adam" else "momentum" if self.momentum else "sgd"
 
     @property
-    def myopic(self) -> str:
+    def myopic(self) -> Literal["none", "kv", "resid"]:
         """The model's myopic mode: ``myopic_mode`` in the myopic regimes, else ``"none"``."""
         return self.myopic_mode if self.regime.startswith("myopic") else "none"
 
@@ -212,7 +214,8 @@ class TrainConfig:
             for k in _SCHEDULE:
                 d.pop(k)
         if self.optimizer == "adam":  # Adam, the default: runs from before the optimizer choice keep their hash
-            d.pop("optimizer"), d.pop("momentum")
+            d.pop("optimizer")
+            d.pop("momentum")
         if self.board_size == 8:  # the 8x8 board: runs from before board_size existed keep their hash
             d.pop("board_size")
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()
@@ -267,7 +270,10 @@ def _overridden(cls, base: dict, overrides: list[str], split_from_task: bool):
         pairs.append((key.strip(), raw.strip()))
     raw_task = dict(pairs).get("task")
     task = _coerce("task", raw_task, str) if raw_task is not None else base.get("task", getattr(cls, "task", None))
-    own = own_params(task) if "task_args" in types_ else ()
+    own: tuple[str, ...] = ()
+    if "task_args" in types_:  # a TrainConfig: its task field has a default, so task is set
+        assert task is not None
+        own = own_params(task)
     changes, args = {}, {}
     for key, raw in pairs:
         if key in own:
@@ -285,7 +291,7 @@ def _overridden(cls, base: dict, overrides: list[str], split_from_task: bool):
     return cls(**{**base, **changes})
 
 
-def _coerce(key: str, raw: str, typ):
+def _coerce(key: str, raw: str, typ) -> typing.Any:
     try:
         value = ast.literal_eval(raw)
     except (ValueError, SyntaxError):

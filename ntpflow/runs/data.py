@@ -45,7 +45,8 @@ class DataOrder:
     def __init__(self, seed: int, n_train: int, batch_size: int):
         self.seed, self.n, self.bs = seed, n_train, batch_size
         self.per_epoch = n_train // batch_size
-        self._epoch, self._perm = -1, None
+        self._epoch: int = -1
+        self._perm: torch.Tensor | None = None
 
     def __call__(self, step: int) -> torch.Tensor:
         epoch, i = divmod(step, self.per_epoch)
@@ -53,6 +54,7 @@ class DataOrder:
             state = np.random.SeedSequence([self.seed, 7, epoch]).generate_state(1, dtype=np.uint64)[0]
             gen = torch.Generator().manual_seed(int(state) & ((1 << 63) - 1))
             self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen)
+        assert self._perm is not None  # drawn above at the first call: no step is in epoch -1
         return self._perm[i * self.bs:(i + 1) * self.bs]
 
 

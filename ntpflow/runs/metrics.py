@@ -96,7 +96,8 @@ def _wandb_credentials() -> bool:
         return True
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
-        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+        # a URL without a host: "" names no machine, so only a default entry matches (as for None)
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host or "") is not None
     except (OSError, netrc.NetrcParseError):
         return False
 

@@ -143,6 +143,7 @@ def model_config(cfg: TrainConfig, task: Task) -> GPTConfig:
     T = task.seq_len
     groups = None
     if cfg.untied:
+        assert cfg.split_at is not None  # TrainConfig resolves it for an untied regime
         groups = "untied" if cfg.split_at == 0 else split_groups(T, cfg.split_at)
     return GPTConfig(vocab_size=len(task.vocab), n_ctx=T, n_layer=cfg.n_layer, n_head=cfg.n_head,
                      d_model=cfg.d_model, myopic=cfg.myopic, position_groups=groups)
@@ -378,7 +379,7 @@ class Run(RunPaths):
             self._weights[key] = state
         return state
 
-    def load_model(self, which: str | int = "final", device="cpu", **overrides) -> GPT:
+    def load_model(self, which: str | int = "final", device: str | torch.device = "cpu", **overrides) -> GPT:
         """Load weights ``"final"``, ``"init"`` or a step number (a checkpoint) into a new GPT; ``overrides`` go to
         its GPTConfig (e.g. ``myopic``). A file whose tensors do not match the model's (names, shapes, dtype) is a
         one-line ValueError naming the first bad tensor."""

@@ -70,6 +70,8 @@ class SweepSpec:
             raise FileNotFoundError(f"missing sweep spec {path}")
         try:
             if path.suffix == ".toml":
+                if sys.version_info < (3, 11):  # tomllib is new in Python 3.11
+                    raise ModuleNotFoundError("No module named 'tomllib'")
                 import tomllib
 
                 raw = tomllib.loads(path.read_text())

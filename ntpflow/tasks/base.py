@@ -63,7 +63,7 @@ class Batch:
                 raise ValueError("a token-only batch (features None) cannot hold feature_types")
         elif self.features.ndim != 3 or self.features.shape[:2] != (n, T):
             raise ValueError(f"features shape {self.features.shape} != {(n, T)} + (F,)")
-        if self.feature_types is not None and self.feature_types.shape != self.features.shape:
+        elif self.feature_types is not None and self.feature_types.shape != self.features.shape:
             raise ValueError(
                 f"feature_types shape {self.feature_types.shape} != features shape "
                 f"{self.features.shape}"
@@ -110,14 +110,16 @@ def concat_batches(batches: Sequence[Batch]) -> Batch:
     has_legal = [b.legal is not None for b in batches]
     if any(has_legal) and not all(has_legal):
         raise ValueError("cannot concatenate batches with and without legal masks")
+    # each list below is the whole of its field's arrays where all(has_...) (the only case it is concatenated)
+    legal = [b.legal for b in batches if b.legal is not None]
+    features = [b.features for b in batches if b.features is not None]
+    feature_types = [b.feature_types for b in batches if b.feature_types is not None]
     return Batch(
         tokens=np.concatenate([b.tokens for b in batches], axis=0),
         loss_mask=np.concatenate([b.loss_mask for b in batches], axis=0),
-        legal=np.concatenate([b.legal for b in batches], axis=0) if all(has_legal) else None,
-        features=np.concatenate([b.features for b in batches], axis=0) if all(has_features) else None,
-        feature_types=(
-            np.concatenate([b.feature_types for b in batches], axis=0) if all(has_types) else None
-        ),
+        legal=np.concatenate(legal, axis=0) if all(has_legal) else None,
+        features=np.concatenate(features, axis=0) if all(has_features) else None,
+        feature_types=np.concatenate(feature_types, axis=0) if all(has_types) else None,
     )
 
 

@@ -120,7 +120,7 @@ def _checked(path: Path, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]
                          "sequence of two")
     F = arrays["features"].shape[-1] if arrays["features"].ndim == 3 else -1
     want = {"loss_mask": (n, T), "features": (n, T, F), "useful": (T, F), "feature_types": (n, T, F)}
-    out = {"tokens": tokens.astype(np.int64)}
+    out: dict[str, np.ndarray] = {"tokens": tokens.astype(np.int64)}
     for field, shape in want.items():
         if field in arrays:
             if arrays[field].shape != shape or F < 1:

@@ -51,6 +51,7 @@ Board sizes (:data:`BOARD_SIZES`: 8, the default, and 6, a fallback that is NOT 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, overload
 
 import numpy as np
 
@@ -285,22 +286,20 @@ def _useful(own: np.ndarray, opp: np.ndarray, b: Board | None = None) -> np.ndar
     occ = own | opp
     empty = _empty(own, opp, b)
     # ray[k]: empty squares legal through their ray in direction k (reached from an own stone going k ^ 4)
-    ray = [None] * 8
-    for k in _DIRS:
-        ray[k ^ 4] = _legal_by_dir(own, opp, empty, k)
+    ray = [_legal_by_dir(own, opp, empty, k ^ 4) for k in _DIRS]
     once = np.zeros(own.shape, dtype=np.uint64)
     twice = np.zeros(own.shape, dtype=np.uint64)
     for k in _DIRS:
         twice |= once & ray[k]
         once |= ray[k]
     out = np.zeros(own.shape, dtype=np.uint64)
-    for k in _DIRS:  # e looks in direction k; b = k ^ 4 goes back towards e
-        b = k ^ 4
+    for k in _DIRS:  # e looks in direction k; back = k ^ 4 goes back towards e
+        back = k ^ 4
         active = empty & ~(twice | (once & ~ray[k]))  # empties not legal through another ray
         first = _sh(active, k) & occ & _DST[k]  # c1 of every active empty's run
-        pro_b = occ & _DST[b]
-        k1 = _fill(own, pro_b, b)  # an own stone here or further along the run (K >= 1 from here)
-        k2 = _fill(own & _sh(k1, b) & _DST[b], pro_b, b)  # at least two (K >= 2 from here)
+        pro_b = occ & _DST[back]
+        k1 = _fill(own, pro_b, back)  # an own stone here or further along the run (K >= 1 from here)
+        k2 = _fill(own & _sh(k1, back) & _DST[back], pro_b, back)  # at least two (K >= 2 from here)
         lead = _fill(first & opp, opp & _DST[k], k)  # the leading opponent stones of runs with c1 opponent
         out |= first & ((opp & k1) | (own & k2))  # j = 1
         out |= _sh(lead, k) & _DST[k] & own & ~k2  # j >= 2: the run's only own stone (K = 1)
@@ -466,6 +465,7 @@ def _play_block(n: int, rng: np.random.Generator | None, given: np.ndarray | Non
     legal = _legal(own, opp, b)
     for t in range(G):
         if given is None:
+            assert rng is not None  # moves are drawn where none are given
             square = _choose(legal, rng.random(n))
             move = _square_bits(square)
         else:
@@ -480,12 +480,16 @@ def _play_block(n: int, rng: np.random.Generator | None, given: np.ndarray | Non
         moves[t] = square
         if record or t + 1 < G:
             legal = _legal(own, opp, b)
-        if record:
+        if rec is not None:  # record
             rec[0, t], rec[1, t], rec[2, t] = own, opp, legal
     return moves.T, rec
 
 
-def _run(n: int, rng, given, record: bool, b: Board):
+@overload
+def _run(n: int, rng, given, record: Literal[False], b: Board) -> np.ndarray: ...
+@overload
+def _run(n: int, rng, given, record: Literal[True], b: Board) -> OthelloGames: ...
+def _run(n: int, rng, given, record: bool, b: Board) -> np.ndarray | OthelloGames:
     G = b.game_len
     blocks = [(i, min(n, i + BLOCK)) for i in range(0, n, BLOCK)]
     moves = np.empty((n, G), dtype=np.int8)
@@ -500,6 +504,7 @@ def _run(n: int, rng, given, record: bool, b: Board):
     types = np.empty((n, G, b.n_squares), dtype=np.int8)
     for lo, hi in blocks:
         m, rec = _play_block(hi - lo, rng, None if given is None else given[lo:hi], True, b)
+        assert rec is not None  # recorded
         moves[lo:hi] = m
         o, p, lg = (np.ascontiguousarray(r.T) for r in rec)  # [blk, G]
         own[lo:hi], opp[lo:hi] = o, p

@@ -110,7 +110,7 @@ class StoryWindows:
         buf = io.BytesIO()
         np.savez(buf, tokens=self.tokens, features=self.features, story_index=self.story_index, start=self.start,
                  story_len=self.story_len, feature_names=np.array(json.dumps(list(self.feature_names))))
-        atomic_write(path, buf.getvalue())
+        atomic_write(Path(path), buf.getvalue())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> StoryWindows:

@@ -172,7 +172,8 @@ class Featurizer:
         # the cache key needs only the model's meta: a cache hit never loads the pipeline (seconds under load)
         meta = nlp.meta if nlp is not None else _installed_meta(spacy, model)
         pipes = nlp.pipe_names if nlp is not None else meta.get("pipeline", [])
-        self.version_key = (f"spacy={spacy.__version__};model={meta.get('lang')}_{meta.get('name')}"
+        version = spacy.__version__  # pyright: ignore[reportPrivateImportUsage]  # spacy exports it, not as "X as X"
+        self.version_key = (f"spacy={version};model={meta.get('lang')}_{meta.get('name')}"
                             f"={meta.get('version')};pipes={','.join(p for p in pipes if p in _PIPES)}")
 
     @cached_property
