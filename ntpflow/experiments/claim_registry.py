@@ -86,7 +86,7 @@ def meaning_checks(rows: list[dict], own: str, where: str) -> tuple[Check, Check
     with --adam-only, or before it was kept) leaves the agreement unmeasured (not testable)."""
     ill = f"{ILL_POSED} under {OPTIMIZER_NAMES.get(own, own)}"
     kappas = [kappa([r["own"][c] for c in PARTS], r["own"]["full"]) for r in rows]
-    worst = None if not rows or None in kappas else max(kappas)
+    worst = None if not rows or None in kappas else max(k for k in kappas if k is not None)
     kappa_check = Check(f"conditioning: κ = Σ|direct, pre-cached, shared| / |full| of the {own} reading at most "
                         f"{KAPPA_LIMIT:g} on every row ({where}; the largest): {KAPPA_WHY}",
                         UNMEASURED if worst is None else float(f"{worst:.3g}"),
@@ -113,7 +113,7 @@ def account_check(account: dict | None, where: str) -> Check:
         f"{account.get('zero_R0')} rows with R_H(θ_0) = 0" if account.get("zero_R0") else
         "no rows" if worst is None else float(f"{worst:.3g}"))
     return Check(f"exact account: every row's |residual| at most {RESIDUAL_LIMIT:g} of its R_H(θ_0) ({where}; the "
-                 "largest ratio)", value, not bad and worst <= RESIDUAL_LIMIT, *FIXED_ACCOUNT,
+                 "largest ratio)", value, not bad and worst is not None and worst <= RESIDUAL_LIMIT, *FIXED_ACCOUNT,
                  short="largest |residual| / R_H(θ_0)", need=f"≤ {RESIDUAL_LIMIT:g}")
 
 

@@ -18,10 +18,14 @@ from __future__ import annotations
 import io
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, overload
 
 from cycler import cycler
 
 from ntpflow.files import atomic_write
+
+if TYPE_CHECKING:
+    from matplotlib.typing import RcKeyType
 
 OKABE_ITO = {"orange": "#E69F00", "sky": "#56B4E9", "green": "#009E73", "yellow": "#F0E442", "blue": "#0072B2",
              "vermillion": "#D55E00", "purple": "#CC79A7", "black": "#000000"}
@@ -39,12 +43,13 @@ PALETTES = {"regime": REGIME_COLORS, "component": COMPONENT_COLORS, "type": TYPE
 NOTE_GID = "account-note"  # marks the text of an account note (:func:`account_note`)
 FAIL_COLOR = "#CC0000"  # the mark of a decomposition that fails its precondition (nothing else is this red)
 SIGN = "Sign convention: positive influence = the component moved the feature toward its final value."
-RC = {"svg.hashsalt": "ntpflow-report", "svg.fonttype": "path", "font.size": 10, "axes.titlesize": 10,
-      "axes.labelsize": 10, "legend.fontsize": 9, "xtick.labelsize": 9, "ytick.labelsize": 9, "figure.titlesize": 11,
-      "axes.grid": True, "grid.alpha": 0.3, "grid.linewidth": 0.6, "axes.spines.top": False,
-      "axes.spines.right": False, "path.simplify": False,
-      "axes.prop_cycle": cycler(color=[OKABE_ITO[k] for k in ("blue", "orange", "green", "vermillion", "purple",
-                                                              "sky", "yellow", "black")])}
+RC: dict[RcKeyType, Any] = {
+    "svg.hashsalt": "ntpflow-report", "svg.fonttype": "path", "font.size": 10, "axes.titlesize": 10,
+    "axes.labelsize": 10, "legend.fontsize": 9, "xtick.labelsize": 9, "ytick.labelsize": 9, "figure.titlesize": 11,
+    "axes.grid": True, "grid.alpha": 0.3, "grid.linewidth": 0.6, "axes.spines.top": False,
+    "axes.spines.right": False, "path.simplify": False,
+    "axes.prop_cycle": cycler(color=[OKABE_ITO[k] for k in ("blue", "orange", "green", "vermillion", "purple",
+                                                            "sky", "yellow", "black")])}
 DPI = 150
 
 
@@ -67,9 +72,12 @@ def ci_label(n: int | None, over: str, kind: str = "95% t-CI") -> str:
 def figure(width: float, height: float, nrows: int = 1, ncols: int = 1, **kw):
     """A ``width`` × ``height``-inch figure with an nrows × ncols grid of axes (always 2-D), in constrained layout."""
     from matplotlib.figure import Figure
+    from matplotlib.layout_engine import ConstrainedLayoutEngine
 
     fig = Figure(figsize=(width, height), layout="constrained")
-    fig.get_layout_engine().set(h_pad=0.06, w_pad=0.06)
+    engine = fig.get_layout_engine()
+    assert isinstance(engine, ConstrainedLayoutEngine)  # layout="constrained"
+    engine.set(h_pad=0.06, w_pad=0.06)
     return fig, fig.subplots(nrows, ncols, squeeze=False, **kw)
 
 
@@ -82,6 +90,8 @@ def finish(fig, title: str, handles=None, labels=None, ncol: int = 1) -> None:
     if handles is None:
         pairs = [ax.get_legend_handles_labels() for ax in fig.axes]
         handles, labels = [h for hs, _ in pairs for h in hs], [lab for _, ls in pairs for lab in ls]
+    elif labels is None:
+        raise TypeError("finish: handles need their labels")
     unique = {}
     for lab, h in zip(labels, handles):  # one entry per label: its first handle, in order
         unique.setdefault(lab, h)
@@ -111,6 +121,11 @@ def _clear_account_notes(fig) -> None:
         ax.set_ylim(lo, lo + (hi - lo) / max(edge, 0.3))
 
 
+@overload
+def clip(lo: float, hi: float, bounds: tuple[float | None, float | None] | None) -> tuple[float, float]: ...
+@overload
+def clip(lo: float | None, hi: float | None, bounds: tuple[float | None, float | None] | None
+         ) -> tuple[float | None, float | None]: ...
 def clip(lo, hi, bounds):
     """``(lo, hi)`` clipped to ``bounds`` = (min, max) (None = unbounded); None stays None."""
     if bounds is None:
@@ -197,7 +212,7 @@ def account_note(ax, text: str, ok: bool) -> None:
             side.set_linewidth(2.0)
 
 
-def paper_intervals(ax, xs, intervals, color="#000000", label="paper's 95% CI") -> None:
+def paper_intervals(ax, xs, intervals, color="#000000", label: str | None = "paper's 95% CI") -> None:
     """The paper's values as interval marks (a vertical line from lo to hi with flat ends, no bar, no midpoint) at
     ``xs``; ``intervals`` = [(lo, hi) or None]. Draw them on an axis of their own, labelled with the paper's unit."""
     pts = [(x, lo, hi) for x, iv in zip(xs, intervals) if iv is not None for lo, hi in [iv]]
@@ -207,7 +222,7 @@ def paper_intervals(ax, xs, intervals, color="#000000", label="paper's 95% CI") 
             ax.plot([p[0] for p in pts], [p[cap] for p in pts], ls="none", marker="_", ms=12, mew=2.2, color=color)
 
 
-def seed_points(ax, x, values, color="#000000", width=0.0) -> None:
+def seed_points(ax, x, values, color: str | None = "#000000", width=0.0) -> None:
     """Every seed's value as a point at ``x`` (spread over ``width`` so equal values stay visible)."""
     vals = [v for v in values if v is not None]
     if vals:

@@ -87,8 +87,10 @@ def _q_summary(r: dict) -> dict:
               "tail_share": a / (a + b) if a + b else None, "rest_share": c / (c + d) if c + d else None,
               "p_greater": None, "p_less": None}
     if n >= 4 and (a + b) and (c + d):
-        fisher["p_greater"] = float(st.fisher_exact([[a, b], [c, d]], alternative="greater")[1])
-        fisher["p_less"] = float(st.fisher_exact([[a, b], [c, d]], alternative="less")[1])
+        # scipy is unannotated and pyright misreads fisher_exact's result, a (statistic, pvalue) tuple
+        for alt in ("greater", "less"):
+            pvalue = st.fisher_exact([[a, b], [c, d]], alternative=alt)[1]
+            fisher[f"p_{alt}"] = float(pvalue)  # pyright: ignore[reportArgumentType]
     out["tail_test"] = fisher
     return out
 
@@ -131,7 +133,9 @@ def summarize(out: Path) -> dict:
                  if lj else None)
     s["q_vs_influence"] = ({**{k: qj.get(k) for k in QVI_KEYS}, "n": len(qj["rows"]), "toy_eval": qj.get("eval"),
                             "toy_train": qj.get("train")} if qj else None)
-    s = json_safe(s)
+    safe = json_safe(s)
+    assert isinstance(safe, dict)  # json_safe keeps a dict a dict
+    s = safe
     s["claims"] = [c.to_dict() for c in llm_claims(s)]
     return s
 

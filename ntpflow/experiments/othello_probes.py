@@ -152,6 +152,7 @@ def fit_classifier(resid: torch.Tensor, features: torch.Tensor, *, alpha: float 
             hit = (pred == truth).to(torch.float64)
             acc[layer, pc] = hit.mean(0)
             for t in types:
+                assert ft is not None  # types is empty without feature_types
                 m = (ft[n_tr:, pc] == t).to(torch.float64)
                 cnt = m.sum(0)
                 acc_t[t][layer, pc] = torch.where(cnt > 0, (hit * m).sum(0) / cnt.clamp(min=1), math.nan)

@@ -10,7 +10,7 @@ from ntpflow.model.sites import Site
 S = TypeVar("S")
 
 
-def resolve_scale(scale: str | S, scales: Mapping[str, S], kind: type) -> S:
+def resolve_scale(scale: str | S, scales: Mapping[str, S], kind: type[S]) -> S:
     """``scale`` itself if it is a ``kind`` (an experiment's scale dataclass), else the scale of that name in
     ``scales``; ValueError for an unknown name, TypeError for anything else."""
     if isinstance(scale, kind):

@@ -65,7 +65,7 @@ def _settings(data: dict, seeds) -> list[dict]:
     tok = data.get("tokenizer") or {}
     tok_text = (f"{tok.get('name') or 'hub'} (hub)" if tok.get("source") == "hub"
                 else f"byte-level BPE trained offline on the training split, {tok.get('vocab_size')} tokens")
-    rows = [{"setting": "scale", "this_run": str(data.get("scale", "?")), "paper": "paper"},
+    rows: list[dict] = [{"setting": "scale", "this_run": str(data.get("scale", "?")), "paper": "paper"},
             {"setting": "corpus", "this_run": _corpus_text(data.get("corpus")), "paper": PAPER_SETTINGS["corpus"]},
             {"setting": "tokenizer", "this_run": tok_text, "paper": PAPER_SETTINGS["tokenizer"]},
             {"setting": "seeds", "this_run": f"{len(seeds)} ({', '.join(str(s) for s in seeds)})",
@@ -160,7 +160,7 @@ def _probe_quality(probes: list[dict], groups: dict, regimes, seeds, layers) -> 
         for rg in regimes:
             fin = {s: q(rg, s, "final", g) for s in seeds}
             ini = {s: q(rg, s, "init", g) for s in seeds}
-            gain = {s: fin[s] - ini[s] for s in seeds if fin[s] is not None and ini[s] is not None}
+            gain = {s: f - i for s, f, i in ((s, fin[s], ini[s]) for s in seeds) if f is not None and i is not None}
             per[rg] = fin
             entry["per_regime"][rg] = {"final": stats(fin.values()), "init": stats(ini.values()),
                                        "gain": stats(gain.values()), "gain_per_seed": gain}
@@ -196,7 +196,8 @@ def _shares(tot: dict, regime: str, seed: int, pairs: list) -> dict:
     sh = defaultdict(list)
     for x in pairs:
         v = {c: tot.get((regime, seed, *x, c)) for c in COMPONENTS}
-        if any(v[c] is None or not math.isfinite(v[c]) for c in COMPONENTS):
+        v = {c: u for c, u in v.items() if u is not None and math.isfinite(u)}
+        if len(v) < len(COMPONENTS):  # one is None or not finite
             continue
         den = sum(abs(v[c]) for c in COMPONENTS)
         if den > 0:

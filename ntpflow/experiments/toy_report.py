@@ -296,7 +296,7 @@ def _influence_curves(curves: list[dict], n_layer: int) -> list[dict]:
 
 def _settings(data: dict, n_seeds: int) -> list[dict]:
     per_task = data.get("task_train") or {}
-    rows = [{"setting": "seeds", "this_run": str(n_seeds), "paper": PAPER_SETTINGS["seeds"]}]
+    rows: list[dict] = [{"setting": "seeds", "this_run": str(n_seeds), "paper": PAPER_SETTINGS["seeds"]}]
     for r in train_settings(data.get("train") or {}, PAPER_SETTINGS):  # per task where they differ
         if vals := {t: v[r["setting"]] for t, v in per_task.items() if r["setting"] in v}:
             r["this_run"] = ", ".join(f"{t} {plain_number(v)}" for t, v in vals.items())

@@ -22,6 +22,7 @@ import copy
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -78,6 +79,7 @@ def breakdown(run_dir: str | Path, steps: Sequence[int], sites: Sequence[Site], 
     if warm < 0 or points < 1:
         raise ValueError("warm must be >= 0 and points >= 1")
     n_read = readout_size("exact", readout, cfg.n_eval, cfg.batch_size)
+    assert n_read is not None  # the exact reading has a readout set (None is for the batch readings)
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, sites)
     probes = make_probes(run, sites, features, device)
@@ -110,7 +112,8 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
     names = [n for n, _ in model.named_parameters()]
     sizes = [p.numel() for p in model.parameters()]
     own = cfg.own_rows
-    moments = None  # {site: {component: [n_params]}} and "full"; None outside the warm window of a requested step
+    # {site: {component: [n_params]}} and "full"; None outside the warm window of a requested step
+    moments: dict[Site | str, Any] | None = None
     rows, summary = [], []
     step, start = 0, 0  # the next step to take; the step the moments were started at
     while step <= steps[-1]:
@@ -172,6 +175,8 @@ def _replay(run: Run, steps: list[int], sites: list[Site], probes, n_read: int, 
                                    "value": v.sum().item(), "abs": v.abs().sum().item(),
                                    "scale_median": None, "sqrt_vhat_median": None, "eps_share": None}
                             if reading != "sgd" and own == "adam":
+                                assert isinstance(scale, torch.Tensor)  # Adam's: per parameter
+                                assert sqrt_v is not None and eps_share is not None  # read for Adam above
                                 sl = slice(sum(sizes[:j]), sum(sizes[:j + 1]))
                                 row["scale_median"] = scale[sl].median().item()
                                 row["sqrt_vhat_median"] = sqrt_v[sl].median().item()
@@ -193,10 +198,11 @@ def _step_rule(opt, model, moments):
     """The optimizer's step as a rule on moments (``advance``, ``scale``): Adam's (with the second moment before
     this step) or SGD's with momentum (plain SGD: momentum 0, so the moment is the gradient)."""
     group = opt.param_groups[0]
+    no_sites = moments["full"].new_empty(0)  # m_sites, unused here: the breakdown advances its sites' moments itself
     if "betas" in group:
         v_prev, t = adam_second_moment(opt, list(model.parameters()))
-        return AdamStep(v_prev, t, group["betas"], group["eps"], moments["full"], None)
-    return MomentumStep(group.get("momentum", 0.0), moments["full"], None)
+        return AdamStep(v_prev, t, group["betas"], group["eps"], moments["full"], no_sites)
+    return MomentumStep(group.get("momentum", 0.0), moments["full"], no_sites)
 
 
 def _decay(cfg) -> float:

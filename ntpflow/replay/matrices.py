@@ -27,6 +27,8 @@ COMPONENTS = ("direct", "pre_cached", "shared", "full")
 
 def save_matrices(out: Path, tracker: InfluenceTracker, meta: dict) -> Path:
     """Write the tracker's matrices to ``out``'s ``matrices.safetensors`` (atomic, sidecar last) with ``meta``."""
+    if tracker.matrices is None:
+        raise ValueError("the tracker keeps no influence matrices (use_readout(..., matrices=True))")
     path = AttributionDir(Path(out)).matrices
     sites = [f"{s.layer}:{s.pos}" for s in tracker.sites]
     save_tensors(path, tracker.matrices.tensors(), {**meta, "sites": sites, "components": list(COMPONENTS),

@@ -209,7 +209,7 @@ def read_state(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 
-def apply_state(model: GPT, opt: torch.optim.Adam, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
+def apply_state(model: GPT, opt: torch.optim.Optimizer, meta: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Restore a state read by :func:`read_state` into ``model`` and ``opt`` (``load_latest`` reads every member's
     first, then restores them)."""
     model.load_state_dict(model_tensors(tensors))
@@ -244,14 +244,14 @@ class Checkpoints:
         """Steps of the complete checkpoints (those whose sidecar exists), ascending."""
         return sorted(_step_of(p) for p in self.folder.glob("step_*.json"))
 
-    def save(self, step: int, model: GPT, opt: torch.optim.Adam, meta: dict | None = None,
+    def save(self, step: int, model: GPT, opt: torch.optim.Optimizer, meta: dict | None = None,
              extra: dict[str, torch.Tensor] | None = None) -> None:
         """Save ``step``'s checkpoint: model, Adam and ``extra`` tensors; ``{"step": step, **meta}`` in the sidecar."""
         self.folder.mkdir(parents=True, exist_ok=True)
         sidecar(self.path(step)).unlink(missing_ok=True)  # rewriting a checkpoint: it counts again once complete
         save_state(self.path(step), model, opt, {"step": step, **(meta or {})}, extra)
 
-    def load_latest(self, model: GPT, opt: torch.optim.Adam, device,
+    def load_latest(self, model: GPT, opt: torch.optim.Optimizer, device,
                     upto: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
         """Load the newest checkpoint (at or before step ``upto``) that verifies into ``model`` and ``opt``: (its
         step, all its tensors), or (0, {}) when there is none (see :func:`load_latest`)."""
@@ -274,7 +274,7 @@ def _step_of(path: Path) -> int:
     return int(path.name.split("_")[1].split(".")[0])
 
 
-def load_latest(folders: Sequence[Checkpoints], models: Sequence[GPT], opts: Sequence[torch.optim.Adam], device,
+def load_latest(folders: Sequence[Checkpoints], models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], device,
                 upto: int | None = None) -> tuple[int, list[dict[str, torch.Tensor]]]:
     """Resume runs (one, or the members of a group) from their newest common checkpoint at or before ``upto`` whose
     files all verify: load member r's from ``folders[r]`` into ``models[r]`` and ``opts[r]``; returns (its step, each
