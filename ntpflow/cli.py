@@ -29,7 +29,7 @@ from ntpflow.runs.probe import check_feature, load_or_probe, probe_run
 from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.sweep import SweepSpec, failures, run_sweep
 from ntpflow.runs.training import train
-from ntpflow.runs.workers import launch, leave_workers, worker_env
+from ntpflow.runs.workers import is_follower, launch, leave_workers, worker_env
 
 DESCRIPTION = (
     "ntpflow trains small GPT-2 models on next-token prediction in four regimes, splits the training gradient "
@@ -133,7 +133,7 @@ def cmd_train(args) -> int:
     run = train(cfg, out, progress=not args.quiet and worker_env() is None, track=track,
                 force_unlock=args.force_unlock, account=account)
     leave_workers()
-    if worker_env() is not None and worker_env()[0] != 0:
+    if is_follower():
         return 0  # worker 0 reports
     final = run.metrics()[-1]
     scores = " ".join(f"{k}={final[k]:.4f}" for k in ("eval_loss", "legal_acc", "first_acc") if k in final)
@@ -151,7 +151,8 @@ def cmd_probe(args) -> int:
     feature = check_feature(run, args.feature) if args.feature else None  # before anything is fitted or written
     device = args.device or "auto"
     probes = probe_run(run, args.weights, device=device)
-    step = {"final": run.cfg.steps, "init": 0}.get(str(args.weights), args.weights)
+    named = {"final": run.cfg.steps, "init": 0}
+    step = named[str(args.weights)] if str(args.weights) in named else int(args.weights)
     baseline = None if str(args.weights) == "init" else load_or_probe(run, "init", device)
     csv = write_r_table(run.probes_dir(args.weights), probes, baseline,
                         {"run": str(run.dir), "weights": str(args.weights), "step": int(step), "stamp": stamp()})
@@ -688,8 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         args.options = unknown + args.options
     elif unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    follower = worker_env() is not None and worker_env()[0] != 0  # a worker beside worker 0: worker 0 speaks
-    logging.basicConfig(level=logging.WARNING if args.quiet or follower else logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING if args.quiet or is_follower() else logging.INFO, format="%(message)s")
     try:
         return args.fn(args)
     except KeyboardInterrupt:

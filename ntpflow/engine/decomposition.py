@@ -19,12 +19,14 @@ The VJPs themselves run by the hand-written reverse mode of ``ntpflow.engine.rev
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from ntpflow.engine.forward_mode import Primals
 from ntpflow.engine.reverse_mode import own_cotangents, site_vjps
 from ntpflow.model.gpt import GPT
+from ntpflow.model.hooks import HookPoint
 from ntpflow.model.loss import lm_loss, lm_loss_part
 from ntpflow.model.shapes import FlatParams, Mask, Tokens
 from ntpflow.model.sites import Site
@@ -103,7 +105,7 @@ def _functional_backward(model: GPT, tokens, loss_of, layers):
     its block, or after the token embedding for k = 0), whose cotangents are ∂L/∂r^k."""
     named = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    points = [model.hook_embed if k == 0 else model.blocks[k - 1].hook_resid_post for k in layers]
+    points = [model.hook_embed if k == 0 else cast(HookPoint, model.blocks[k - 1].hook_resid_post) for k in layers]
 
     def loss_at(values, zeros):
         handles = [pt.add_hook(lambda act, _hook, z=z: act + z) for pt, z in zip(points, zeros)]
@@ -116,7 +118,7 @@ def _functional_backward(model: GPT, tokens, loss_of, layers):
 
     zeros = [tokens.new_zeros((*tokens.shape, model.cfg.d_model), dtype=next(iter(named.values())).dtype)
              for _ in layers]
-    loss, pull, logits = torch.func.vjp(loss_at, tuple(named.values()), zeros, has_aux=True)
+    loss, pull, logits = cast(tuple, torch.func.vjp(loss_at, tuple(named.values()), zeros, has_aux=True))
     grads, c_all = pull(torch.ones_like(loss))
     d_logits = torch.func.grad(loss_of)(logits)
     return grads, dict(zip(layers, c_all)), d_logits, loss.detach()

@@ -235,7 +235,10 @@ class InfluenceTracker:
         self._dataset: torch.Tensor | None = None  # see use_dataset
         self._last_grads: tuple | None = None  # (model, per-parameter gradients) of the last track(), see step
         self.final_model = final_model.eval() if final_model is not None else None
-        self.cfg = final_model.cfg if final_model is not None else cfg
+        shape = final_model.cfg if final_model is not None else cfg
+        if shape is None:
+            raise ValueError("the tracker needs the final model or the model's config")
+        self.cfg: GPTConfig = shape
         self.probes = list(probes)
         self.sites = checked_sites([p.site for p in self.probes] + list(sites), self.cfg.n_layer, self.cfg.n_ctx)
         self.top_layer = max((s.layer for s in self.sites), default=0)  # the highest residual any reader reads
@@ -278,19 +281,40 @@ class InfluenceTracker:
                 start = j
         return out + [slice(start, len(self.sites))]
 
+    @property
+    def final(self) -> GPT:
+        """θ*, the final model (a tracker made without one, as ``ntpflow.engine.exact``'s, reads no θ*)."""
+        if self.final_model is None:
+            raise RuntimeError("this tracker has no final model")
+        return self.final_model
+
+    @property
+    def exact_readout(self) -> Readout:
+        """The exact account's readout set and rule (``use_readout``)."""
+        if self.readout is None:
+            raise RuntimeError("the exact account needs use_readout() first")
+        return self.readout
+
+    def moments(self, g_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first moments, the full one [n_params] and the sites' [n_sites, 2, n_params], allocated (zero) on first
+        use like ``g_full``."""
+        self._ensure_moments(g_full)
+        assert self._m_full is not None and self._m_sites is not None
+        return self._m_full, self._m_sites
+
     # ---- state for resuming ----
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The state for resuming: the step and the first moments, ``m.full`` and ``m.{layer}:{pos}:{component}``
         (component direct or pre_cached), each [n_params]; none before the first Adam step."""
         state = {"step": torch.tensor(self.step)}
-        if self._start is not None:
+        if self._start is not None and self._r0 is not None:
             state.update({"readout.start": self._start, "readout.r0": self._r0,
                           "readout.refined": torch.tensor(self.refined),
                           "readout.evaluations": torch.tensor(self.evaluations),
                           "readout.subdivided": torch.tensor(self.subdivided)})
         if self.matrices is not None:
             state.update(self.matrices.state_dict())
-        if self._m_full is not None:
+        if self._m_full is not None and self._m_sites is not None:
             state["m.full"] = self._m_full
             for s, m in zip(self.sites, self._m_sites):
                 state[f"m.{s.layer}:{s.pos}:direct"], state[f"m.{s.layer}:{s.pos}:pre_cached"] = m[0], m[1]
@@ -302,15 +326,15 @@ class InfluenceTracker:
         self._m_sites = self._m_full = None
         self._start, self._r0 = state.get("readout.start"), state.get("readout.r0")
         if self._r0 is None and "readout.floor" in state:  # a resume point written before the cap: floor · |R_0|
-            self._r0 = state["readout.floor"] / self.readout.floor
+            self._r0 = state["readout.floor"] / self.exact_readout.floor
         self.refined, self.evaluations, self.subdivided = (int(state.get(f"readout.{k}", 0))
                                                            for k in ("refined", "evaluations", "subdivided"))
         if self.matrices is not None:
             self.matrices.load_state_dict(state)
         if "m.full" in state:
-            self._ensure_moments(state["m.full"])
-            self._m_full.copy_(state["m.full"])
-            for s, m in zip(self.sites, self._m_sites):
+            m_full, m_sites = self.moments(state["m.full"])
+            m_full.copy_(state["m.full"])
+            for s, m in zip(self.sites, m_sites):
                 for j, comp in enumerate(("direct", "pre_cached")):
                     key = f"m.{s.layer}:{s.pos}:{comp}"
                     if key in state:
@@ -322,7 +346,7 @@ class InfluenceTracker:
         float64 (float32 on MPS) so that ⟨w, r⟩ − ⟨w, r*⟩ keeps the accuracy of (r − r*)·w."""
         n_pos = max(s.pos for s in self.sites) + 1
         with torch.no_grad():
-            frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
+            frozen = self.final(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
         dtype = _projection_dtype(tokens.device)
         return torch.stack([frozen[p.site.layer][:, p.site.pos].to(dtype) @ p.w.to(frozen[0].device, dtype)
                             for p in self.probes], 1)
@@ -362,13 +386,14 @@ class InfluenceTracker:
         self.matrices = None
         if matrices:
             with torch.no_grad():
-                frozen = self.final_model(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
+                frozen = self.final(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
             self.matrices = InfluenceMatrices(self.sites, frozen, _projection_dtype(tokens.device))
         self._start = self._r0 = None
         self.refined = self.evaluations = self.subdivided = 0
 
     def _cached_projections(self, example_ids: torch.Tensor) -> torch.Tensor:
         """⟨w, r*⟩ [batch, n_probes] of the dataset's examples ``example_ids`` [batch], chunks filled on demand."""
+        assert self._dataset is not None  # use_dataset() first
         for c in torch.unique(example_ids.cpu() // self._chunk).tolist():
             if not self._proj_done[c]:
                 rows = slice(c * self._chunk, (c + 1) * self._chunk)
@@ -426,14 +451,12 @@ class InfluenceTracker:
         params = list(model.parameters())
         passes = SitePasses(model, tokens, self.sites, loss_mask)  # backward, own cotangents, cached forward
         self._last_grads = (model, passes.param_grads)
-        adam = None  # the optimizer's own moment-based split (Adam, or SGD with momentum); None for plain SGD
+        adam: AdamStep | MomentumStep | None = None  # the optimizer's own moment-based split; None for plain SGD
         if kind == "adam":
-            self._ensure_moments(passes.full)
-            adam = AdamStep(*adam_second_moment(opt, params), group["betas"], group["eps"], self._m_full,
-                            self._m_sites)
+            m_full, m_sites = self.moments(passes.full)
+            adam = AdamStep(*adam_second_moment(opt, params), group["betas"], group["eps"], m_full, m_sites)
         elif kind == "momentum":
-            self._ensure_moments(passes.full)
-            adam = MomentumStep(group["momentum"], self._m_full, self._m_sites)
+            adam = MomentumStep(group["momentum"], *self.moments(passes.full))
         if self.readout is not None:
             return self._exact_step(model, passes, group["lr"], adam)
         final_proj = (self.final_projections(tokens) if example_ids is None or self._dataset is None
@@ -447,7 +470,7 @@ class InfluenceTracker:
         return rows
 
     def influences(self, passes: SitePasses, final_proj: torch.Tensor, w: torch.Tensor,
-                   feature_types: dict[str, torch.Tensor] | None, lr: float, adam: AdamStep | None,
+                   feature_types: dict[str, torch.Tensor] | None, lr: float, adam: "AdamStep | MomentumStep | None",
                    midpoint=None) -> tuple[torch.Tensor, tuple]:
         """The tensor work of one tracked step: (values [n_values] float64, their layout for :meth:`rows`).
 
@@ -473,7 +496,7 @@ class InfluenceTracker:
         pending = self._integrate(passes, [node], w, shared_dirs, scale, sgd, adam, update=True)
         return self._values(risks, pending, sgd, adam, passes.full)
 
-    def _shared_directions(self, g_full: torch.Tensor, lr: float, adam: AdamStep | None, update: bool = True):
+    def _shared_directions(self, g_full: torch.Tensor, lr: float, adam: "AdamStep | MomentumStep | None", update: bool = True):
         """The directions every site shares, [m0, n_params]: the full gradient (SGD rows) and the real Adam step
         (updating the full first moment in place unless ``update`` is False: a step integrated again reads the
         moment as updated), with Adam's per-parameter scale [n_params] (None for SGD) and whether SGD rows are
@@ -487,7 +510,7 @@ class InfluenceTracker:
             shared_dirs.append(scale * adam.m_full)  # the real step
         return torch.stack(shared_dirs), scale, sgd
 
-    def _values(self, risks: list, pending: list, sgd: bool, adam: AdamStep | None, like: torch.Tensor):
+    def _values(self, risks: list, pending: list, sgd: bool, adam: "AdamStep | MomentumStep | None", like: torch.Tensor):
         """(values [n_values] float64, layout) of a step's risks and its sites' influences (see ``influences``)."""
         values = torch.cat([torch.stack([r[3].to(torch.float64) for r in risks])]
                            + [v.flatten().to(torch.float64) for *_, v in pending]) if risks else like.new_zeros(0)
@@ -496,7 +519,7 @@ class InfluenceTracker:
         return values, layout
 
     def _integrate(self, passes: SitePasses, nodes: list, w: torch.Tensor, shared_dirs: torch.Tensor, scale,
-                   sgd: bool, adam: AdamStep | None, update: bool, mats: dict | None = None) -> list:
+                   sgd: bool, adam: "AdamStep | MomentumStep | None", update: bool, mats: dict | None = None) -> list:
         """Per site: (its risks, with_pre, Σ_j ω_j ∇R(θ_j)·δ [risks, m]) over the directions δ of every component.
 
         nodes: [(weight ω_j or None for 1, Primals at θ_j, risk_coefficients there)], each point's forward (on the
@@ -538,7 +561,7 @@ class InfluenceTracker:
             for (weight, pr, _), node_sites, node_shared in zip(nodes, by_site, tau_shared):
                 tau = site_tangents(pr, k, pos.repeat_interleave(m_dirs), dirs.flatten(0, 1))
                 tau = tau.view(n, m_dirs, *tau.shape[1:])  # [n, m, batch, d]
-                if once:
+                if node_shared is not None:  # the shared directions' tangents, computed once for all sites
                     tau = torch.cat([tau, node_shared[k][:, :, pos.to(tau.device)].movedim(2, 0)], 1)
                 for site, tau_site in zip(sites, tau):
                     if mats is not None:
@@ -563,17 +586,18 @@ class InfluenceTracker:
         exactly 0 where it is structurally absent."""
         n_own = 2 if with_pre else 1
         first = n_own * sgd if adam else 0  # the optimizer's own rows: Adam's, or SGD's in an SGD run
+        assert self.matrices is not None  # use_readout(matrices=True)
         g = self.matrices.node_terms(resid, site, tau[[*range(first, first + n_own), len(tau) - 1]])
         if not with_pre:
             g = torch.cat([g[:1], torch.zeros_like(g[:1]), g[1:]])
         g = g if weight is None else weight * g
         mats[site] = g if site not in mats else mats[site] + g
 
-    def _exact_step(self, model: GPT, passes: SitePasses, lr: float, adam: AdamStep | None) -> list[dict]:
+    def _exact_step(self, model: GPT, passes: SitePasses, lr: float, adam: "AdamStep | MomentumStep | None") -> list[dict]:
         """This step's rows in readout mode (``use_readout``): the risks R_H(θ_t), each component's path integral,
         and per risk the exact change (``change``, optimizer none) and the rule's ``residual`` (full − change).
         The tensor work is :meth:`exact_integral`; this adds the host's part: the refinement and the rows."""
-        ro, w = self.readout, self.directions
+        ro, w = self.exact_readout, self.directions
         if self._start is None:  # θ_0: its plain forward (later starts are the previous step's end)
             primals = Primals(model, ro.tokens, self.top_layer)
             self._start = self._readout_risks(primals, ro.final_proj, ro.types, w)[1]
@@ -588,15 +612,16 @@ class InfluenceTracker:
             mats = None if self.matrices is None else {}
             values, end, full, layout = self.exact_integral(passes, lr, adam, points, n, ro.final_proj, w, ro.types,
                                                             update=level == 0, mats=mats, pieces=pieces)
+            assert self._start is not None and self._r0 is not None
             excess = float(ro.excess(self._start - end, full, self._r0).max())  # one host sync
             if ro.settles(level, excess, previous):
                 break
             previous = excess
-        if mats is not None:  # the rule the step settled at
+        if mats is not None and self.matrices is not None:  # the rule the step settled at
             self.matrices.add(mats, 1.0 if adam is not None else lr)
         return self.exact_rows(values, end, full, layout, lr, level)
 
-    def exact_integral(self, passes: SitePasses, lr: float, adam: AdamStep | None, points, n: int,
+    def exact_integral(self, passes: SitePasses, lr: float, adam: "AdamStep | MomentumStep | None", points, n: int,
                        final_proj: torch.Tensor, w: torch.Tensor, types: dict[str, torch.Tensor] | None,
                        update: bool, mats: dict | None = None, pieces: int = 1):
         """The tensor work of one step of the exact account with the ``n``-point Gauss–Legendre rule on each of
@@ -614,7 +639,7 @@ class InfluenceTracker:
         step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
         risks, end = self._readout_risks(points(step, 1.0), final_proj, types, w)
         rule = composite_gauss_legendre(n, pieces)
-        pending = None
+        pending: list | None = None
         for j in range(pieces):
             nodes = []
             for s, weight in rule[j * n:(j + 1) * n]:
@@ -622,6 +647,7 @@ class InfluenceTracker:
                 nodes.append((weight, pr, self.risk_coefficients(pr.resid, final_proj, types, w)))
             part = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update and j == 0, mats=mats)
             pending = part if pending is None else [(*a[:2], a[2] + b[2]) for a, b in zip(pending, part)]
+        assert pending is not None  # pieces ≥ 1
         index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(risks)}
         order = [index[(id(r[0]), r[1], r[2])] for mine, *_ in pending for r in mine]
         along = torch.cat([v[:, -1] for *_, v in pending]).to(end) * (1.0 if adam is not None else lr)
@@ -634,6 +660,7 @@ class InfluenceTracker:
                    level: int) -> list[dict]:
         """The rows of a step integrated by :meth:`exact_integral` (risk rows at the step's start, the components,
         ``change`` and ``residual``), from one host sync; the end becomes the next step's start."""
+        assert self._start is not None
         change = self._start - end
         host = torch.cat([self._start, values.to(self._start), change, full - change]).tolist()
         n_risks = len(layout[0])
@@ -641,7 +668,7 @@ class InfluenceTracker:
         kind = layout[3] or "sgd"
         for (p, t, m), c, r in zip(layout[0], host[-2 * n_risks:-n_risks], host[-n_risks:]):
             rows += [self._row(p, t, m, "change", "none", c), self._row(p, t, m, "residual", kind, r)]
-        rules = self.readout.rules
+        rules = self.exact_readout.rules
         self.evaluations += sum(n * k for n, k in rules[:level + 1])
         self.refined += level > 0
         self.subdivided += rules[level][1] > 1

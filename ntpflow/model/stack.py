@@ -54,7 +54,7 @@ class RunStack(nn.Module):
         return torch.stack([torch.isfinite(s).flatten(1).all(1) for s in self.stacked]).all(0)
 
     @torch.no_grad()
-    def export(self, r: int, group_opt: torch.optim.Adam, model: GPT, opt: torch.optim.Adam) -> None:
+    def export(self, r: int, group_opt: torch.optim.Optimizer, model: GPT, opt: torch.optim.Optimizer) -> None:
         """Copy run r's weights and Adam state into an ordinary ``model`` and its optimizer ``opt``."""
         model.load_state_dict({n: s[r] for n, s in zip(self.names, self.stacked)})
         for s, p in zip(self.stacked, model.parameters()):

@@ -18,12 +18,14 @@ Output folder (default ``RUN_DIR/attribution``)::
 
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
@@ -52,6 +54,7 @@ from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import AttributionDir, Checkpoints, Run
 from ntpflow.runs.threads import follow_threads
 from ntpflow.runs.training import make_optimizer
+from ntpflow.tasks import Batch
 
 log = logging.getLogger(__name__)
 KEY = ("layer", "pos", "feature", "feature_type", "mismatch", "component", "optimizer")
@@ -266,7 +269,7 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
                 if axis is not None:
                     batches = [m.batch(step) for _, m in active]
                     stack, group_opt = group.state(step)
-                    per_member = axis.track(stack, group_opt, [r for r, _ in active],
+                    per_member = axis.track(stack, cast(torch.optim.Adam, group_opt), [r for r, _ in active],
                                             *(torch.stack(b) for b in zip(*batches)))
                     for (_, m), rows in zip(active, per_member):
                         m.record(rows)
@@ -462,10 +465,11 @@ def _batch_types(run: Run, readout: int | None):
     train_set, eval_set = run.datasets()
     if readout is not None or train_set.feature_types is not None or eval_set.feature_types is None:
         return None
-    if not callable(getattr(run.task, "annotate", None)):
+    annotate = getattr(run.task, "annotate", None)
+    if not callable(annotate):
         raise ValueError(f"{run.dir}'s training set holds tokens only, its feature types are on the evaluation set: "
                          "per-type rows need the exact account's readout (attribute's default reading)")
-    return run.task.annotate
+    return cast(Callable[[np.ndarray], Batch], annotate)
 
 
 def resume_points(out: Path) -> Checkpoints:
@@ -525,7 +529,7 @@ def check_replay(run: Run, model):
 
 def exact_notes(tracker: InfluenceTracker) -> dict:
     """The exact account's counters and rule (summary.json) of a replay's tracker."""
-    ro = tracker.readout
+    ro = tracker.exact_readout
     return {"refined_steps": tracker.refined, "subdivided_steps": tracker.subdivided,
             "point_evaluations": tracker.evaluations,
             "rule": f"Gauss-Legendre {'/'.join(map(str, ro.levels))} points, then the step split into "
@@ -556,7 +560,7 @@ def _finish(out: Path, run: Run, probes, final_model, eval_set, dev, readout: in
     with torch.no_grad():
         r_star = final_model(tokens, return_resid=True, myopic="none")[1]
         r0 = run.load_model("init", dev)(tokens, return_resid=True, myopic="none")[1]
-    last = table.filter(pa.compute.equal(table["step"], pa.compute.max(table["step"]))).to_pylist()
+    last = table.filter(pc.equal(table["step"], pc.max(table["step"]))).to_pylist()  # pyright: ignore[reportAttributeAccessIssue]  # pyarrow.compute's functions are generated at import, not in its stubs
     steps, own = step_kappas(table), run.cfg.own_rows
     summary = []
     for p in probes:
@@ -596,6 +600,7 @@ def _finish(out: Path, run: Run, probes, final_model, eval_set, dev, readout: in
         for line in conditioning_lines(summary, own):
             log.info(f"{run.name}: {line}")
         return
+    exact = exact or {}
     log.info(f"{what} with the exact account on a readout of {readout}"
              f"{' (kept while training: no replay)' if exact.get('account') else ''}; {exact['refined_steps']}/"
              f"{run.cfg.steps} steps refined ({exact['subdivided_steps']} split into pieces); "

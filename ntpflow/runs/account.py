@@ -142,10 +142,10 @@ class Accounted(Alone):
         if is_lead():
             save_tensors(self.folder.chunk(first), tensors, {"first": first, "config_hash": self.run.cfg.hash()})
 
-    def resume(self, start: int, state: list[dict[str, torch.Tensor]]) -> None:
+    def resume(self, start: int, states: list[dict[str, torch.Tensor]]) -> None:
         """Restore the account saved with the checkpoint of step ``start`` (none: start over) and drop the chunks
         written after it."""
-        tensors = {k[len("account."):]: v for k, v in (state[0] if state else {}).items() if k.startswith("account.")}
+        tensors = {k[len("account."):]: v for k, v in (states[0] if states else {}).items() if k.startswith("account.")}
         if start and not tensors:
             raise ValueError(f"{self.run.dir}'s checkpoint of step {start} holds no account: it was trained without "
                              "--account; train into another folder")

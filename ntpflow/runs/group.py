@@ -48,23 +48,24 @@ PER_RUN = ("seed", "data_seed")  # the config fields in which the members of a g
 
 
 
-def stack_runs(models: Sequence[GPT], opts: Sequence[torch.optim.Adam], cfg: TrainConfig
-               ) -> tuple[RunStack, torch.optim.Adam]:
+def stack_runs(models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], cfg: TrainConfig
+               ) -> tuple[RunStack, torch.optim.Optimizer]:
     """One RunStack of ``models`` (on their device) and one Adam holding their optimizers' states stacked."""
     stack = RunStack(models).to(next(models[0].parameters()).device)
     group_opt = make_optimizer(stack, cfg)
     for i, s in enumerate(stack.stacked):
         states = [o.state.get(list(m.parameters())[i]) for m, o in zip(models, opts)]
-        if all(states):
-            group_opt.state[s] = {"step": states[0]["step"].clone(),
-                                  "exp_avg": torch.stack([st["exp_avg"] for st in states]),
-                                  "exp_avg_sq": torch.stack([st["exp_avg_sq"] for st in states])}
-        elif any(states):
+        present = [st for st in states if st]
+        if len(present) == len(states):
+            group_opt.state[s] = {"step": present[0]["step"].clone(),
+                                  "exp_avg": torch.stack([st["exp_avg"] for st in present]),
+                                  "exp_avg_sq": torch.stack([st["exp_avg_sq"] for st in present])}
+        elif present:
             raise ValueError("the runs of a group must resume from the same step")
     return stack, group_opt
 
 
-def group_step(stack: RunStack, opt: torch.optim.Adam, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def group_step(stack: RunStack, opt: torch.optim.Optimizer, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """One Adam step of every run on its own batch (tokens, loss_mask [R, batch, pos]); returns the losses [R].
 
     The losses are summed before the backward pass: run r's parameters only reach its own loss, so each gets
@@ -161,7 +162,7 @@ class Stacked(PlainSteps):
     """The members of a run group stepping as one batched model (a :class:`~ntpflow.runs.training.Stepper`): the
     models and Adams stacked (:func:`stack_runs`), one :func:`group_step` per step on the batches [R, batch, pos]."""
 
-    def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Adam], device):
+    def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], device):
         self.data = GroupData([run.cfg for run in runs], device)
         self.evals, self.models, self.opts = self.data.evals, list(models), list(opts)
         self.stack, self.group_opt = stack_runs(self.models, self.opts, runs[0].cfg)
@@ -169,7 +170,7 @@ class Stacked(PlainSteps):
     def step(self, step: int) -> torch.Tensor:
         return group_step(self.stack, self.group_opt, *self.data.batch(step))
 
-    def members(self) -> list[tuple[GPT, torch.optim.Adam]]:
+    def members(self) -> list[tuple[GPT, torch.optim.Optimizer]]:
         for r, (model, opt) in enumerate(zip(self.models, self.opts)):
             self.stack.export(r, self.group_opt, model, opt)
         return list(zip(self.models, self.opts))
@@ -196,17 +197,19 @@ class GroupReplay:
         self.runs = [opened.get((run.dir / d).resolve()) or Run((run.dir / d).resolve(), c)
                      for d, c in zip(record["dirs"], self.cfgs)]
         self.data = GroupData(self.cfgs, device, [r.datasets() for r in self.runs])
-        self.members: dict[int, tuple[GPT, torch.optim.Adam]] = {}
-        self.next_step = None
-        self.stack = self.group_opt = None
+        self.members: dict[int, tuple[GPT, torch.optim.Optimizer]] = {}
+        self.next_step: int | None = None
+        self.stack: RunStack | None = None
+        self.group_opt: torch.optim.Optimizer | None = None
 
-    def join(self, r: int, model: GPT, opt: torch.optim.Adam) -> None:
+    def join(self, r: int, model: GPT, opt: torch.optim.Optimizer) -> None:
         """From the next step on, copy run r's state into ``model`` and ``opt`` after each group step."""
         if self.stack is not None:
             self._check(r, model)
         self.members[r] = (model, opt)
 
     def _check(self, r: int, model: GPT) -> None:
+        assert self.stack is not None  # brought to a step first (_seek)
         ours = {n: s[r] for n, s in zip(self.stack.names, self.stack.stacked)}
         if any(not torch.equal(v, ours[n]) for n, v in model.named_parameters()):
             raise RuntimeError(f"the replay state of {self.runs[r].dir} disagrees with its group's checkpoints")
@@ -223,20 +226,21 @@ class GroupReplay:
         for r, (model, _) in self.members.items():
             self._check(r, model)
 
-    def state(self, step: int) -> tuple[RunStack, torch.optim.Adam]:
+    def state(self, step: int) -> tuple[RunStack, torch.optim.Optimizer]:
         """The group's stacked weights and Adam before ``step`` (brought there first, if they are elsewhere)."""
         if step != self.next_step:
             self._seek(step)
+        assert self.stack is not None and self.group_opt is not None  # set by _seek
         return self.stack, self.group_opt
 
     def __call__(self, step: int, *batch, export: bool = True) -> None:
         """Take the group's ``step``; then, with ``export``, copy each joined member's state into its model and Adam
         (a caller that reads them only now and then may skip it in between)."""
-        self.state(step)
-        group_step(self.stack, self.group_opt, *self.data.batch(step))
+        stack, group_opt = self.state(step)
+        group_step(stack, group_opt, *self.data.batch(step))
         if export:
             for r, (model, opt) in self.members.items():
-                self.stack.export(r, self.group_opt, model, opt)
+                stack.export(r, group_opt, model, opt)
         self.next_step = step + 1
 
 
@@ -265,8 +269,8 @@ def member_indices(runs: Sequence[Run]) -> list[int]:
     return index
 
 
-def replay_stepper(run: Run, model: GPT, opt: torch.optim.Adam, device) -> Callable[[int, torch.Tensor, torch.Tensor],
-                                                                                       None]:
+def replay_stepper(run: Run, model: GPT, opt: torch.optim.Optimizer, device
+                   ) -> Callable[[int, torch.Tensor, torch.Tensor], object]:
     """How a replay advances ``model`` and ``opt`` by step ``step`` of ``run`` (``stepper(step, tokens, loss_mask)``):
     ``train_step`` for a run trained alone, the group's batched step (:class:`GroupReplay`) for a group member."""
     if run.in_group:

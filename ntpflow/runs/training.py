@@ -111,7 +111,7 @@ def prepare_run_dir(run: Run, *, extend: bool = False) -> None:
 
 
 def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track: Sequence = (),
-          force_unlock: bool = False, threads: int | None = None, account=None) -> Run:
+          force_unlock: bool = False, threads: int | None = None, account: "AccountLike | None" = None) -> Run:
     """Train ``cfg`` into ``run_dir``, resuming from its last good checkpoint if one exists. Returns the Run.
 
     Metrics go to ``run_dir/metrics.jsonl`` and to the optional ``track`` sinks (``ntpflow.runs.metrics``).
@@ -133,11 +133,11 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     check_sinks(track)  # missing packages or credentials fail before anything is written
     workers = worker_env()
     if workers is not None and account is None:
-        raise ValueError("several workers train with the account only (--account SITES): each worker takes the "
-                         "whole batch, and they share the account's readout")
+        raise ValueError("several workers train with the account only (--account SITES): they split the batch and "
+                         "the account's readout")
     if account is not None:
         account.check(run)  # bad sites or sizes fail before anything is written
-    if workers is not None and join_workers(cfg.device) != 0:  # a worker beside worker 0, which writes the folder
+    if account is not None and workers is not None and join_workers(cfg.device) != 0:  # beside worker 0, which writes
         barrier()  # worker 0 has prepared the folder
         if not run.done:
             fit([run], account.stepper, progress=False, track=(), threads=threads, lead=False)
@@ -205,25 +205,51 @@ class Stepper(Protocol):
 
     def step(self, step: int) -> torch.Tensor:
         """Take training step ``step`` of every member; returns their losses [R] (no sync)."""
+        ...
 
-    def members(self) -> list[tuple[GPT, torch.optim.Adam]]:
-        """Each member's model and Adam, holding its current state."""
+    def members(self) -> list[tuple[GPT, torch.optim.Optimizer]]:
+        """Each member's model and optimizer, holding its current state."""
+        ...
 
     def weights_finite(self) -> torch.Tensor:
         """Whether each member's weights are all finite [R] (no sync)."""
+        ...
 
     def resume(self, start: int, states: list[dict[str, torch.Tensor]]) -> None:
         """Restore what :meth:`extra_state` saved with the checkpoint of step ``start`` (each member's tensors)."""
+        ...
 
     def extra_state(self) -> list[dict[str, torch.Tensor]]:
         """Each member's extra tensors saved with a checkpoint."""
+        ...
 
     def finish(self) -> None:
         """Write what the stepper keeps besides the weights, after the final weights and before ``DONE``."""
+        ...
+
+
+class AccountLike(Protocol):
+    """What ``train`` needs of an account to keep while training (``ntpflow.runs.account.AccountSpec``)."""
+
+    def check(self, run: Run) -> None:
+        """ValueError (one line) unless ``run`` can be trained with it."""
+        ...
+
+    def prepare(self, run: Run) -> None:
+        """Create its folder in the run."""
+        ...
+
+    @property
+    def stepper(self) -> Callable[..., Stepper]:
+        """The training's stepper."""
+        ...
 
 
 class PlainSteps:
     """A stepper that keeps nothing besides the weights (the no-op :class:`Stepper` hooks)."""
+
+    def members(self) -> list[tuple[GPT, torch.optim.Optimizer]]:
+        raise NotImplementedError
 
     def resume(self, start: int, states: list[dict[str, torch.Tensor]]) -> None:
         pass
@@ -248,7 +274,7 @@ class Alone(PlainSteps):
         idx = self.order(step).to(self.device)
         return train_step(self.model, self.opt, self.data["tokens"][idx], self.data["loss_mask"][idx]).detach()[None]
 
-    def members(self) -> list[tuple[GPT, torch.optim.Adam]]:
+    def members(self) -> list[tuple[GPT, torch.optim.Optimizer]]:
         return [(self.model, self.opt)]
 
     def weights_finite(self) -> torch.Tensor:
@@ -256,7 +282,7 @@ class Alone(PlainSteps):
             return torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all()[None]
 
 
-def init_members(runs: Sequence[Run], device) -> tuple[list[GPT], list[torch.optim.Adam]]:
+def init_members(runs: Sequence[Run], device) -> tuple[list[GPT], list[torch.optim.Optimizer]]:
     """Each run's model at its seed's initial weights on ``device`` (training mode), and its fresh Adam."""
     mcfg = runs[0].model_config()
     models = [GPT(mcfg, seed=run.cfg.seed).to(device).train() for run in runs]
@@ -378,7 +404,7 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor, los
     return loss
 
 
-def make_optimizer(model: GPT, cfg: TrainConfig) -> torch.optim.Optimizer:
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Adam without weight decay; the fused kernel on CPU and CUDA (one pass over an untied model's many copies).
     With a learning-rate schedule (``cfg.scheduled``) a :class:`ScheduledAdam`. ``cfg.optimizer == "sgd"``: SGD
     with ``cfg.momentum`` (no dampening, no Nesterov, no decay): each step is lr · m with m = momentum · m + g, linear

@@ -25,6 +25,12 @@ def worker_env() -> tuple[int, int] | None:
     return (int(os.environ.get("RANK", "0")), size) if size > 1 else None
 
 
+def is_follower() -> bool:
+    """Whether this process is a worker beside worker 0 (started as one of several; worker 0 writes and speaks)."""
+    env = worker_env()
+    return env is not None and env[0] != 0
+
+
 def join_workers(device: str) -> int:
     """Join the workers' process group (once; gloo on a CPU, NCCL on CUDA, from the environment); returns this
     worker's rank."""
