@@ -35,6 +35,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -89,7 +90,7 @@ class OthelloScale:
     pilots: str = ""
     account_chunks: int = 10
 
-    def config(self, device: str = "auto", regime: str = "vanilla") -> TrainConfig:
+    def config(self, device: str = "auto", regime: Literal["vanilla", "myopic"] = "vanilla") -> TrainConfig:
         """The TrainConfig of this scale's run in ``regime`` (vanilla: the main run; myopic: the fragility test's
         comparison), seed ``SEED``, on ``device``."""
         return TrainConfig(task="othello", regime=regime, seed=SEED, device=device, **self.train)
@@ -414,7 +415,8 @@ def _influence_records(att: AttributionDir, last: int, curve_every: int, optimiz
                 {"layer": r["layer"], "pos": r["pos"], "square": r["feature"],
                  "type": TYPE_NAMES.get(r["feature_type"], str(r["feature_type"])), "component": r["component"],
                  "total": _num(r["value_sum"], 12), "n_steps": r["value_count"]})
-    table = full_table.filter(pc.equal(full_table["mismatch"], "paper"))
+    # pyarrow.compute functions are generated at import; not in the stubs
+    table = full_table.filter(pc.equal(full_table["mismatch"], "paper"))  # pyright: ignore[reportAttributeAccessIssue]
     units = {}
     for r in by_mismatch["paper"]:
         units.setdefault((r["type"], r["component"]), set()).add((r["layer"], r["pos"], r["square"]))

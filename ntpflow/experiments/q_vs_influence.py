@@ -79,8 +79,12 @@ def influence_ratios(parquet: str | Path, optimizer: str = "adam", mismatch: str
     """``{(layer, pos, feature): {"pre_cached", "direct", "shared", "full"}}``: cumulative integrated influence at
     the last step, ``feature_type == -1``, for ``optimizer`` and ``mismatch`` ("paper" R or "centred" R_c)."""
     t = pq.read_table(parquet)
-    t = t.filter(pc.and_(pc.and_(pc.equal(t["optimizer"], optimizer), pc.equal(t["feature_type"], -1)),
-                         pc.equal(t["mismatch"], mismatch)))
+    # pyarrow.compute functions are generated at import; not in the stubs
+    keep = pc.and_(  # pyright: ignore[reportAttributeAccessIssue]
+        pc.and_(pc.equal(t["optimizer"], optimizer),  # pyright: ignore[reportAttributeAccessIssue]
+                pc.equal(t["feature_type"], -1)),  # pyright: ignore[reportAttributeAccessIssue]
+        pc.equal(t["mismatch"], mismatch))  # pyright: ignore[reportAttributeAccessIssue]
+    t = t.filter(keep)
     rows = t.select(["step", "layer", "pos", "feature", "component", "cumulative"]).to_pylist()
     if not rows:
         raise ValueError(f"{parquet} has no {optimizer} rows with feature_type -1")

@@ -137,8 +137,11 @@ def report_data(att: Attribution) -> dict:
         if sh is not None:
             bars.setdefault(e["mismatch"], {}).setdefault(GROUPS[e.get("useful")], []).append(sh)
     table = att.table
-    table = table.filter(pc.and_(pc.equal(table["optimizer"], own), pc.equal(table["feature_type"], -1)))
-    table = table.filter(pc.is_in(table["component"], value_set=pa.array([*PARTS, "full"])))
+    # pyarrow.compute functions are generated at import; not in the stubs
+    table = table.filter(pc.and_(pc.equal(table["optimizer"], own),  # pyright: ignore[reportAttributeAccessIssue]
+                                 pc.equal(table["feature_type"], -1)))  # pyright: ignore[reportAttributeAccessIssue]
+    table = table.filter(pc.is_in(  # pyright: ignore[reportAttributeAccessIssue]
+        table["component"], value_set=pa.array([*PARTS, "full"])))
     curves: dict = {}
     useful = {(e["pos"], e["feature"]): e.get("useful") for e in probes}
     cols = {k: table[k].to_numpy(zero_copy_only=False) for k in ("step", "pos", "feature", "mismatch", "component",

@@ -44,6 +44,7 @@ from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import make_datasets
 from ntpflow.runs.run import Run, task_for
 from ntpflow.stats import finite_or_none as _finite
+from ntpflow.tasks import Stories
 from ntpflow.tasks.stories import FEATURE_GROUPS, FEATURE_NAMES
 from ntpflow.tasks.stories.corpus import sample_dir
 from ntpflow.tasks.stories.tokenizer import META_FILE as TOKENIZER_META
@@ -205,6 +206,8 @@ def sample_continuations(scale: StoriesScale, out: Path, configs: list[TrainConf
             return old
     runs = {c.regime: Run.open(out / "runs" / run_dir_name(c)) for c in configs if c.seed == seed}
     task = next(iter(runs.values())).task
+    if not isinstance(task, Stories):
+        raise TypeError(f"sample_continuations needs stories runs, got a {type(task).__name__} task")
     tok = task.tokenizer
     need = spec.prompt_len + spec.n_new
     prompts = []
@@ -276,8 +279,10 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
             continue
         table = pq.read_table(att.influence)
         own = cfg.own_rows  # the run's own split; the SGD direction ("sgd") beside it where the replay kept it
-        table = table.filter(pc.and_(pc.is_in(table["optimizer"], pa.array([own, "sgd"])),
-                                     pc.equal(table["feature_type"], -1)))
+        # pyarrow.compute functions are generated at import; not in the stubs
+        table = table.filter(pc.and_(  # pyright: ignore[reportAttributeAccessIssue]
+            pc.is_in(table["optimizer"], pa.array([own, "sgd"])),  # pyright: ignore[reportAttributeAccessIssue]
+            pc.equal(table["feature_type"], -1)))  # pyright: ignore[reportAttributeAccessIssue]
         rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "optimizer",
                              "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)

@@ -12,6 +12,7 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -28,11 +29,12 @@ from ntpflow.runs.group import train_group
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
 from ntpflow.stats import finite_or_none as _finite
-from ntpflow.tasks import make_task
+from ntpflow.tasks import CondMajority, Majority, make_task
 
 log = logging.getLogger(__name__)
 
 TASKS = ("majority", "cond_majority")
+Regime = Literal["vanilla", "myopic", "untied", "myopic-untied"]  # TrainConfig.regime, the names in REGIMES
 # tracked feature per task (the NTP-useless feature of the paper)
 TRACKED = {"majority": ("is_majority_0", "is_majority_1", "is_majority_2"), "cond_majority": ("prev_is_0",)}
 
@@ -110,7 +112,7 @@ SCALES = {
 
 
 def run_configs(scale: ToyScale, tasks: tuple[str, ...] = TASKS,
-                regimes: tuple[str, ...] = REGIMES) -> list[TrainConfig]:
+                regimes: tuple[Regime, ...] = REGIMES) -> list[TrainConfig]:
     """The TrainConfigs of every task (of ``tasks``) × regime (of ``regimes``) × seed of ``scale``."""
     return [TrainConfig(task=t, regime=r, seed=s, **{**scale.train, **scale.task_train.get(t, {})})
             for t in tasks for r in regimes for s in scale.seeds]
@@ -198,6 +200,8 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
         run = Run(out / "runs" / run_dir_name(cfg), cfg)
         key = {"task": cfg.task, "regime": cfg.regime, "seed": cfg.seed}
         task = make_task(cfg.task)
+        if not isinstance(task, (Majority, CondMajority)):  # the TASKS, whose optimal loss is exact
+            raise TypeError(f"toy runs are of the tasks {TASKS}, not {cfg.task!r}")
         done = {k: v for k, v in run.final_record().items() if k != "step"}
         runs.append({**key, **done, "steps": cfg.steps, "optimal_loss": task.optimal_loss(),
                      "loss_gap": done["eval_loss"] - task.optimal_loss()})
@@ -217,8 +221,10 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
         attributed.append(att.dir)
         table = pq.read_table(att.influence)
         own = cfg.own_rows  # the run's own split; the SGD direction ("sgd") beside it where the replay kept it
-        table = table.filter(pc.and_(pc.is_in(table["optimizer"], pa.array([own, "sgd"])),
-                                     pc.equal(table["feature_type"], -1)))
+        # pyarrow.compute functions are generated at import; not in the stubs
+        table = table.filter(pc.and_(  # pyright: ignore[reportAttributeAccessIssue]
+            pc.is_in(table["optimizer"], pa.array([own, "sgd"])),  # pyright: ignore[reportAttributeAccessIssue]
+            pc.equal(table["feature_type"], -1)))  # pyright: ignore[reportAttributeAccessIssue]
         rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "optimizer",
                              "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
