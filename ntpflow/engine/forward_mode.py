@@ -82,7 +82,7 @@ class Primals:
         bsz, t = tokens.shape
         self.shared = cfg.n_groups == 1
         self.groups = None if self.shared else model.groups[:t]
-        self.named = dict(model.named_parameters())  # by name, in model.parameters() order
+        self.named: dict[str, torch.Tensor] = dict(model.named_parameters())  # by name, in model.parameters() order
         self.names = list(self.named)
         self.vocab = model.wte.shape[1]
         self.dedupe = self.vocab < bsz
@@ -106,10 +106,11 @@ class Primals:
         pos = torch.arange(t, device=tok.device)
         if self.shared:
             return F.embedding(tok, self.named["wte"][0]) + self.named["wpe"][0, :t]
-        model = self.model
+        model, groups = self.model, self.groups
+        assert groups is not None  # per-position groups whenever the parameters are not shared
         vocab, d = model.wte.shape[1:]
-        return (F.embedding(self.groups[:t] * vocab + tok, model.wte.reshape(-1, d))
-                + F.embedding(self.groups[:t] * model.cfg.n_ctx + pos, model.wpe.reshape(-1, d)))
+        return (F.embedding(groups[:t] * vocab + tok, model.wte.reshape(-1, d))
+                + F.embedding(groups[:t] * model.cfg.n_ctx + pos, model.wpe.reshape(-1, d)))
 
     def table_rows(self, n_pos: int) -> torch.Tensor | None:
         """Row of each (batch row, position < n_pos) in a table [R·n_pos] (flattened [R, n_pos]): long [batch·n_pos];
@@ -190,7 +191,7 @@ class Primals:
     def _block(self, p: _Params, pre: str, r: torch.Tensor, r_tab: torch.Tensor | None = None) -> dict:
         """One block's forward and cache; ``r_tab`` [R, t, d]: block 0's input per table row (see the class)."""
         bsz, t, d = r.shape
-        c = {"in": r}
+        c: dict = {"in": r}
         if r_tab is None:
             c["ln1"] = self._ln(p, pre + "ln1.", r)
             qkv = self._linear(p, pre + "attn.c_attn.", c["ln1"]["y"])
@@ -356,6 +357,7 @@ def _top_block_tangent(pr: Primals, p: _Params, dp: _Params, b: int, dr: torch.T
         dz = _query_attention_tangent(pr, p, dp, b, x1, dx1, qpos, dx1_tab if dx1 is None else None)
     else:
         name = pre + "attn.c_attn."
+        assert dx1 is not None  # None only with shared parameters (above)
         dqkv = (_lin(dx1, p.at(name + "weight", upto), False) + _lin(x1, dp.at(name + "weight", upto), False)
                 + _bias(dp.at(name + "bias", upto), False, 1))  # [m, B, P, 3d]
         dz = _query_attention_generic(pr, c, dqkv, qpos)
@@ -425,26 +427,33 @@ def _query_attention_tangent(pr: Primals, p: _Params, dp: _Params, b: int, x1: t
     x1q = _rows(x1, qpos)  # [m, B, d]
     bsz = len(x1)
     if dx1_tab is None:
+        assert dx1 is not None  # one of dx1, dx1_tab is given
         dx1q = dx1[rows, :, qpos]
 
-        def dot_a(a, x):  # Σ_d a[m, b, h, d] x[(m,) b, t, d] -> [m, B, H, P]
+        # Σ_d a[m, b, h, d] x[(m,) b, t, d] -> [m, B, H, P]
+        def dot_a(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return torch.einsum("mbhd,mbtd->mbht" if x.dim() == 4 else "mbhd,btd->mbht", a, x)
 
-        def dot_att(att, x):  # Σ_t att[m, b, h, t] x[(m,) b, t, d] -> [m, B, H, d]
+        # Σ_t att[m, b, h, t] x[(m,) b, t, d] -> [m, B, H, d]
+        def dot_att(att: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return torch.einsum("mbht,mbtd->mbhd" if x.dim() == 4 else "mbht,btd->mbhd", att, x)
 
         x1_, dx1_ = x1, dx1
     else:  # x1 and dx1 per table row: [(m,) R·P, d], each (batch row, position) picks its row
-        cols = pr.table_rows(n_pos).view(bsz, n_pos)
+        cols = pr.table_rows(n_pos)
+        assert cols is not None  # dx1_tab is given only for a deduplicated table
+        cols = cols.view(bsz, n_pos)
         x1_ = pr.blocks[b]["tab"]["ln1"]["y"][:, :n_pos].reshape(-1, d)
         dx1_ = dx1_tab.reshape(m, -1, d)
         dx1q = dx1_.gather(1, cols[:, qpos].T[..., None].expand(-1, -1, d))  # [m, B, d]
         at = cols.view(1, bsz, 1, n_pos).expand(m, bsz, heads, n_pos)
 
-        def dot_a(a, x):  # one matmul against the table's R·P rows, then each (b, t)'s column
+        # one matmul against the table's R·P rows, then each (b, t)'s column
+        def dot_a(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return (a.reshape(m, -1, d) @ x.transpose(-1, -2)).view(m, bsz, heads, -1).gather(3, at)
 
-        def dot_att(att, x):  # att spread onto the table's columns (distinct per query row), one matmul
+        # att spread onto the table's columns (distinct per query row), one matmul
+        def dot_att(att: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             spread = att.new_zeros((m, bsz, heads, x.shape[-2])).scatter_(3, at, att)
             return (spread.view(m, -1, x.shape[-2]) @ x).view(m, bsz, heads, d)
     dq = dx1q @ w[:d].T + x1q @ dw[:, :d].transpose(1, 2) + bias_dot[:, None, :d]

@@ -136,6 +136,7 @@ def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, my
         else:
             d_r, d_tab = _top_block_back(pr, grads, layer - 1, qpos, onehot, cot, myopic)
             for b in reversed(range(layer - 1)):
+                assert d_r is not None  # None only from block 0, which has no block below it
                 d_r, d_tab = _block_back(pr, grads, b, d_r, myopic)
         _embed_back(pr, grads, d_r, d_tab)
     return grads.out
@@ -144,8 +145,10 @@ def site_vjps(pr: Primals, layer: int, qpos: torch.Tensor, cot: torch.Tensor, my
 def _embed_back(pr: Primals, grads: _Grads, d_r: torch.Tensor | None, d_tab: torch.Tensor | None) -> None:
     """resid[0][b, p] = wte[g_p, tok[b, p]] + wpe[g_p, p]: scatter d_r [m, B, P, d] (if given) into both, and d_tab
     [m, R, P, d] (per table row, ``Primals.table_tokens``) if given."""
-    m, _, n_pos, d = (d_r if d_r is not None else d_tab).shape
-    pos = torch.arange(n_pos, device=d_tab.device if d_r is None else d_r.device)
+    given = d_r if d_r is not None else d_tab
+    assert given is not None  # at least one of the two is given
+    m, _, n_pos, d = given.shape
+    pos = torch.arange(n_pos, device=given.device)
     g = torch.zeros_like(pos) if pr.groups is None else pr.groups[:n_pos]
     wte, wpe = grads.view["wte"], grads.view["wpe"]  # [m, G, V, d], [m, G, n_ctx, d]
     for cot, tokens in ((d_r, pr.tokens), (d_tab, pr.table_tokens)):
@@ -202,6 +205,7 @@ def _top_block_back(pr: Primals, grads: _Grads, b: int, qpos: torch.Tensor, oneh
         add_query(dx1_all, dx1_q)
     d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=table is not None)
     if d_tab is None:
+        assert d_in is not None  # _ln1_back gives exactly one of the two
         d_in.transpose(1, 2)[rows, qpos] += d_mid  # the residual path at the query
     elif table is not None:
         add_query(d_tab, d_mid)
@@ -254,7 +258,9 @@ class _QueryTable:
 
     def __init__(self, pr: Primals, qpos: torch.Tensor, shape: torch.Size, n_pos: int):
         m, bsz, heads, dh = shape
-        cols = pr.table_rows(n_pos).view(bsz, n_pos)  # the table row of each (batch row, position)
+        cols = pr.table_rows(n_pos)  # the table row of each (batch row, position)
+        assert cols is not None  # a _QueryTable is made only for a deduplicated table
+        cols = cols.view(bsz, n_pos)
         self.at = cols.view(1, bsz, 1, n_pos).expand(m, bsz, heads, n_pos)
         self.n_tab = len(pr.table_tokens) * n_pos
         self.x1 = pr.blocks[0]["tab"]["ln1"]["y"][:, :n_pos].reshape(self.n_tab, heads * dh)  # [R·P, d]
@@ -386,7 +392,10 @@ def _block_back(pr: Primals, grads: _Grads, b: int, d_out: torch.Tensor,
     dx1_all = _matmul_pos(dqkv, w_attn)
     dx1_live = dx1_all if w_s is live_s else _matmul_pos(dqkv_of(live_s, live_a), w_attn)
     d_in, d_tab = _ln1_back(pr, grads, b, dx1_all, dx1_live, binned=True)
-    return (d_mid, d_tab) if b == 0 else (d_mid + d_in, None)
+    if b == 0:
+        return d_mid, d_tab
+    assert d_in is not None  # _ln1_back gives the input cotangent of every block but block 0
+    return d_mid + d_in, None
 
 
 def own_cotangents(pr: Primals, layer: int, qpos: torch.Tensor, d_logits: torch.Tensor) -> torch.Tensor:

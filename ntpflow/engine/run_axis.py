@@ -23,7 +23,7 @@ from torch.func import functional_call, vmap
 
 from ntpflow.engine.decomposition import SitePasses
 from ntpflow.engine.forward_mode import Primals
-from ntpflow.engine.influence import AdamStep, InfluenceTracker, _check_optimizer, adam_second_moment
+from ntpflow.engine.influence import AdamStep, InfluenceTracker, Readout, _check_optimizer, adam_second_moment
 from ntpflow.model.gpt import GPT
 from ntpflow.model.stack import RunStack
 
@@ -60,8 +60,11 @@ class RunAxisTracker:
             if ([(p.site, p.name) for p in t.probes] != key or (t.midpoint, t.sgd_rows, t.bucket_width)
                     != (first.midpoint, first.sgd_rows, first.bucket_width) or _readout_key(t) != _readout_key(first)):
                 raise ValueError("the members tracked over a run axis need the same sites, features and options")
+        if first.final_model is None:
+            raise ValueError("the members tracked over a run axis need their final models")
         self._bound = _Bound(GPT(first.final_model.cfg).to("meta"))  # the architecture; weights come per call
-        self._stacked, self._views = None, []
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # see _moments
+        self._views: list = []
         self._directions = torch.stack([t.directions for t in self.trackers])  # [R, n_probes, d_model]
 
     def track(self, stack: RunStack, group_opt: torch.optim.Adam, members: Sequence[int], tokens: torch.Tensor,
@@ -108,8 +111,9 @@ class RunAxisTracker:
         """Each member's rows of an exactly integrated step (``InfluenceTracker.exact_integral`` under vmap)."""
         first, trackers = self.trackers[0], self.trackers
         v_prev, t, betas, eps, m_full, m_sites = adam
-        ro_tokens = torch.stack([tr.readout.tokens for tr in trackers])  # [R, N, n_pos]
-        ro_proj = torch.stack([tr.readout.final_proj for tr in trackers])  # [R, N, n_probes]
+        readout = _readout(first)  # the members' rule (the same for all, see __init__)
+        ro_tokens = torch.stack([_readout(tr).tokens for tr in trackers])  # [R, N, n_pos]
+        ro_proj = torch.stack([_readout(tr).final_proj for tr in trackers])  # [R, N, n_probes]
         if first._start is None:  # θ_0 of every member: a plain forward on its readout set
             def start(params, ro_tokens, ro_proj, w):
                 return self._call(params, stack, lambda m: first._readout_risks(
@@ -119,7 +123,7 @@ class RunAxisTracker:
                 tr._start, tr._r0 = r, r.abs()
         result: list = [None] * len(trackers)  # per member: (values, end, full, level) of the rule it settled at
         previous = [math.inf] * len(trackers)  # per member: its excess at the rule before (Readout.settles)
-        for level, (n, pieces) in enumerate(first.readout.rules):
+        for level, (n, pieces) in enumerate(readout.rules):
             layout = []
 
             def one(params, tokens, loss_mask, ro_tokens, ro_proj, w, v_prev, m_full, m_sites):
@@ -138,14 +142,14 @@ class RunAxisTracker:
                                               v_prev, m_full, m_sites)
             starts, r0 = (torch.stack([getattr(tr, k) for tr in trackers]) for k in ("_start", "_r0"))
             change = starts - end
-            excess = first.readout.excess(change, full, r0).reshape(len(trackers), -1).amax(1).tolist()
+            excess = readout.excess(change, full, r0).reshape(len(trackers), -1).amax(1).tolist()
             for r, x in enumerate(excess):  # a member settles at its own rule, as its lone tracker would
-                if result[r] is None and first.readout.settles(level, x, previous[r]):
+                if result[r] is None and readout.settles(level, x, previous[r]):
                     result[r] = (values[r], end[r], full[r], level)
                 previous[r] = x
             if all(x is not None for x in result):
                 break
-        return [tr.exact_rows(*result[r][:3], layout[0], lr, result[r][3]) for r, tr in enumerate(trackers)]
+        return [tr.exact_rows(v, e, f, layout[0], lr, lv) for tr, (v, e, f, lv) in zip(trackers, result)]
 
     def _call(self, params: dict, stack: RunStack, fn):
         """``fn(model)`` on the architecture with one member's ``params`` swapped in (under vmap: a batched one)."""
@@ -157,14 +161,16 @@ class RunAxisTracker:
         step, else stacked from the trackers, e.g. after resuming); each member's tracker then holds views of its
         rows, so that its ``state_dict`` sees the updates."""
         trackers = self.trackers
-        if self._views and all(tr._m_full is v for tr, v in zip(trackers, self._views)):
+        if self._stacked is not None and self._views and all(tr._m_full is v for tr, v in zip(trackers, self._views)):
             return self._stacked
-        if all(tr._m_full is None for tr in trackers):
+        moments = [(tr._m_full, tr._m_sites) for tr in trackers]
+        present = [(full, sites) for full, sites in moments if full is not None and sites is not None]
+        if all(full is None for full, _ in moments):
             m_full = like.new_zeros(like.shape)
             m_sites = like.new_zeros((len(trackers), len(trackers[0].sites), 2, like.shape[1]))
-        elif all(tr._m_full is not None for tr in trackers):
-            m_full = torch.stack([tr._m_full for tr in trackers])
-            m_sites = torch.stack([tr._m_sites for tr in trackers])
+        elif len(present) == len(trackers):  # the two are set together
+            m_full = torch.stack([full for full, _ in present])
+            m_sites = torch.stack([sites for _, sites in present])
         else:
             raise RuntimeError("the members tracked over a run axis must resume from the same step")
         for r, tr in enumerate(trackers):
@@ -186,6 +192,13 @@ class RunAxisTracker:
         buffers = {f"model.{n}": b for n, b in model.named_buffers()}
         top = self.trackers[0].top_layer  # the members' sites are the same
         return functional_call(self._bound, (moved, buffers), (lambda m: Primals(m, tokens, top),))
+
+
+def _readout(tracker: InfluenceTracker) -> Readout:
+    """The tracker's readout set and rule (``InfluenceTracker.use_readout``), which the exact account needs."""
+    if tracker.readout is None:
+        raise RuntimeError("the exact account needs use_readout() first")
+    return tracker.readout
 
 
 def _readout_key(tracker: InfluenceTracker) -> tuple | None:
