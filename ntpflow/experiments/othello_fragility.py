@@ -133,7 +133,10 @@ def find_pairs(n_games: int, t0: int, depth: int = 3, *, seed: int = 0, per_pref
             seq[:, 0] = BOS_ID
             seq[:, 1:t0 + 1] = games.moves[g, :t0].astype(np.int64) + SQUARE_OFFSET
             seq[:, t0 + 1:t0 + 1 + depth] = hist[[a, b]] + SQUARE_OFFSET
-            tokens.append(seq), boards.append(bd), types.append(ty), kinds.append(kind)
+            tokens.append(seq)
+            boards.append(bd)
+            types.append(ty)
+            kinds.append(kind)
             found[kind] += 1
     n = len(kinds)
     return Pairs(tokens=np.array(tokens, dtype=np.int64).reshape(n, 2, T),
@@ -203,8 +206,10 @@ def pair_values(model: GPT, probes: ProbeSet, pairs: Pairs, *, alpha: float = 1.
             z = resid[layer, rows, 0] - resid[layer, rows, 1]
             y = (boards[rows, 0] - boards[rows, 1]) * d
             v = out[kind]
-            v["right"].append(right.double()), v["stones"].append(stones.sum((1, 2)).double())
-            v["distance"].append(z.norm(dim=1) / scale), v["told"].append(_told_apart(z, y, alpha).double())
+            v["right"].append(right.double())
+            v["stones"].append(stones.sum((1, 2)).double())
+            v["distance"].append(z.norm(dim=1) / scale)
+            v["told"].append(_told_apart(z, y, alpha).double())
     return {kind: {k: torch.stack(a).numpy() for k, a in v.items()} for kind, v in out.items()}
 
 
