@@ -56,10 +56,16 @@ def test_run_export_writes_the_final_weights(tmp_path):
     run = train(TrainConfig(task="majority", n_layer=1, d_model=32, n_head=2, steps=4, batch_size=32, n_train=256,
                             n_eval=128, eval_every=2, ckpt_every=2, log_every=2, device="cpu"), tmp_path / "run",
                 progress=False)
+    from transformers import GPT2LMHeadModel
+
     out = Run.open(run.dir).export(tmp_path / "hf")
     tokens = torch.as_tensor(run.datasets()[1].tokens[:8])
     with torch.no_grad():
-        assert torch.equal(GPT.from_pretrained(str(out))(tokens), run.load_model("final")(tokens))
+        ours = run.load_model("final")(tokens)
+        assert torch.equal(GPT.from_pretrained(str(out))(tokens), ours)
+        theirs = GPT2LMHeadModel.from_pretrained(out).eval()(tokens).logits  # transformers reads the run's model
+    eps32 = torch.finfo(torch.float32).eps
+    assert (theirs - ours).abs().max().item() <= 256 * eps32 * max(1.0, ours.abs().max().item())
 
 
 def test_run_with_cache_speaks_transformerlens():
