@@ -200,7 +200,6 @@ class ExactAccount(InfluenceTracker):
         self._chunk: dict[str, torch.Tensor] = {}  # the running chunk's tensors (see end_chunk)
         self._first = 0  # the running chunk's first step
         self._lr = 1.0
-        self.last_loss: torch.Tensor | None = None
         self.types = {f: lab[:, :n_pos] for f, lab in (types or {}).items()}  # the whole readout's labels [N, pos]
         self._subsets = {s: self._typed_subsets(s) for s in self.sites}
 
@@ -247,7 +246,6 @@ class ExactAccount(InfluenceTracker):
         for p, g in zip(params, passes.param_grads):
             p.grad = g
         self.opt.step()
-        self.last_loss = passes.loss
         return passes.loss
 
     def _moments(self, g_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,7 +47,7 @@ from ntpflow.replay.conditioning import condition, conditioning_lines, step_kapp
 from ntpflow.replay.directions import direction_probes, direction_records
 from ntpflow.replay.from_account import account_rows, rule_text, save_account_matrices
 from ntpflow.replay.matrices import save_matrices
-from ntpflow.runs.account import KeptAccount, read_account
+from ntpflow.runs.account import DEFAULT_READOUT, KeptAccount, default_readout, read_account
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import GroupReplay, member_indices, replay_stepper
 from ntpflow.runs.probe import load_or_probe
@@ -184,9 +184,6 @@ def _from_account(run: Run, kept: KeptAccount, out: Path, sites: list[Site], fea
 
 
 READINGS = ("exact", "paper", "midpoint")
-DEFAULT_READOUT = 256  # the most sequences of the default readout set of the exact account
-
-
 def readout_size(reading: str, readout: int | None, n_eval: int, batch_size: int = DEFAULT_READOUT) -> int | None:
     """The readout set's size for ``reading`` (None for the paper's batch readings); ValueError (one line) for an
     unknown reading, a size outside 2..n_eval, or a size given to a batch reading. The default is the run's batch
@@ -200,7 +197,7 @@ def readout_size(reading: str, readout: int | None, n_eval: int, batch_size: int
             raise ValueError(f"--readout sets the exact account's readout set; it does not combine with --{reading}")
         return None
     if readout is None:
-        return max(2, min(DEFAULT_READOUT, n_eval, batch_size))
+        return default_readout(n_eval, batch_size)
     if not 2 <= readout <= n_eval:
         raise ValueError(f"--readout takes 2..{n_eval} (the run's evaluation sequences), got {readout}")
     return readout
