@@ -636,9 +636,10 @@ def _add_reproduce(sub) -> None:
                     "(default: all)")
     _add_reading(rp)
     rp.add_argument("--no-replays", action="store_true",
-                    help="toy and othello (all: both; stories and llm ignore it): train and probe, skip only the tracked "
-                    "replays (hours at medium scale; othello still trains its myopic run and runs the fragility test); "
-                    "the influence claims are then not testable. Rerun without it to add them")
+                    help="toy and othello (all: both; stories and llm ignore it): train and probe, skip only the "
+                    "influence (without the flag the tracked runs train with the exact account kept while training; "
+                    "hours at medium scale; othello still trains its myopic run and runs the fragility test); the "
+                    "influence claims are then not testable. Rerun without it to add them (by replaying the runs)")
     rp.add_argument("--device", help="auto (default), cpu, cuda, ...")
     rp.set_defaults(fn=cmd_reproduce)
 
