@@ -13,7 +13,7 @@ import torch
 
 from ntpflow.engine.influence import MISMATCHES, mismatch_value
 from ntpflow.model.sites import parse_sites
-from ntpflow.replay.attribution import make_probes
+from ntpflow.replay.tracked import make_probes
 from ntpflow.runs.run import Run
 
 

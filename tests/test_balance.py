@@ -14,8 +14,9 @@ from ntpflow.engine.influence import Probe
 from ntpflow.model.config import GPTConfig
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
-from ntpflow.replay.attribution import attribute, make_probes
+from ntpflow.replay.attribution import attribute
 from ntpflow.replay.balance import audit_balance, directional_terms, probe_projections
+from ntpflow.replay.tracked import make_probes
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import make_datasets
 from ntpflow.runs.run import Run

@@ -23,7 +23,7 @@ from ntpflow.experiments.claims import (
 )
 from ntpflow.experiments.figure_style import ci_label, clip
 from ntpflow.experiments.render import read_blocks, to_html, to_markdown, write_documents
-from ntpflow.replay.attribution import residual_lines, residual_share
+from ntpflow.replay.summary import residual_lines, residual_share
 
 
 def ci(lo, hi):

@@ -20,7 +20,7 @@ def test_influence_rows_are_self_describing_and_attribute_summarises(tmp_path, c
     from ntpflow.replay.attribution import attribute
 
     train(TrainConfig(**TINY), tmp_path / "run", progress=False)
-    with caplog.at_level(logging.INFO, logger="ntpflow.replay.attribution"):
+    with caplog.at_level(logging.INFO, logger="ntpflow.replay"):
         out = attribute(tmp_path / "run", [Site(1, 3), Site(0, 5)], ["is_majority_<0>"], out_dir=tmp_path / "a",
                         progress=False, reading="paper")
     table = pq.read_table(out / "influence.parquet")

@@ -122,7 +122,8 @@ def test_altered_final_weights_are_refused_not_probed(ref_run, tmp_path, capsys)
 def test_attribution_resume_point_is_atomic(ref_run, tmp_path, monkeypatch):
     """Killed after the first resume point, then again between the state's tensors and its sidecar (the tear of
     old): the third run resumes from the first point and its influences equal an uninterrupted attribution."""
-    from ntpflow.replay.attribution import attribute, resume_points
+    from ntpflow.replay.attribution import attribute
+    from ntpflow.replay.member import resume_points
 
     args = ([Site(1, 3)], ["is_majority_<0>"])
     ref = attribute(ref_run.dir, *args, out_dir=tmp_path / "ref", block=3, progress=False)

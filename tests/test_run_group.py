@@ -145,7 +145,7 @@ def test_killed_group_resumes_to_the_same_bits(group, tmp_path, monkeypatch):
 def test_replay_of_a_member_is_bit_identical_and_resumes(group, monkeypatch):
     root, cfgs, runs = group
     run = runs[1]
-    from ntpflow.replay import attribution as replay
+    from ntpflow.replay import member as replay
 
     real_track = replay.InfluenceTracker.track
 
@@ -178,7 +178,7 @@ def tree(folder: Path) -> dict[str, bytes]:
 
 
 def resume_points(folder: Path) -> list[int]:
-    from ntpflow.replay import attribution as replay
+    from ntpflow.replay import member as replay
 
     return replay.resume_points(folder).steps()
 
@@ -259,7 +259,7 @@ def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(grou
     mixed = [tmp_path / "mixed0", tmp_path / "mixed1"]
     killed(mixed, [[3], []])  # member 0 goes back to step 0, where member 1 resumes
     killed(mixed, [[3], []])  # ... and again
-    from ntpflow.replay import attribution as replay
+    from ntpflow.replay import member as replay
 
     real, saved = replay.save_resume_point, []
 

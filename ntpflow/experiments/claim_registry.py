@@ -105,7 +105,7 @@ def meaning_checks(rows: list[dict], own: str, where: str) -> tuple[Check, Check
 def account_check(account: dict | None, where: str) -> Check:
     """The precondition of an influence claim decided on the exact account: every row's |residual| (full influence −
     exact change, summed over the steps) at most RESIDUAL_LIMIT of its R_H(θ_0). ``account``:
-    ``replay.attribution.residual_share`` of the claim's rows (``worst`` = the largest ratio, ``n`` rows, ``zero_R0`` rows with
+    ``replay.summary.residual_share`` of the claim's rows (``worst`` = the largest ratio, ``n`` rows, ``zero_R0`` rows with
     R_H(θ_0) = 0 but a residual: these fail)."""
     worst = None if account is None else account.get("worst")
     bad = account is None or worst is None or account.get("zero_R0", 0) > 0

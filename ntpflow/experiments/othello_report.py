@@ -30,7 +30,7 @@ from ntpflow.experiments.formats import (
     sites_text,
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
-from ntpflow.replay.attribution import residual_share
+from ntpflow.replay.summary import residual_share
 from ntpflow.stats import finite, mean_of, slope, stat_rows, stats
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")

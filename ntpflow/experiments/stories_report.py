@@ -28,7 +28,7 @@ from ntpflow.experiments.formats import (
     train_settings,
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
-from ntpflow.replay.attribution import residual_share
+from ntpflow.replay.summary import residual_share
 from ntpflow.stats import mean_of, paired, stat_rows, stats
 from ntpflow.tasks.stories.corpus import SAMPLE_SHA256
 

@@ -46,7 +46,7 @@ from ntpflow.experiments.formats import (
 )
 from ntpflow.experiments.render import report_main, template_blocks, write_from_data
 from ntpflow.model.sites import feature_name
-from ntpflow.replay.attribution import residual_share
+from ntpflow.replay.summary import residual_share
 from ntpflow.runs.config import REGIMES
 from ntpflow.stats import mean_of, paired, r_stats, stat_rows, stats
 

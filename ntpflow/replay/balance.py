@@ -34,14 +34,8 @@ from ntpflow.files import DirLock, ensure_writable_dir, read_json, resolve_devic
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
 from ntpflow.progress import progress_of
-from ntpflow.replay.attribution import (
-    check_features,
-    check_replay,
-    make_probes,
-    resume_points,
-    run_sites,
-    save_resume_point,
-)
+from ntpflow.replay.member import check_replay, resume_points, save_resume_point
+from ntpflow.replay.tracked import check_features, make_probes, run_sites
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.group import replay_stepper
 from ntpflow.runs.run import AttributionDir, Run

@@ -39,8 +39,9 @@ from ntpflow.engine.influence import (
 )
 from ntpflow.files import DirLock, ensure_writable_dir, resolve_device, stamp, write_json
 from ntpflow.model.sites import Site
-from ntpflow.replay.attribution import make_probes, readout_size, run_sites
+from ntpflow.replay.attribution import readout_size
 from ntpflow.replay.conditioning import PARTS
+from ntpflow.replay.tracked import make_probes, run_sites
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.run import Run
 from ntpflow.runs.training import make_optimizer, train_step
