@@ -28,6 +28,7 @@ import torch
 
 from ntpflow.model.sites import parse_sites
 from ntpflow.replay.attribution import attribute
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.training import train
@@ -97,8 +98,8 @@ def main(argv=None) -> None:
             for name in names[r % len(names):] + names[:r % len(names)]:
                 out = root / f"{name}-{r}"
                 c0, w0 = time.process_time(), time.perf_counter()
-                attribute(run.dir, sites, [feature], out_dir=out, device="cpu", progress=False, sgd_rows=False,
-                          **kinds[name])
+                attribute(run.dir, AttributionSpec(sites, [feature], sgd_rows=False, **kinds[name]), out_dir=out,
+                          device="cpu", progress=False)
                 cpu[name].append(time.process_time() - c0)
                 wall[name].append(time.perf_counter() - w0)
                 if name.startswith("exact"):

@@ -31,6 +31,7 @@ import torch
 
 from ntpflow.model.sites import parse_sites
 from ntpflow.replay.attribution import attribute, attribute_group
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.group import train_group
 from ntpflow.runs.probe import load_or_probe
@@ -96,10 +97,11 @@ def main(argv=None) -> int:
                     c0, t0 = time.process_time(), time.perf_counter()
                     if kind == "one by one":
                         for run, out in zip(runs, outs[kind]):
-                            attribute(run.dir, sites, features, out_dir=out, device=args.device, progress=False)
+                            attribute(run.dir, AttributionSpec(sites, features),
+                                      out_dir=out, device=args.device, progress=False)
                     else:
-                        attribute_group(dirs, sites, features, out_dirs=outs[kind], device=args.device,
-                                        progress=False, run_axis=kind == "run axis")
+                        attribute_group(dirs, AttributionSpec(sites, features), out_dirs=outs[kind],
+                                        device=args.device, progress=False, run_axis=kind == "run axis")
                     times[kind].append((time.process_time() - c0, time.perf_counter() - t0))
                 if [tree(o) for o in outs["member by member"]] != [tree(o) for o in outs["one by one"]]:
                     print(f"R = {R}: the member-by-member replay wrote other files than the one-by-one replays",

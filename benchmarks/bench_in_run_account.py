@@ -23,6 +23,7 @@ import torch
 
 from ntpflow.model.sites import parse_sites
 from ntpflow.replay.attribution import attribute
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.account import AccountSpec
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.run import Run
@@ -69,11 +70,11 @@ def main(argv=None) -> None:
             plain, accounted = base / "plain", base / "accounted"
             jobs = {
                 "plain": lambda: train(cfg, plain, progress=False),
-                "replay": lambda: attribute(plain, parsed, ["is_majority_<0>"], readout=readout, progress=False,
-                                            sgd_rows=True),
+                "replay": lambda: attribute(plain, AttributionSpec(parsed, ["is_majority_<0>"], readout=readout),
+                                            progress=False),
                 "in-run": lambda: (train(cfg, accounted, progress=False, account=AccountSpec(tuple(parsed), readout,
                                                                               chunks=chunks)),
-                                   attribute(accounted, parsed, ["is_majority_<0>"], progress=False)),
+                                   attribute(accounted, AttributionSpec(parsed, ["is_majority_<0>"]), progress=False)),
             }
             order = ["plain", "replay", "in-run"] if r % 2 == 0 else ["in-run", "plain", "replay"]
             for name in order:

@@ -20,6 +20,7 @@ from ntpflow.probes import fit_probes as fit_probes
 from ntpflow.probes import fit_ridge as fit_ridge
 from ntpflow.replay.loop_account import Account as Account
 from ntpflow.replay.loop_account import AccountResult as AccountResult
+from ntpflow.replay.spec import AttributionSpec as AttributionSpec
 from ntpflow.runs.account import AccountSpec as AccountSpec
 from ntpflow.runs.config import TrainConfig as TrainConfig
 from ntpflow.runs.config import apply_overrides as apply_overrides

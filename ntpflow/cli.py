@@ -22,6 +22,7 @@ from ntpflow.replay.balance import audit_balance
 from ntpflow.replay.breakdown import breakdown, parse_steps
 from ntpflow.replay.directions import parse_direction, sae_directions
 from ntpflow.replay.discover import discover
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.account import DEFAULT_CHUNKS, AccountSpec
 from ntpflow.runs.config import REGIMES, config_from
 from ntpflow.runs.group import group_dirs
@@ -172,26 +173,22 @@ def cmd_attribute(args) -> int:
     sites, dirs, directions = parse_sites(args.sites) if args.sites else [], args.run_dir, _directions(args)
     if not sites and not directions:
         raise ValueError("give --sites (the task's features) and/or --direction / --sae (directions of your own)")
-    if directions and (args.group or len(dirs) > 1):
-        raise ValueError("--direction and --sae replay a single run (not --group or several run dirs)")
-    if args.matrices and (args.group or len(dirs) > 1):
-        raise ValueError("--matrices replays a single run (not --group or several run dirs)")
+    spec = AttributionSpec(sites, features, directions=directions or {}, reading=_reading(args),
+                           readout=args.readout, sgd_rows=not args.adam_only, matrices=args.matrices,
+                           replay=args.replay)
+    if args.group or len(dirs) > 1:
+        spec.check_group()
     if args.group:
         if len(dirs) != 1:
             raise ValueError("--group takes one run dir, a member of the group")
         dirs = group_dirs(Run.open(dirs[0]))
-    reading = _reading(args)
+    how = {"device": args.device or "auto", "progress": not args.quiet, "force_unlock": args.force_unlock}
     if len(dirs) == 1 and not args.group:
-        outs = [attribute(dirs[0], sites, features, out_dir=args.out, device=args.device or "auto",
-                          progress=not args.quiet, force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                          reading=reading, readout=args.readout, directions=directions, matrices=args.matrices,
-                          replay=args.replay)]
+        outs = [attribute(dirs[0], spec, out_dir=args.out, **how)]
     elif args.out:
         raise ValueError("--out takes a single run dir; each member of a group writes RUN_DIR/attribution")
     else:
-        outs = attribute_group(dirs, sites, features, device=args.device or "auto", progress=not args.quiet,
-                               force_unlock=args.force_unlock, sgd_rows=not args.adam_only,
-                               reading=reading, readout=args.readout)
+        outs = attribute_group(dirs, spec, **how)
     for out in outs:  # the answer (on stderr, with the closing lines): each site × feature's split of the change
         summary = read_json(AttributionDir(out).summary)
         lines = answer_lines(summary["probes"], summary.get("own_rows", "adam"))

@@ -230,11 +230,13 @@ def _worker(rank: int, size: int, init: str, out: str) -> None:
     """One of two gloo workers: the float64 account of test_two_gloo_workers_equal_one_process, written by rank 0."""
     import torch.distributed as dist
 
+    from ntpflow.runs.workers import leave_workers
+
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
         torch.save(_float64_account(), out) if rank == 0 else _float64_account()
     finally:
-        dist.destroy_process_group()
+        leave_workers()  # a barrier first: a worker that leaves while the other still talks aborts
 
 
 def _float64_account() -> tuple[list, list]:

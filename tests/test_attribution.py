@@ -468,9 +468,10 @@ def test_replay_reproduces_and_writes_tidy_rows(finished_run, tmp_path):
     import pyarrow.parquet as pq
 
     from ntpflow.replay.attribution import attribute
+    from ntpflow.replay.spec import AttributionSpec
 
-    out = attribute(finished_run, [Site(1, 3), Site(0, 5)], ["is_majority_<0>"], out_dir=tmp_path / "a",
-                    progress=False)
+    out = attribute(finished_run, AttributionSpec([Site(1, 3), Site(0, 5)], ["is_majority_<0>"]),
+                    out_dir=tmp_path / "a", progress=False)
     table = pq.read_table(out / "influence.parquet").to_pylist()
     assert {r["step"] for r in table} == set(range(TINY["steps"]))
     full = [r for r in table if r["component"] == "full" and r["optimizer"] == "adam" and r["layer"] == 1
@@ -492,10 +493,12 @@ def test_adam_only_replay_writes_the_adam_rows_of_a_full_replay(finished_run, tm
     import pyarrow.parquet as pq
 
     from ntpflow.replay.attribution import attribute
+    from ntpflow.replay.spec import AttributionSpec
 
     sites, features = [Site(1, 3), Site(0, 5)], ["is_majority_<0>"]
-    full = attribute(finished_run, sites, features, out_dir=tmp_path / "all", progress=False)
-    adam = attribute(finished_run, sites, features, out_dir=tmp_path / "adam", progress=False, sgd_rows=False)
+    full = attribute(finished_run, AttributionSpec(sites, features), out_dir=tmp_path / "all", progress=False)
+    adam = attribute(finished_run, AttributionSpec(sites, features, sgd_rows=False),
+                     out_dir=tmp_path / "adam", progress=False)
     rows = [pq.read_table(o / "influence.parquet").to_pylist() for o in (full, adam)]
     key = lambda r: (r["step"], r["layer"], r["pos"], r["feature"], r["mismatch"], r["component"], r["optimizer"])
     a = {key(r): r["value"] for r in rows[0] if r["optimizer"] != "sgd"}
@@ -508,7 +511,7 @@ def test_adam_only_replay_writes_the_adam_rows_of_a_full_replay(finished_run, tm
     for k in a:
         assert b[k] == pytest.approx(a[k], rel=1e-4, abs=1e-5 * scale), k
     with pytest.raises(ValueError, match="other sites/features/rows"):  # one folder never mixes the two
-        attribute(finished_run, sites, features, out_dir=tmp_path / "adam", progress=False)
+        attribute(finished_run, AttributionSpec(sites, features), out_dir=tmp_path / "adam", progress=False)
 
 
 def test_replay_detects_divergence(finished_run, tmp_path):
@@ -516,6 +519,7 @@ def test_replay_detects_divergence(finished_run, tmp_path):
 
     from ntpflow.files import load_tensors, save_tensors
     from ntpflow.replay.attribution import attribute
+    from ntpflow.replay.spec import AttributionSpec
 
     run = tmp_path / "tampered"
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution"))
@@ -523,41 +527,45 @@ def test_replay_detects_divergence(finished_run, tmp_path):
     tensors["wte"] = tensors["wte"] + 1e-6
     save_tensors(run / "model.safetensors", tensors, json.loads((run / "model.json").read_text()))  # new checksum
     with pytest.raises(RuntimeError, match="diverged"):
-        attribute(run, [Site(1, 3)], ["is_majority_<0>"], out_dir=tmp_path / "y", progress=False)
+        attribute(run, AttributionSpec([Site(1, 3)], ["is_majority_<0>"]), out_dir=tmp_path / "y", progress=False)
 
 
 def test_probes_from_another_run_are_refused(finished_run, tmp_path):
     import shutil
 
     from ntpflow.replay.attribution import attribute
+    from ntpflow.replay.spec import AttributionSpec
 
     other = tmp_path / "other"
     train(TrainConfig(**{**TINY, "seed": 1}), other, progress=False)
-    attribute(other, [Site(1, 3)], ["is_majority_<0>"], progress=False)  # fits other's probes
+    attribute(other, AttributionSpec([Site(1, 3)], ["is_majority_<0>"]), progress=False)  # fits other's probes
     run = tmp_path / "copy"
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution", "probes"))
     shutil.copytree(other / "probes", run / "probes")
     with pytest.raises(ValueError, match="another run"):
-        attribute(run, [Site(1, 3)], ["is_majority_<0>"], progress=False)
+        attribute(run, AttributionSpec([Site(1, 3)], ["is_majority_<0>"]), progress=False)
 
 
 def test_replay_needs_initial_weights(finished_run, tmp_path):
     import shutil
 
     from ntpflow.replay.attribution import attribute
+    from ntpflow.replay.spec import AttributionSpec
 
     run = tmp_path / "noinit"
     shutil.copytree(finished_run, run, ignore=shutil.ignore_patterns("attribution", "init.*"))
     with pytest.raises(FileNotFoundError, match="init"):
-        attribute(run, [Site(1, 3)], None, progress=False)
+        attribute(run, AttributionSpec([Site(1, 3)], None), progress=False)
 
 
 def test_replay_resumes_after_kill(finished_run, tmp_path):
     import pyarrow.parquet as pq
 
     from ntpflow.replay.attribution import attribute
+    from ntpflow.replay.spec import AttributionSpec
 
-    ref = attribute(finished_run, [Site(1, 3)], ["is_majority_<1>"], out_dir=tmp_path / "ref", progress=False)
+    ref = attribute(finished_run, AttributionSpec([Site(1, 3)], ["is_majority_<1>"]),
+                    out_dir=tmp_path / "ref", progress=False)
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "ntpflow", "-q", "attribute", str(finished_run), "--sites", "1:3",
            "--features", "is_majority_<1>", "--out", str(out)]

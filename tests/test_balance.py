@@ -16,6 +16,7 @@ from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
 from ntpflow.replay.attribution import attribute
 from ntpflow.replay.balance import audit_balance, directional_terms, probe_projections
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.replay.tracked import make_probes
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import make_datasets
@@ -63,11 +64,11 @@ def test_audit_agrees_with_attribution_and_the_weights(finished_run, tmp_path):
     out = audit_balance(finished_run, SITES, [FEATURE], out_dir=tmp_path / "b", n_held_out=TINY["n_eval"],
                         progress=False)
     audit = json.loads((out / "summary.json").read_text())
-    att = attribute(finished_run, SITES, [FEATURE], out_dir=tmp_path / "a", progress=False, sgd_rows=False,
-                    reading="paper")
+    att = attribute(finished_run, AttributionSpec(SITES, [FEATURE], sgd_rows=False, reading="paper"),
+                    out_dir=tmp_path / "a", progress=False)
     tracked = {(p["layer"], p["pos"], p["mismatch"]): p for p in json.loads((att / "summary.json").read_text())["probes"]}
-    mid = attribute(finished_run, SITES, [FEATURE], out_dir=tmp_path / "m", progress=False, sgd_rows=False,
-                    reading="midpoint")
+    mid = attribute(finished_run, AttributionSpec(SITES, [FEATURE], sgd_rows=False, reading="midpoint"),
+                    out_dir=tmp_path / "m", progress=False)
     at_mid = {(p["layer"], p["pos"], p["mismatch"]): p for p in json.loads((mid / "summary.json").read_text())["probes"]}
     # the held-out mismatch of the initial and final weights, computed here from the run's files
     run = Run.open(finished_run)

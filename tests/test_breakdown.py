@@ -11,6 +11,7 @@ from ntpflow import Site, TrainConfig
 from ntpflow.cli import main
 from ntpflow.replay.attribution import attribute
 from ntpflow.replay.breakdown import breakdown, parse_steps
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.training import train
 
 TINY = dict(task="majority", n_layer=2, d_model=32, n_head=2, steps=12, batch_size=32, n_train=256, n_eval=128,
@@ -22,7 +23,7 @@ SITE, FEATURE = Site(1, 3), "is_majority_<0>"
 def attributed(request, tmp_path_factory):
     run = tmp_path_factory.mktemp("bd") / "run"
     train(TrainConfig(**TINY, **request.param), run, progress=False)
-    att = attribute(run, [SITE], [FEATURE], device="cpu", progress=False, readout=64)
+    att = attribute(run, AttributionSpec([SITE], [FEATURE], readout=64), device="cpu", progress=False)
     return run, pq.read_table(att / "influence.parquet").to_pylist()
 
 
@@ -71,7 +72,7 @@ def test_a_plain_sgd_run_is_broken_down_in_its_one_reading(tmp_path):
     account's rows and the full its exact change."""
     run = tmp_path / "run"
     train(TrainConfig(**{**TINY, "steps": 6, "ckpt_every": 3}, optimizer="sgd", lr=0.5), run, progress=False)
-    rows = pq.read_table(attribute(run, [SITE], [FEATURE], device="cpu", progress=False, readout=64)
+    rows = pq.read_table(attribute(run, AttributionSpec([SITE], [FEATURE], readout=64), device="cpu", progress=False)
                          / "influence.parquet").to_pylist()
     summary = json.loads((breakdown(run, [4], [SITE], [FEATURE], readout=64, out_dir=tmp_path / "bd")
                           / "summary.json").read_text())

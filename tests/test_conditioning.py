@@ -13,6 +13,7 @@ import torch
 from ntpflow import Site, TrainConfig
 from ntpflow.replay.attribution import attribute
 from ntpflow.replay.conditioning import condition, kappa, step_kappas
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.run import Run
 from ntpflow.runs.training import train
 
@@ -86,7 +87,8 @@ def test_a_momentum_run_attributes_with_both_readings_that_add_up(momentum_run, 
     (totals and steps), signs_agree compares the two."""
     run = tmp_path / "run"
     shutil.copytree(momentum_run, run)
-    out = attribute(run, [Site(1, 3), Site(1, 12)], ["is_majority_<0>"], device="cpu", progress=False, readout=64)
+    out = attribute(run, AttributionSpec([Site(1, 3), Site(1, 12)], ["is_majority_<0>"], readout=64),
+                    device="cpu", progress=False)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["own_rows"] == "momentum"
     rows = pq.read_table(out / "influence.parquet").to_pylist()

@@ -14,6 +14,7 @@ from ntpflow.cli import main
 from ntpflow.engine.decomposition import decompose, flat_grads
 from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe, gauss_legendre, mismatch_value
 from ntpflow.replay.attribution import attribute
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.run import Run
 
 T, V, D = 8, 7, 16
@@ -296,8 +297,8 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     with caplog.at_level("INFO"):
-        out = attribute(run, [Site(1, 3), Site(1, 7)], ["is_majority_<0>"], device="cpu", progress=False,
-                        readout=64, block=5)
+        out = attribute(run, AttributionSpec([Site(1, 3), Site(1, 7)], ["is_majority_<0>"], readout=64, block=5),
+                        device="cpu", progress=False)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["readout"] == 64 and 0 <= summary["refined_steps"] <= 12
     assert json.loads((out / "spec.json").read_text())["readout"] == 64
@@ -328,8 +329,8 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
     for f in (out / "state").glob("step_000012.*"):
         f.unlink()
     with caplog.at_level("INFO"):
-        attribute(run, [Site(1, 3), Site(1, 7)], ["is_majority_<0>"], device="cpu", progress=False, readout=64,
-                  block=5)
+        attribute(run, AttributionSpec([Site(1, 3), Site(1, 7)], ["is_majority_<0>"], readout=64, block=5),
+                  device="cpu", progress=False)
     assert any("from step 10" in m for m in caplog.messages)
     again = json.loads((out / "summary.json").read_text())
     assert again["refined_steps"] == summary["refined_steps"]
@@ -340,7 +341,7 @@ def test_attribute_with_readout_reports_residuals(finished_run, tmp_path, caplog
             assert f[k] == pytest.approx(e[k], rel=1e-12, abs=1e-15), k
     # the same folder without --readout: a one-line refusal naming it
     with pytest.raises(ValueError, match="exact account on a readout of 64"):
-        attribute(run, [Site(1, 3), Site(1, 7)], ["is_majority_<0>"], device="cpu", progress=False)
+        attribute(run, AttributionSpec([Site(1, 3), Site(1, 7)], ["is_majority_<0>"]), device="cpu", progress=False)
     assert Run.open(run).done
 
 

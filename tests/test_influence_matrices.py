@@ -16,6 +16,7 @@ from ntpflow.files import load_tensors
 from ntpflow.replay.attribution import attribute
 from ntpflow.replay.discover import discover, generalized_eig
 from ntpflow.replay.matrices import direction_influence, load_matrices
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
 
@@ -175,7 +176,7 @@ def test_attribute_matrices_file_resume_and_discover(finished_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     sites = [Site(1, 3), Site(1, 7)]
-    out = attribute(run, sites, None, device="cpu", progress=False, readout=64, block=5, matrices=True)
+    out = attribute(run, AttributionSpec(sites, None, readout=64, block=5, matrices=True), device="cpu", progress=False)
     first = load_tensors(out / "matrices.safetensors")
     summary = json.loads((out / "summary.json").read_text())
     probes = load_or_probe(Run.open(run), "final")
@@ -192,7 +193,7 @@ def test_attribute_matrices_file_resume_and_discover(finished_run, tmp_path):
         (out / f).unlink(missing_ok=True)
     for f in (out / "state").glob("step_000012.*"):
         f.unlink()
-    attribute(run, sites, None, device="cpu", progress=False, readout=64, block=5, matrices=True)
+    attribute(run, AttributionSpec(sites, None, readout=64, block=5, matrices=True), device="cpu", progress=False)
     again = load_tensors(out / "matrices.safetensors")
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
     # discover
@@ -237,7 +238,8 @@ def test_bad_input_is_a_one_line_error_and_writes_nothing(finished_run, tmp_path
     assert not (run / "attribution").exists()
     fails(["discover", str(run), "--site", "1:3", "--out", str(tmp_path / "d")], "no influence matrices")
     assert not (tmp_path / "d").exists()
-    attribute(run, [Site(1, 3)], ["is_majority_<0>"], device="cpu", progress=False, readout=8, matrices=True)
+    attribute(run, AttributionSpec([Site(1, 3)], ["is_majority_<0>"], readout=8, matrices=True),
+              device="cpu", progress=False)
     fails(["discover", str(run), "--site", "1:5", "--out", str(tmp_path / "d")], "1:3")
     fails(["discover", str(run), "--site", "1:3", "--features", "sq_*", "--out", str(tmp_path / "d")], "matches sq_*")
     assert not (tmp_path / "d").exists()
@@ -267,7 +269,7 @@ def test_small_active_subspace_marks_p_values_and_shares_not_informative(finishe
     a component that moved nothing at the site (all λ = 0) is n.i. too."""
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
-    attribute(run, [Site(1, 3)], None, device="cpu", progress=False, readout=8, matrices=True)
+    attribute(run, AttributionSpec([Site(1, 3)], None, readout=8, matrices=True), device="cpu", progress=False)
     assert main(["discover", str(run), "--site", "1:3", "--top", "8", "--null", "200", "--out",
                  str(tmp_path / "d8")]) == 0
     printed = capsys.readouterr().out

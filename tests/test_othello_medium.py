@@ -13,6 +13,7 @@ import torch
 from ntpflow.files import SimulatedKill, load_tensors
 from ntpflow.model.sites import Site
 from ntpflow.replay.attribution import attribute
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.group import check_group
 from ntpflow.runs.run import Run
@@ -121,9 +122,10 @@ def test_replays_of_a_scheduled_token_only_run(scheduled_run, tmp_path):
     readout set."""
     cfg, out = scheduled_run
     sites, squares = [Site(1, 20)], ["sq_C3", "sq_D4"]
-    plain = attribute(out, sites, squares, out_dir=tmp_path / "plain", progress=False, sgd_rows=False,
-                      reading="paper")
-    exact = attribute(out, sites, squares, out_dir=tmp_path / "exact", progress=False, sgd_rows=False, readout=16)
+    plain = attribute(out, AttributionSpec(sites, squares, sgd_rows=False, reading="paper"),
+                      out_dir=tmp_path / "plain", progress=False)
+    exact = attribute(out, AttributionSpec(sites, squares, sgd_rows=False, readout=16),
+                      out_dir=tmp_path / "exact", progress=False)
     for folder in (plain, exact):
         table = pq.read_table(folder / "influence.parquet").to_pandas()
         assert {1, 2} <= set(table["feature_type"].unique())
@@ -141,7 +143,8 @@ def test_token_only_set_without_annotate_needs_the_exact_account(scheduled_run, 
     _, out = scheduled_run
     monkeypatch.delattr(Othello, "annotate")
     with pytest.raises(ValueError, match="per-type rows need the exact account's readout"):
-        attribute(out, [Site(1, 20)], ["sq_C3"], out_dir=tmp_path / "a", progress=False, reading="paper")
+        attribute(out, AttributionSpec([Site(1, 20)], ["sq_C3"], reading="paper"),
+                  out_dir=tmp_path / "a", progress=False)
 
 
 # ---------------------------------------------------------------------------------------------- the fragility test

@@ -18,6 +18,7 @@ from ntpflow.experiments.scales import site_grid
 from ntpflow.files import read_json
 from ntpflow.model.sites import Site
 from ntpflow.replay.attribution import attribute
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.run import Run
@@ -264,12 +265,12 @@ def test_a_six_by_six_run_reloads_as_six_by_six(tmp_path):
     assert evals.features.shape == (64, 33, 36)
     probes = load_or_probe(run, "final", "cpu")
     assert tuple(probes.feature_names) == Othello(board_size=6).feature_names
-    folder = attribute(out, [Site(1, 12)], ["sq_C3", "sq_D4"], out_dir=tmp_path / "att", progress=False,
-                       sgd_rows=False, readout=16)
+    folder = attribute(out, AttributionSpec([Site(1, 12)], ["sq_C3", "sq_D4"], sgd_rows=False, readout=16),
+                       out_dir=tmp_path / "att", progress=False)
     assert (folder / "influence.parquet").exists()
     with pytest.raises(ValueError):  # a square of the 8×8 ring is no feature of a 6×6 task
-        attribute(out, [Site(1, 12)], ["sq_A1"], out_dir=tmp_path / "att2", progress=False, sgd_rows=False,
-                  readout=16)
+        attribute(out, AttributionSpec([Site(1, 12)], ["sq_A1"], sgd_rows=False, readout=16),
+                  out_dir=tmp_path / "att2", progress=False)
 
 
 def naive_after(tokens: np.ndarray, t: int):

@@ -18,11 +18,12 @@ def test_influence_rows_are_self_describing_and_attribute_summarises(tmp_path, c
     import pyarrow.parquet as pq
 
     from ntpflow.replay.attribution import attribute
+    from ntpflow.replay.spec import AttributionSpec
 
     train(TrainConfig(**TINY), tmp_path / "run", progress=False)
     with caplog.at_level(logging.INFO, logger="ntpflow.replay"):
-        out = attribute(tmp_path / "run", [Site(1, 3), Site(0, 5)], ["is_majority_<0>"], out_dir=tmp_path / "a",
-                        progress=False, reading="paper")
+        spec = AttributionSpec([Site(1, 3), Site(0, 5)], ["is_majority_<0>"], reading="paper")
+        out = attribute(tmp_path / "run", spec, out_dir=tmp_path / "a", progress=False)
     table = pq.read_table(out / "influence.parquet")
     assert {"task", "regime", "seed"} <= set(table.column_names)
     rows = table.select(["task", "regime", "seed"]).to_pylist()

@@ -124,16 +124,17 @@ def test_attribution_resume_point_is_atomic(ref_run, tmp_path, monkeypatch):
     old): the third run resumes from the first point and its influences equal an uninterrupted attribution."""
     from ntpflow.replay.attribution import attribute
     from ntpflow.replay.member import resume_points
+    from ntpflow.replay.spec import AttributionSpec
 
-    args = ([Site(1, 3)], ["is_majority_<0>"])
-    ref = attribute(ref_run.dir, *args, out_dir=tmp_path / "ref", block=3, progress=False)
+    spec = AttributionSpec([Site(1, 3)], ["is_majority_<0>"], block=3)
+    ref = attribute(ref_run.dir, spec, out_dir=tmp_path / "ref", progress=False)
     out = tmp_path / "killed"
     monkeypatch.setenv("NTPFLOW_FAULT", "attribute:after_checkpoint")
     with pytest.raises(SimulatedKill):
-        attribute(ref_run.dir, *args, out_dir=out, block=3, progress=False)
+        attribute(ref_run.dir, spec, out_dir=out, progress=False)
     monkeypatch.setenv("NTPFLOW_FAULT", "save_tensors:before_sidecar")
     with pytest.raises(SimulatedKill):
-        attribute(ref_run.dir, *args, out_dir=out, block=3, progress=False)
+        attribute(ref_run.dir, spec, out_dir=out, progress=False)
     states = out / "state"
 
     def torn() -> list[str]:  # tensors without their sidecar: a write cut short
@@ -142,7 +143,7 @@ def test_attribution_resume_point_is_atomic(ref_run, tmp_path, monkeypatch):
     assert resume_points(out).steps() == [3]  # the torn write never became a resume point
     assert torn() == ["step_000006.safetensors"]
     monkeypatch.delenv("NTPFLOW_FAULT")
-    attribute(ref_run.dir, *args, out_dir=out, block=3, progress=False)
+    attribute(ref_run.dir, spec, out_dir=out, progress=False)
     assert not torn()
     key = ["step", "layer", "pos", "feature", "feature_type", "mismatch", "component", "optimizer"]
     a = pq.read_table(ref / "influence.parquet").to_pylist()

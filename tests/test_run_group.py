@@ -17,6 +17,7 @@ from ntpflow.model.loss import lm_loss
 from ntpflow.model.sites import Site
 from ntpflow.model.stack import RunStack
 from ntpflow.replay.attribution import attribute, attribute_group
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.config import REGIMES, TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets
 from ntpflow.runs.group import GroupData, group_step, stack_runs, train_group
@@ -157,12 +158,13 @@ def test_replay_of_a_member_is_bit_identical_and_resumes(group, monkeypatch):
     monkeypatch.setattr(replay.InfluenceTracker, "track", dying_track)
     sites, features = [Site(1, 5)], ["is_majority_<0>"]
     with pytest.raises(KeyboardInterrupt):
-        attribute(run.dir, sites, features, device="cpu", progress=False)
+        attribute(run.dir, AttributionSpec(sites, features), device="cpu", progress=False)
     monkeypatch.setattr(replay.InfluenceTracker, "track", real_track)
-    out = attribute(run.dir, sites, features, device="cpu", progress=False)  # raises if not bit-identical
+    out = attribute(run.dir, AttributionSpec(sites, features),
+                    device="cpu", progress=False)  # raises if not bit-identical
     assert (out / "influence.parquet").exists()
     # a block size off the checkpoint grid: the group is rebuilt from its step-4 checkpoint and stepped to 6
-    attribute(run.dir, sites, features, out_dir=root / "attr3", block=3, device="cpu", progress=False)
+    attribute(run.dir, AttributionSpec(sites, features, block=3), out_dir=root / "attr3", device="cpu", progress=False)
 
 
 def tree(folder: Path) -> dict[str, bytes]:
@@ -200,15 +202,16 @@ def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(gr
     _, cfgs, runs = group
     dirs = [run.dir for run in runs]
     sites, features = [Site(1, 5), Site(2, 3)], ["is_majority_<0>"]
-    opts = dict(device="cpu", progress=False, block=3, run_axis=False)  # resume points 3, 6, 9, 12: off the
+    opts = dict(device="cpu", progress=False, run_axis=False)  # resume points 3, 6, 9, 12 (block 3): off the
     # checkpoint grid (4, 8)
-    alone = [attribute(d, sites, features, out_dir=tmp_path / f"alone{r}", device="cpu", progress=False, block=3)
+    spec = AttributionSpec(sites, features, block=3)
+    alone = [attribute(d, spec, out_dir=tmp_path / f"alone{r}", device="cpu", progress=False)
              for r, d in enumerate(dirs)]
     want = [tree(o) for o in alone]
     assert "influence.parquet" in want[0] and "state/step_000012.safetensors" in want[1]
 
     def killed(outs, expect):
-        killed_group_replay(monkeypatch, (dirs, sites, features), outs, opts, expect)
+        killed_group_replay(monkeypatch, (dirs, spec), outs, opts, expect)
 
     mixed = [tmp_path / "mixed0", tmp_path / "mixed1"]
     killed(mixed, [[3], []])  # member 1 resumes from step 0; member 0 joins the group at its step 3
@@ -216,10 +219,10 @@ def test_group_replay_writes_each_members_attribution_bit_for_bit_and_resumes(gr
     killed(both, [[3], []])
     killed(both, [[3], [3]])  # the group is rebuilt from its training checkpoints and stepped to 3
     for outs in ([tmp_path / "fresh0", tmp_path / "fresh1"], mixed, both):
-        assert attribute_group(dirs, sites, features, out_dirs=outs, **opts) == outs  # raises unless θ_T is exact
+        assert attribute_group(dirs, spec, out_dirs=outs, **opts) == outs  # raises unless θ_T is exact
         assert [tree(o) for o in outs] == want  # exact: same ops in one process
     finished = tree(alone[0])
-    attribute_group(dirs, sites, features, out_dirs=[alone[0], tmp_path / "only1"], **opts)  # member 0 skipped
+    attribute_group(dirs, spec, out_dirs=[alone[0], tmp_path / "only1"], **opts)  # member 0 skipped
     assert tree(alone[0]) == finished and tree(tmp_path / "only1") == want[1]  # exact: same ops in one process
 
 
@@ -238,11 +241,11 @@ def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(grou
     _, cfgs, runs = group
     dirs = [run.dir for run in runs]
     sites, features = [Site(1, 5), Site(2, 3)], ["is_majority_<0>"]
-    opts = dict(device="cpu", progress=False, block=3)
-    fresh = attribute_group(dirs, sites, features, out_dirs=[tmp_path / "fresh0", tmp_path / "fresh1"], **opts)
+    spec, opts = AttributionSpec(sites, features, block=3), dict(device="cpu", progress=False)
+    fresh = attribute_group(dirs, spec, out_dirs=[tmp_path / "fresh0", tmp_path / "fresh1"], **opts)
     eps = torch.finfo(torch.float32).eps
     for r, (d, out) in enumerate(zip(dirs, fresh)):
-        alone = attribute(d, sites, features, out_dir=tmp_path / f"alone{r}", **opts)
+        alone = attribute(d, spec, out_dir=tmp_path / f"alone{r}", **opts)
         assert json.loads((out / "spec.json").read_text()) == {
             **json.loads((alone / "spec.json").read_text()), "run_axis": True}
         want, got = parquet_rows(alone), parquet_rows(out)
@@ -254,7 +257,7 @@ def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(grou
     want = [tree(o) for o in fresh]
 
     def killed(outs, expect):
-        killed_group_replay(monkeypatch, (dirs, sites, features), outs, opts, expect)
+        killed_group_replay(monkeypatch, (dirs, spec), outs, opts, expect)
 
     mixed = [tmp_path / "mixed0", tmp_path / "mixed1"]
     killed(mixed, [[3], []])  # member 0 goes back to step 0, where member 1 resumes
@@ -272,18 +275,18 @@ def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(grou
     both = [tmp_path / "both0", tmp_path / "both1"]
     monkeypatch.setattr(replay, "save_resume_point", dying_save)
     with pytest.raises(KeyboardInterrupt):
-        attribute_group(dirs, sites, features, out_dirs=both, **opts)
+        attribute_group(dirs, spec, out_dirs=both, **opts)
     monkeypatch.setattr(replay, "save_resume_point", real)
     assert [resume_points(o) for o in both] == [[3], [3]]  # both resume from step 3: the group is rebuilt from its
     # training checkpoints and stepped to 3
     for outs in (mixed, both):
-        assert attribute_group(dirs, sites, features, out_dirs=outs, **opts) == outs  # raises unless θ_T is exact
+        assert attribute_group(dirs, spec, out_dirs=outs, **opts) == outs  # raises unless θ_T is exact
         assert [tree(o) for o in outs] == want  # exact: same ops in one process
     unfinished = [tmp_path / "k0", tmp_path / "k1"]
     killed(unfinished, [[3], []])
     with pytest.raises(ValueError, match="tracked over its group's run axis"):  # resumed the other way: refused
-        attribute(dirs[0], sites, features, out_dir=unfinished[0], **opts)
-    assert attribute(dirs[0], sites, features, out_dir=fresh[0], **opts) == fresh[0]  # finished: skipped either way
+        attribute(dirs[0], spec, out_dir=unfinished[0], **opts)
+    assert attribute(dirs[0], spec, out_dir=fresh[0], **opts) == fresh[0]  # finished: skipped either way
     assert tree(fresh[0]) == want[0]
 
 

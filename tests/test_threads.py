@@ -9,6 +9,7 @@ import torch
 from ntpflow.files import SimulatedKill, load_tensors
 from ntpflow.model.sites import Site
 from ntpflow.replay.attribution import attribute
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.threads import continue_threads, follow_threads, kept_threads
 from ntpflow.runs.training import train
@@ -85,6 +86,6 @@ def test_a_run_extended_with_another_thread_count_replays_bit_for_bit(tmp_path, 
     record = json.loads((tmp_path / "run" / "threads.json").read_text())
     assert record == {"device": "cpu", "segments": [[0, 2], [8, 1]]}
     torch.set_num_threads(3)
-    attribute(tmp_path / "run", [Site(1, 3)], ["is_majority_<0>"], out_dir=tmp_path / "a", progress=False,
-              sgd_rows=False)  # raises if the replay's weights differ from the run's in any bit
+    attribute(tmp_path / "run", AttributionSpec([Site(1, 3)], ["is_majority_<0>"], sgd_rows=False),
+              out_dir=tmp_path / "a", progress=False)  # raises if the replay's weights differ from the run's in any bit
     assert torch.get_num_threads() == 3

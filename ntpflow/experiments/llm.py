@@ -50,6 +50,7 @@ from ntpflow.llm.sae import encoder_matrix
 from ntpflow.llm.stages import LLMDir, fit_sae, make_contexts, save_sae_stage, save_scan, scan
 from ntpflow.llm.steering import pick_extremes, steer_latents
 from ntpflow.replay.attribution import attribute
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
 from ntpflow.runs.threads import kept_threads
@@ -271,8 +272,8 @@ def _stage_qvi(s: _Session, progress: bool) -> None:
         torch.set_num_threads(1)  # the toy model's ops are tiny: extra threads only add synchronisation on busy cores
         run = train(cfg, out / "toy_run", progress=False)
         load_or_probe(run, "final", "cpu")
-        attribute(run.dir, toy_sites(ty["layers"], ty["positions"]), list(ty["features"]),
-                  device="cpu", progress=False, sgd_rows=False, readout=min(256, cfg.n_eval))
+        attribute(run.dir, AttributionSpec(toy_sites(ty["layers"], ty["positions"]), list(ty["features"]),
+                                           sgd_rows=False, readout=min(256, cfg.n_eval)), device="cpu", progress=False)
         res = q_vs_influence(run.dir, n_sequences=ty["n_sequences"], device="cpu")
     res["train"] = cfg.to_dict()
     res["eval"] = {k: v for k, v in run.final_record().items() if k != "step"}

@@ -49,6 +49,7 @@ from ntpflow.files import InFolder, ensure_writable_dir, read_json, resolve_devi
 from ntpflow.model.sites import Site
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute, influence_read_at
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.account import AccountSpec, account_for
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
@@ -292,8 +293,8 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                               **scale.fragility)
         with timer.stage("attribution", run.attribution().done or not replays):
             if replays:  # read from the run's account where it was trained with one, else replayed
-                attribute(run.dir, list(scale.sites), list(scale.squares), device=device, progress=progress,
-                          reading=reading, readout=readout)
+                attribute(run.dir, AttributionSpec(scale.sites, scale.squares, reading=reading, readout=readout),
+                          device=device, progress=progress)
         write_json(layout.data, gather(scale, layout.dir))
         write_report(layout.dir)
     return layout.dir

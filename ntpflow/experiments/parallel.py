@@ -14,6 +14,7 @@ from ntpflow.files import resolve_device
 from ntpflow.model.sites import Site
 from ntpflow.progress import on_terminal, progress_of
 from ntpflow.replay.attribution import attribute
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.account import account_for
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
@@ -80,7 +81,8 @@ def one_run(cfg_dict: dict, run_dir: str, sites: list[tuple[int, int]], features
         load_or_probe(run, "final", device)
         load_or_probe(run, "init", device)
         if sites:
-            attribute(run.dir, tracked, features, device=device, progress=stages, reading=reading, readout=readout)
+            attribute(run.dir, AttributionSpec(tracked, features, reading=reading, readout=readout), device=device,
+                      progress=stages)
     return {"run_dir": run_dir}
 
 

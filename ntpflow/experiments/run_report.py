@@ -11,6 +11,7 @@ influence curves (the same two groups), a table of every row's split (the answer
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +20,11 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from ntpflow.files import read_json
+from ntpflow.model.sites import Site
 from ntpflow.replay.answer import LABELS, MISMATCH_LABELS, answer_lines, shares
 from ntpflow.replay.attribution import attribute as replay_attribute
 from ntpflow.replay.conditioning import PARTS
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.run import AttributionDir, RunPaths
 
 GROUPS = {True: "NTP-useful", False: "NTP-useless", None: "your directions"}
@@ -236,12 +239,16 @@ def write_run_report(path: str | Path) -> Path:
     return write_documents(out, blocks, pngs, {"attribution": str(att.dir), "bars": data["bars"], "own": att.own})
 
 
-def attribute(run_dir: str | Path, sites, features=None, *, out: str | Path | None = None, **options) -> Attribution:
-    """``ntpflow.attribute``: replay the run at ``run_dir`` with the exact account at ``sites`` × ``features`` into
-    ``out`` (default RUN_DIR/attribution; the CLI's ``--out``) and return the results (:class:`Attribution`).
-    ``options``: those of ``ntpflow.replay.attribution.attribute`` (``readout``, ``directions``, ``matrices``, ...)."""
-    if "out_dir" in options:
+def attribute(run_dir: str | Path, spec: AttributionSpec | Sequence[Site] = (), features: Sequence[str] | None = None,
+              *, out: str | Path | None = None, device: str = "auto", progress: bool = True,
+              force_unlock: bool = False, **settings) -> Attribution:
+    """``ntpflow.attribute``: the attribution of the run at ``run_dir`` (read from its account, or replayed) as
+    ``spec`` says (an :class:`~ntpflow.replay.spec.AttributionSpec`, or its sites, features and other ``settings``
+    by name: ``readout``, ``directions``, ``matrices``, ...) into ``out`` (default RUN_DIR/attribution; the CLI's
+    ``--out``; ``out_dir`` is the same), and the results (:class:`Attribution`)."""
+    if "out_dir" in settings:
         if out is not None:
             raise ValueError("give out= (the output folder) once")
-        out = options.pop("out_dir")
-    return Attribution(replay_attribute(run_dir, sites, features, out_dir=out, **options))
+        out = settings.pop("out_dir")
+    return Attribution(replay_attribute(run_dir, AttributionSpec.of(spec, features, **settings), out_dir=out,
+                                        device=device, progress=progress, force_unlock=force_unlock))

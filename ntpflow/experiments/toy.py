@@ -24,6 +24,7 @@ from ntpflow.files import ensure_writable_dir, read_json, write_json
 from ntpflow.model.sites import Site, feature_name
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute_group, influence_read_at
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.config import REGIMES, TrainConfig
 from ntpflow.runs.group import train_group
 from ntpflow.runs.probe import load_or_probe
@@ -139,8 +140,9 @@ def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: l
     on ``threads`` torch threads (the caller's count is restored); stage lines when ``stages``."""
     with on_threads(threads):
         n_eval = min(Run.open(d).cfg.n_eval for d in run_dirs)  # the committed results' readout: 256
-        attribute_group(run_dirs, [Site(*s) for s in sites], features, device=device, progress=stages,
-                        reading=reading, readout=min(256, n_eval) if reading == "exact" else None)
+        attribute_group(run_dirs, AttributionSpec([Site(*s) for s in sites], features, reading=reading,
+                                        readout=min(256, n_eval) if reading == "exact" else None),
+                        device=device, progress=stages)
     return {"run_dirs": run_dirs}
 
 

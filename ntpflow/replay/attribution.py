@@ -43,9 +43,10 @@ from ntpflow.progress import progress_of
 from ntpflow.replay.directions import direction_probes, direction_records
 from ntpflow.replay.from_account import account_rows, rule_text, save_account_matrices
 from ntpflow.replay.member import MemberReplay, replay_member, write_part
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.replay.summary import write_summary
 from ntpflow.replay.tracked import check_features, make_probes, run_sites
-from ntpflow.runs.account import DEFAULT_READOUT, KeptAccount, default_readout, read_account
+from ntpflow.runs.account import KeptAccount, read_account
 from ntpflow.runs.group import GroupReplay, member_indices
 from ntpflow.runs.run import AttributionDir, Run
 from ntpflow.runs.threads import follow_threads
@@ -53,45 +54,35 @@ from ntpflow.runs.threads import follow_threads
 log = logging.getLogger(__name__)
 
 
-def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str] | None = None, *,
-              out_dir: str | Path | None = None, device: str = "auto", block: int | None = None,
-              progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-              reading: str = "exact", readout: int | None = None, directions: dict | None = None,
-              matrices: bool = False, replay: bool = False) -> Path:
-    """Replay the run at ``run_dir`` with influence tracking at ``sites`` × ``features``; returns the output dir.
+def attribute(run_dir: str | Path, spec: AttributionSpec, *, out_dir: str | Path | None = None, device: str = "auto",
+              progress: bool = True, force_unlock: bool = False) -> Path:
+    """Replay the run at ``run_dir`` with influence tracking as ``spec`` says (:class:`AttributionSpec`: sites ×
+    features, directions, reading, readout, ...); returns the output dir (``out_dir``, default RUN_DIR/attribution).
 
     A run trained with the account (``train --account``) is not replayed: its exact account is read from
-    ``RUN_DIR/account`` when it covers the sites (and ``readout``, if given, is its own), for any features and
-    directions (``ntpflow.replay.from_account``); ``replay=True`` replays it all the same.
+    ``RUN_DIR/account`` when it covers the sites (and the spec's readout, if given, is its own), for any features and
+    directions (``ntpflow.replay.from_account``); ``spec.replay`` replays it all the same.
 
     The replay must reproduce the run's final weights bit for bit, else it raises RuntimeError. It resumes from
-    its last saved state when interrupted. ``block`` (default: the run's ``ckpt_every``) is the number of steps
-    between saved states. ``force_unlock`` takes over a lock left by a process on another host. ``sgd_rows=False``
-    writes the Adam rows only (about 30 % less tracking work at the toy load; what the experiments read).
-    ``reading`` says what the influence splits (docs/balance.md): ``"exact"`` (the default) is the exact account:
-    R and R_c read on a fixed readout set, the first ``readout`` evaluation sequences (default the run's batch size,
-    at most 256 and n_eval), each step's exact change of them measured, and each component's share of it a path
-    integral along the step (adaptive Gauss–Legendre, ``InfluenceTracker.use_readout``); summary.json gives every
-    row's residual. ``"paper"`` is the paper's reading: R on each step's batch, ∇R at the step's start θ_t;
-    ``"midpoint"`` the same batch, ∇R at the step's midpoint.
-    ``directions`` {name: (Site, tensor, array or path)}: directions of one's own, tracked as features named
-    ``name`` beside the task's (``ntpflow.replay.directions``; with empty ``sites``, instead of them).
-    ``matrices=True`` (the exact account only) also saves every site's influence matrices, from which any
-    direction's influence can be read afterwards (``ntpflow.replay.matrices.direction_influence``,
-    ``ntpflow discover``).
+    its last saved state when interrupted (every ``spec.block`` steps, default the run's ``ckpt_every``).
+    ``force_unlock`` takes over a lock left by a process on another host. ``spec.sgd_rows=False`` writes the
+    optimizer's rows only (about 30 % less tracking work at the toy load). With the exact reading summary.json gives
+    every row's residual; ``spec.matrices`` also saves every site's influence matrices, from which any direction's
+    influence can be read afterwards (``ntpflow.replay.matrices.direction_influence``, ``ntpflow discover``).
     """
     run = Run.open(run_dir)
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
-    readout_size(reading, readout, cfg.n_eval, cfg.batch_size)  # checked before the account is read
+    spec.readout_size(cfg.n_eval, cfg.batch_size)  # checked before the account is read
     dev = resolve_device(device if device != "auto" else cfg.device)
-    sites = run_sites(run, sites) if sites or not directions else []
+    sites = run_sites(run, spec.sites) if spec.sites or not spec.directions else []
     mc = run.model_config()
-    extra = direction_probes(directions or {}, mc.n_layer, run.task.seq_len, mc.d_model, run.task.feature_names)
-    kept = None if reading != "exact" or replay else read_account(run)
+    extra = direction_probes(spec.directions, mc.n_layer, run.task.seq_len, mc.d_model, run.task.feature_names)
+    features = None if spec.features is None else list(spec.features)
+    kept = None if spec.reading != "exact" or spec.replay else read_account(run)
     if kept is not None and not ({*sites, *(p.site for p in extra)} <= set(kept.sites)
-                                 and readout in (None, kept.spec["readout"])):
+                                 and spec.readout in (None, kept.spec["readout"])):
         log.info("%s's account (sites %s, readout %d) does not cover this attribution: replaying the run", run.dir,
                  ", ".join(f"{s.layer}:{s.pos}" for s in kept.sites), kept.spec["readout"])
         kept = None
@@ -102,18 +93,15 @@ def attribute(run_dir: str | Path, sites: Sequence[Site], features: Sequence[str
                  "rows of %s (train --account-types): replaying the run", run.dir, ", ".join(typed[:5])
                  + (f" and {len(typed) - 5} more" if len(typed) > 5 else ""))
         kept = None
-    readout = kept.spec["readout"] if kept is not None else readout_size(reading, readout, cfg.n_eval,
-                                                                          cfg.batch_size)
-    if matrices and readout is None:
-        raise ValueError("--matrices needs the exact account (not --paper or --midpoint)")
     if sites:
         check_features(run, features)  # before the output folder is made
     out = ensure_writable_dir(run.attribution(out_dir).dir)
     with DirLock(out, force=force_unlock):  # one writer per attribution folder
         if kept is not None:
-            return _from_account(run, kept, out, sites, features, dev, device, extra, matrices)
-        return replay_member(run, out, sites, features, dev, device, block, progress, sgd_rows, reading == "midpoint",
-                       readout, extra, matrices)
+            return _from_account(run, kept, out, sites, features, dev, device, extra, spec.matrices)
+        return replay_member(run, out, sites, features, dev, device, spec.block, progress, spec.sgd_rows,
+                             spec.reading == "midpoint", spec.readout_size(cfg.n_eval, cfg.batch_size), extra,
+                             spec.matrices)
 
 
 def _from_account(run: Run, kept: KeptAccount, out: Path, sites: list[Site], features, dev, device,
@@ -149,33 +137,10 @@ def _from_account(run: Run, kept: KeptAccount, out: Path, sites: list[Site], fea
     return out
 
 
-READINGS = ("exact", "paper", "midpoint")
-
-
-def readout_size(reading: str, readout: int | None, n_eval: int, batch_size: int = DEFAULT_READOUT) -> int | None:
-    """The readout set's size for ``reading`` (None for the paper's batch readings); ValueError (one line) for an
-    unknown reading, a size outside 2..n_eval, or a size given to a batch reading. The default is the run's batch
-    (at most DEFAULT_READOUT and n_eval, at least 2): the exact account's cost grows with readout / batch (1.34× the
-    midpoint replay at readout = batch, 2.60× at 4 × batch, BENCHMARKS.md), so the default stays near 1.3×; a larger
-    readout makes R_H a closer estimate of the mismatch over the data, not the split more exact (docs/balance.md)."""
-    if reading not in READINGS:
-        raise ValueError(f"unknown reading {reading!r}; choose one of {', '.join(READINGS)}")
-    if reading != "exact":
-        if readout is not None:
-            raise ValueError(f"--readout sets the exact account's readout set; it does not combine with --{reading}")
-        return None
-    if readout is None:
-        return default_readout(n_eval, batch_size)
-    if not 2 <= readout <= n_eval:
-        raise ValueError(f"--readout takes 2..{n_eval} (the run's evaluation sequences), got {readout}")
-    return readout
-
-
-def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], features: Sequence[str] | None = None, *,
-                    out_dirs: Sequence[str | Path | None] | None = None, device: str = "auto", block: int | None = None,
-                    progress: bool = True, force_unlock: bool = False, sgd_rows: bool = True,
-                    reading: str = "exact", readout: int | None = None, run_axis: bool = True) -> list[Path]:
-    """Replay members of one run group together, tracking each at ``sites`` × ``features``; returns the output dirs.
+def attribute_group(run_dirs: Sequence[str | Path], spec: AttributionSpec, *,
+                    out_dirs: Sequence[str | Path | None] | None = None, device: str = "auto", progress: bool = True,
+                    force_unlock: bool = False, run_axis: bool = True) -> list[Path]:
+    """Replay members of one run group together, tracking each as ``spec`` says; returns the output dirs.
 
     One pass over the steps: before each step the members are tracked, then the group takes the step once for all
     (``GroupReplay``). With ``run_axis`` (the default, for tasks without feature types) the members are tracked in
@@ -184,9 +149,10 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     point). Without it, each member's tracker runs on its own model and Adam, one after another, and each folder
     comes out bit for bit as :func:`attribute` writes it; members resume from their own last saved state. Each
     member writes to its own folder (``out_dirs``, default ``RUN_DIR/attribution``); members already finished are
-    skipped. Other arguments as in :func:`attribute` (the exact account by default, with each member's own readout
-    set).
+    skipped. The spec's sites, features, reading, readout, sgd_rows and block apply (the exact account by default,
+    with each member's own readout set); directions, matrices and replay are for :func:`attribute` (one run).
     """
+    spec.check_group()
     runs = [Run.open(d) for d in run_dirs]
     if not runs:
         raise ValueError("no run dirs to attribute")
@@ -197,8 +163,9 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     outs = list(out_dirs) if out_dirs is not None else [None] * len(runs)
     if len(outs) != len(runs):
         raise ValueError("give one output folder per run dir")
-    readout = readout_size(reading, readout, min(run.cfg.n_eval for run in runs), runs[0].cfg.batch_size)
-    sites = run_sites(runs[0], sites)
+    readout = spec.readout_size(min(run.cfg.n_eval for run in runs), runs[0].cfg.batch_size)
+    sites = run_sites(runs[0], spec.sites)
+    features = None if spec.features is None else list(spec.features)
     check_features(runs[0], features)  # before the output folders are made
     outs = [ensure_writable_dir(run.attribution(o).dir) for o, run in zip(outs, runs)]
     if len({o.resolve() for o in outs}) < len(outs):
@@ -208,8 +175,9 @@ def attribute_group(run_dirs: Sequence[str | Path], sites: Sequence[Site], featu
     with ExitStack() as locks:
         for o in outs:  # one writer per attribution folder
             locks.enter_context(DirLock(o, force=force_unlock))
-        todo = [(r, m) for r, m in zip(index, (MemberReplay(run, o, sites, features, dev, device, block, sgd_rows,
-                                                        reading == "midpoint", run_axis, readout)
+        todo = [(r, m) for r, m in zip(index, (MemberReplay(run, o, sites, features, dev, device, spec.block,
+                                                        spec.sgd_rows, spec.reading == "midpoint", run_axis,
+                                                        readout)
                                                for run, o in zip(runs, outs)))
                 if not m.done]
         if todo:

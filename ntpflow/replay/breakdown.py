@@ -39,8 +39,8 @@ from ntpflow.engine.influence import (
 )
 from ntpflow.files import DirLock, ensure_writable_dir, resolve_device, stamp, write_json
 from ntpflow.model.sites import Site
-from ntpflow.replay.attribution import readout_size
 from ntpflow.replay.conditioning import PARTS
+from ntpflow.replay.spec import AttributionSpec
 from ntpflow.replay.tracked import make_probes, run_sites
 from ntpflow.runs.data import DataOrder, to_torch
 from ntpflow.runs.run import Run
@@ -79,7 +79,7 @@ def breakdown(run_dir: str | Path, steps: Sequence[int], sites: Sequence[Site], 
         raise ValueError(f"steps must lie in 0..{cfg.steps - 1}")
     if warm < 0 or points < 1:
         raise ValueError("warm must be >= 0 and points >= 1")
-    n_read = readout_size("exact", readout, cfg.n_eval, cfg.batch_size)
+    n_read = AttributionSpec(readout=readout).readout_size(cfg.n_eval, cfg.batch_size)
     assert n_read is not None  # the exact reading has a readout set (None is for the batch readings)
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, sites)
