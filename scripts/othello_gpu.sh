@@ -19,7 +19,9 @@
 # unrefined, about 28 min at the 21 TFLOP/s measured for the training: more than one lent GPU's 15 minutes (the
 # paper's 84 sites: 32.8 plain steps, 2.9e17 FLOPs, about 4 h). The call resumes from the training's last checkpoint
 # (every ckpt_every steps, the account's running chunk saved with it), so cut calls lose at most one block. A run
-# first trained with --no-replays has no account: a later call without it replays that run instead.
+# first trained with --no-replays has no account: a later call without it replays that run instead. On a machine with
+# several GPUs the vanilla run with the account trains as one worker per GPU (ntpflow train --workers: NCCL, each
+# worker on its share of the batch and of the readout), the myopic run after it.
 #
 # --six runs scale medium-6x6 instead (4 layers, d 128, a 6x6 board: NOT the paper's setting), its vanilla and myopic
 # runs, the fragility test and the vanilla run's account at its 4 sites, into results/othello-medium-6x6-gpu and

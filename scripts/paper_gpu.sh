@@ -3,7 +3,8 @@
 # 4 heads, batch 256, lr 1e-3), each (task, regime) trained as one run group of 10 seeds; the 20 vanilla runs
 # replayed with influence tracking at layers 1-2 x positions 2-19; probes of the final and the step-0 weights; the
 # report. Work files go to results/toy-paper (resumable: rerun to continue); the report is copied to
-# docs/results/toy-paper/. Meant for a GPU; see docs/run-groups.md for the time it needs.
+# docs/results/toy-paper/. Meant for a GPU; see docs/run-groups.md for the time it needs. On a machine with several
+# GPUs the run groups (and then their replays) take the GPUs in turn, one job per GPU at a time.
 #
 #   scripts/paper_gpu.sh [WORK_DIR]            the paper scale on the default device (CUDA when available)
 #   scripts/paper_gpu.sh --smoke [WORK_DIR]    the same code path at smoke size on the CPU (minutes); no copy to docs/

@@ -394,3 +394,29 @@ def test_type_subsets_equal_the_replays():
                r["optimizer"])
         scale = abs(want[(*key[:6], "risk", "none")])
         assert r["value"] == pytest.approx(want[key], rel=1e-9, abs=1e-12 * scale), key
+
+
+def test_train_with_workers_rebuilds_the_config_and_writes_the_run(accounted, tmp_path):
+    """``train_with_workers`` (what reproduce uses on several GPUs) starts ``ntpflow train --workers``: the workers
+    rebuild the caller's config from its overrides (the same hash) and write the run that ``--workers 2`` writes."""
+    from ntpflow.experiments.parallel import train_with_workers
+    from ntpflow.model.sites import parse_sites
+    from ntpflow.runs.account import AccountSpec
+    from ntpflow.runs.config import config_from
+
+    one = Run.open(accounted)
+    run = train_with_workers(one.cfg, tmp_path / "two", AccountSpec(tuple(parse_sites("1:4,1:14")), chunks=5), 2)
+    assert run.cfg.hash() == one.cfg.hash() and config_from(one.cfg.overrides()) == one.cfg
+    assert [p.name for p in run.account.chunk_files()] == [p.name for p in one.account.chunk_files()]
+    for k, v in one.weights("final").items():
+        torch.testing.assert_close(run.weights("final")[k], v, rtol=0, atol=one.cfg.lr)
+    with pytest.raises(ValueError, match="keeps the SGD-direction rows"):
+        AccountSpec(tuple(parse_sites("1:4")), sgd_rows=False).cli_args()
+
+
+def test_jobs_take_the_gpus_in_turn():
+    from ntpflow.experiments.parallel import job_devices
+
+    assert job_devices("cuda", 5, gpus=2) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert job_devices("cpu", 3) == ["cpu"] * 3
+    assert job_devices("cuda:1", 2, gpus=1) == ["cuda:1"] * 2

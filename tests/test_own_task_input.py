@@ -178,6 +178,19 @@ def test_a_task_parameter_is_set_with_set_and_reaches_the_task(own, tmp_path, ca
     assert main(train_args("owntasks:Items", tmp_path / "z", "n_items=3")) == 0
 
 
+
+def test_a_config_is_rebuilt_from_its_overrides(own):
+    """``TrainConfig.overrides()`` (what the account's workers are started with) rebuilds the config exactly: a
+    task parameter of one's own, a string, the optimizer, the schedule, a None among them."""
+    from ntpflow.runs.config import config_from
+
+    for cfg in (TrainConfig(task="owntasks:Parity", task_args={"n_bits": 4}, lr=3e-4, seed=3),
+                TrainConfig(task="stories", corpus="some/folder", optimizer="sgd", momentum=0.9, lr=0.03),
+                TrainConfig(task="othello", board_size=6, warmup=200, decay="cosine", final_lr_frac=0.1, n_layer=4),
+                TrainConfig(task="majority", regime="myopic-untied", data_seed=None, device="cpu")):
+        assert config_from(cfg.overrides()) == cfg and config_from(cfg.overrides()).hash() == cfg.hash()
+
+
 def test_split_at_defaults_to_the_tasks_first_output_and_errors_name_it(own, tmp_path, capsys):
     assert TrainConfig(task="majority").split_at == 10  # the built-in tasks keep their split
     assert TrainConfig(task="othello", regime="untied").split_at == 10

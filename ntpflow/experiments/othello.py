@@ -43,7 +43,7 @@ import pyarrow.parquet as pq
 from ntpflow.experiments.othello_fragility import FRAGILITY_JSON, run_fragility
 from ntpflow.experiments.othello_probes import ClassifierProbes, load_or_classify
 from ntpflow.experiments.othello_report import write_report
-from ntpflow.experiments.parallel import on_threads, run_jobs
+from ntpflow.experiments.parallel import gpu_count, on_threads, run_jobs, train_with_workers
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.files import InFolder, ensure_writable_dir, read_json, resolve_device, write_json
 from ntpflow.model.sites import Site
@@ -249,7 +249,9 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     call with replays adds it. The myopic run and the fragility test (stage 4) run in either case. A first report is
     written as soon as the vanilla run is trained and probed (claim (i) and the gates), before the myopic run.
     ``workers`` ≥ 2 trains the vanilla and the myopic run side by side in worker processes (default: 2 on a CPU
-    with 2 cores or more, 1 on a GPU, where the runs take turns); the first report then waits for both.
+    with 2 cores or more, 1 on a GPU, where the runs take turns); the first report then waits for both. On a machine
+    with several GPUs (device auto or cuda) the vanilla run with the account trains as one worker per GPU
+    (``train --workers``, NCCL), each on its share of the batch and the readout.
     """
     scale = resolve_scale(scale, SCALES, OthelloScale)
     layout = OthelloOut(ensure_writable_dir(out))
@@ -261,6 +263,7 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     accounts = {"vanilla": None if kept is None else replace(kept, chunks=scale.account_chunks,
                                                                  types=tuple(scale.squares)), "myopic": None}
     pending = [(name, c, run_dir, stage) for name, c, run_dir, stage in trainings if not Run(run_dir, c).done]
+    gpus = gpu_count(device)
     if workers is None:
         workers = min(2, os.cpu_count() or 1) if resolve_device(device).type == "cpu" else 1
     if workers > 1 and len(pending) > 1:
@@ -279,7 +282,11 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
             with timer.stage(stage, trained):
                 if progress and not trained:
                     log.info("othello %s: training %s (%s)", scale.name, run_dir, name)
-                runs[name] = train(c, run_dir, progress=progress, account=accounts[name])
+                account = accounts[name]
+                if account is not None and gpus > 1 and not trained:  # the account's workers, one per GPU
+                    runs[name] = train_with_workers(c, run_dir, account, gpus)
+                else:
+                    runs[name] = train(c, run_dir, progress=progress, account=account)
             if name == "vanilla":  # claim (i) and the gates need only the vanilla run: report them before the myopic
                 _probe_vanilla(runs[name], timer, device)
                 write_json(layout.data, gather(scale, layout.dir))

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -15,12 +16,13 @@ from ntpflow.model.sites import Site
 from ntpflow.progress import on_terminal, progress_of
 from ntpflow.replay.attribution import attribute
 from ntpflow.replay.spec import AttributionSpec
-from ntpflow.runs.account import account_for
+from ntpflow.runs.account import AccountSpec, account_for
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.probe import load_or_probe
-from ntpflow.runs.run import run_name
+from ntpflow.runs.run import Run, run_name
 from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import train
+from ntpflow.runs.workers import launch
 
 
 def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progress: bool = True) -> list:
@@ -46,6 +48,28 @@ def run_jobs(fn: Callable, jobs: Sequence[tuple], workers: int, desc: str, progr
         for f in bar:
             bar.set_postfix_str(finished_runs(f.result()))
         return [f.result() for f in futures]
+
+
+def gpu_count(device: str) -> int:
+    """The CUDA GPUs that jobs on ``device`` spread over: every GPU for ``auto``/``cuda`` on a machine with several;
+    else 1 (a CPU, one GPU, or a device named with its index)."""
+    return torch.cuda.device_count() if device in ("auto", "cuda") and torch.cuda.is_available() else 1
+
+
+def job_devices(device: str, n_jobs: int, gpus: int = 1) -> list[str]:
+    """The device of each of ``n_jobs`` jobs: with several ``gpus``, job i on ``cuda:(i mod gpus)``; else
+    ``device`` for every job."""
+    return [f"cuda:{i % gpus}" for i in range(n_jobs)] if gpus > 1 else [device] * n_jobs
+
+
+def train_with_workers(cfg: TrainConfig, run_dir: str | Path, account: AccountSpec, n: int) -> Run:
+    """Train (or resume) ``cfg`` into ``run_dir`` with ``account`` as ``n`` workers on this machine (``ntpflow train
+    --workers``: gloo on a CPU, NCCL on GPUs, worker i on GPU i); returns the Run. RuntimeError (one line) if a
+    worker fails."""
+    code = launch(n, ["-q", "train", "--out", str(run_dir), *account.cli_args(), "--set", *cfg.overrides()])
+    if code:
+        raise RuntimeError(f"the {n} workers training {run_dir} stopped (exit status {code}); rerun to resume")
+    return Run.open(run_dir)
 
 
 def finished_runs(result) -> str:

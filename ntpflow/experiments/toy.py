@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from ntpflow.experiments.parallel import on_threads, one_run, run_jobs, run_threads
+from ntpflow.experiments.parallel import gpu_count, job_devices, on_threads, one_run, run_jobs, run_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.files import ensure_writable_dir, read_json, write_json
 from ntpflow.model.sites import Site, feature_name
@@ -168,6 +168,7 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
     out = ensure_writable_dir(out)
     (out / "runs").mkdir(exist_ok=True)
     configs = run_configs(scale, tuple(t for t in TASKS if t in tasks), tuple(r for r in REGIMES if r in regimes))
+    gpus = gpu_count(device)  # several: the jobs take the GPUs in turn
     workers = workers or min(len(configs), os.cpu_count() or 1)
     threads = run_threads(device, workers)
     sites = [(s.layer, s.pos) for s in scale.sites]
@@ -179,15 +180,16 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
     if scale.grouped:  # every seed of a (task, regime) at once, then the tracked replays
         groups = {(c.task, c.regime): [g for g in configs if (g.task, g.regime) == (c.task, c.regime)]
                   for c in configs}
-        run_jobs(_one_group, [([c.to_dict() for c in g], [run_dir[c] for c in g], device, threads)
-                              for g in groups.values()], workers, f"toy {scale.name} groups", progress)
+        on = job_devices(device, len(groups), gpus)
+        run_jobs(_one_group, [([{**c.to_dict(), "device": dev} for c in g], [run_dir[c] for c in g], dev, threads)
+                              for g, dev in zip(groups.values(), on)], workers, f"toy {scale.name} groups", progress)
         replays_of = [[run_dir[c] for c in g if tracked(c)] for g in groups.values()]  # one replay per group
-        run_jobs(_group_replay, [(dirs, sites, list(TRACKED[g[0].task]), device, threads, reading)
-                                 for g, dirs in zip(groups.values(), replays_of) if dirs], workers,
+        run_jobs(_group_replay, [(dirs, sites, list(TRACKED[g[0].task]), dev, threads, reading)
+                                 for g, dirs, dev in zip(groups.values(), replays_of, on) if dirs], workers,
                  f"toy {scale.name} replays", progress)
     else:
-        jobs = [(c.to_dict(), run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), device, threads,
-                 reading) for c in configs]
+        jobs = [({**c.to_dict(), "device": dev}, run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), dev,
+                 threads, reading) for c, dev in zip(configs, job_devices(device, len(configs), gpus))]
         run_jobs(one_run, jobs, workers, f"toy {scale.name}", progress)
     data = gather(scale, out, configs, replays)
     write_json(out / "data.json", data)

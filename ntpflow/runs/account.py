@@ -52,6 +52,19 @@ class AccountSpec:
     sgd_rows: bool = True
     types: tuple[str, ...] = ()
 
+    def cli_args(self) -> list[str]:
+        """The ``ntpflow train`` options that keep this account (``--account ... --chunks ...``); ValueError without
+        the SGD rows, which the command line always keeps."""
+        if not self.sgd_rows:
+            raise ValueError("ntpflow train --account keeps the SGD-direction rows; an account without them is "
+                             "Python's only (ntpflow.train(..., account=AccountSpec(..., sgd_rows=False)))")
+        args = ["--account", ",".join(f"{s.layer}:{s.pos}" for s in self.sites), "--chunks", str(self.chunks)]
+        if self.readout is not None:
+            args += ["--readout", str(self.readout)]
+        if self.types:
+            args += ["--account-types", ",".join(self.types)]
+        return args
+
     def resolved(self, run: Run) -> dict:
         """The spec.json of this account on ``run``; ValueError (one line) for sites or sizes the run cannot take."""
         cfg = run.cfg

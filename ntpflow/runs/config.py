@@ -180,6 +180,13 @@ class TrainConfig:
                     del d[k]
         return d
 
+    def overrides(self) -> list[str]:
+        """``key=value`` overrides (``train --set``) that rebuild this config: the task, then every field (and task
+        parameter) that differs from its default, each value as a Python literal."""
+        default = asdict(TrainConfig())
+        items = {k: v for k, v in asdict(self).items() if k != "task_args" and (k == "task" or v != default[k])}
+        return [f"{k}={v!r}" for k, v in {**items, **self.task_args}.items()]
+
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         """Build from a dict of fields; unknown keys raise ValueError."""
