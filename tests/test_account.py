@@ -134,6 +134,25 @@ def test_adamw_clipping_and_a_schedule_are_torchs_and_add_up():
     assert {r["step"] for r in result.rows if r["component"] != "risk"} == {4, 9, 11}  # their last
 
 
+def test_a_step_whose_error_is_rounding_of_grown_residuals_settles_at_the_first_rule():
+    """The refinement's floor follows the residuals' current size, not θ_0's alone: after the residuals grow 1000×
+    (as training grows them, 40× at the toy sites by step 1400), a float32 step so small that its only error is the
+    rounding of r_end − r_start settles at the first rule (it used to climb the whole ladder, 31× the points, on
+    every such step)."""
+    model = GPT(GPTConfig(vocab_size=V, n_ctx=T, n_layer=2, n_head=2, d_model=D), seed=0)  # float32
+    account = ExactAccount(model, torch.optim.SGD(model.parameters(), lr=1e-7), SITES[:1], batch(99, 32)[0],
+                           chunk_steps=1, rtol=1e-4)
+    account.train_step(*batch(1, 8))  # θ_0's sizes are kept
+    with torch.no_grad():
+        model.wte.mul_(1000)
+        model.wpe.mul_(1000)
+    account._resid = None  # the next step starts from the grown residuals' own forward
+    before = account.evaluations
+    for t in range(3):
+        account.train_step(*batch(2 + t, 8))
+    assert account.evaluations - before == 3 * 2 and account.refined == 0
+
+
 @pytest.mark.parametrize("opt", ["amsgrad", "l2", "nesterov"])
 def test_unsupported_optimizers_are_one_line_errors(opt):
     model = tiny(0)

@@ -390,7 +390,9 @@ class ExactAccount(InfluenceTracker):
     def _excess(self, sink: dict, end: dict[Site, torch.Tensor]) -> float:
         """The worst site's error of what the step's rule integrates exactly, over its tolerance (0 within): the
         displacement r_end − r_start + T_full and the second moment's change + G_full + G_fullᵀ, each against
-        rtol × its change + floor × its size at θ_0."""
+        rtol × its change + floor × its size, the larger of θ_0's and the step's start's (the float32 rounding of
+        r_end − r_start scales with the residuals' current size, which training can grow many times over θ_0's: a
+        floor on θ_0's alone sat below that rounding, and more points never reached it)."""
         ro, real = self.rule, self._real_row()
         worst = torch.zeros((), dtype=torch.float64)
         assert self._resid is not None
@@ -398,13 +400,16 @@ class ExactAccount(InfluenceTracker):
             start, stop = self._resid[s], end[s]
             moved = stop - start
             g = acc["G"][real]
-            second = (stop.T @ stop - start.T @ start) / self.n_readout
+            held = start.T @ start / self.n_readout
+            second = stop.T @ stop / self.n_readout - held
             parts = self.shard.sum_(torch.cat([(moved + acc["T"][real]).pow(2).sum()[None], moved.pow(2).sum()[None],
-                                               (second + g + g.T).flatten(), second.flatten()]))
+                                               start.pow(2).sum()[None], (second + g + g.T).flatten(),
+                                               second.flatten(), held.flatten()]))
             d2 = g.numel()
-            for err, change, size in ((parts[0].sqrt(), parts[1].sqrt(), self._norms[s][0]),
-                                      (parts[2:2 + d2].norm(), parts[2 + d2:].norm(), self._norms[s][1])):
-                tol = ro.rtol * change + ro.floor * size
+            moment = [parts[3 + j * d2:3 + (j + 1) * d2].norm() for j in range(3)]  # error, change, size at start
+            for err, change, now, at_0 in ((parts[0].sqrt(), parts[1].sqrt(), parts[2].sqrt(), self._norms[s][0]),
+                                           (*moment, self._norms[s][1])):
+                tol = ro.rtol * change + ro.floor * torch.clamp(now, min=at_0)
                 worst = torch.maximum(worst, torch.where(err <= tol, 0.0, err / tol))
         return float(worst)
 
