@@ -268,7 +268,8 @@ def _toy_rule_c() -> Rule:
                       why=f"a component that made at most {NEGLIGIBLE:.0%} of the whole change did not build the "
                           "feature; one-sided, because direct working against the feature does not build it either",
                       fixed=FIXED_MARGIN[0], against=FIXED_MARGIN[1]))
-    return Rule("Vanilla runs, the centred mismatch R_c; per seed the integrated Adam influence of each component, "
+    return Rule("Vanilla runs, the centred mismatch R_c; per seed the integrated influence of each component in the run's "
+                "own reading (its optimizer's: Adam, or SGD with momentum under the control), "
                 "averaged over the tracked site × feature pairs where the feature is NTP-useless, below the last "
                 f"layer; 95% t-CIs over seeds. {rule.text} The paper's R is shown beside it and does not decide.",
                 rule.decide, rule.fixed, rule.against)
