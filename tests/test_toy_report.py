@@ -328,3 +328,14 @@ def test_a_split_that_cancels_or_flips_is_ill_posed():
     assert verdicts(s)[("c", "majority")] == NOT_TESTABLE
     signs = next(p for c in s["claims"] if c["id"] == "c" for p in c["preconditions"] if p["name"].startswith("the adam"))
     assert signs["value"] == "not measured"
+
+
+def test_curves_keep_every_chunk_of_an_account_and_every_stride_of_a_replay():
+    """A replay has a row per step: its curve keeps every stride-th step and the last. A run's account has a row
+    per chunk (its last step), already few: the curve keeps them all (a stride kept only the last, and the toy
+    momentum report drew no curve)."""
+    from ntpflow.experiments.formats import curve_steps
+
+    assert curve_steps(range(100), 10) == {0, 10, 20, 30, 40, 50, 60, 70, 80, 90, 99}
+    assert curve_steps([29, 59, 89, 99], 15) == {29, 59, 89, 99}
+    assert curve_steps([5, 5, 6, 7], 2) == {6, 7}  # consecutive from its first: a replay resumed at step 5

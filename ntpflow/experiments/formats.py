@@ -8,6 +8,7 @@ md/html/json) in ``render`` and every claim with its rule in ``claim_registry``.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from ntpflow.runs.config import TrainConfig
 from ntpflow.stats import has_ci, mean_of
@@ -111,3 +112,10 @@ def sites_text(sites) -> str:
                      for k, v in sorted(by_layer.items()))
 
 
+def curve_steps(steps: Iterable[int], stride: int) -> set[int]:
+    """The steps of an influence curve, of ``steps`` (those of the rows): a replay has a row for every step, so every
+    ``stride``-th and the last; a run's account has one per chunk of steps (its last), so all of them."""
+    steps = sorted(set(steps))
+    if len(steps) < steps[-1] - steps[0] + 1:  # rows per chunk
+        return set(steps)
+    return {s for s in steps if s % stride == 0} | {steps[-1]}

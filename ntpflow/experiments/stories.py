@@ -32,6 +32,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
+from ntpflow.experiments.formats import curve_steps
 from ntpflow.experiments.parallel import one_run, run_jobs, run_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.experiments.stories_report import write_report
@@ -286,6 +287,7 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
         rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "optimizer",
                              "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
+        on_curve = curve_steps((r["step"] for r in rows), scale.curve_every)
         cacc = defaultdict(list)
         for r in rows:
             g = group_of.get(r["feature"], "other")
@@ -298,7 +300,7 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
                 (influence if r["mismatch"] == "paper" else influence_centred).append(
                     {**key, "layer": r["layer"], "pos": r["pos"], "feature": r["feature"], "group": g,
                      "component": r["component"], "total": r["cumulative"]})
-            if r["mismatch"] == "paper" and (r["step"] % scale.curve_every == 0 or r["step"] == last):
+            if r["mismatch"] == "paper" and r["step"] in on_curve:
                 cacc[(r["step"], g, r["component"])].append(r["cumulative"])
         for (step, g, c), vals in sorted(cacc.items()):
             curves.append({**key, "step": step + 1, "group": g, "component": c, "cumulative": _mean(vals)})

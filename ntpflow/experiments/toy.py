@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from ntpflow.experiments.formats import curve_steps
 from ntpflow.experiments.parallel import gpu_count, job_devices, on_threads, one_run, run_jobs, run_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.files import ensure_writable_dir, read_json, write_json
@@ -233,6 +234,7 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
                              "cumulative"]).to_pylist()
         last = max(r["step"] for r in rows)
         stride = max(scale.curve_every, last // MAX_CURVE_POINTS)  # a long run keeps its curves (and data.json) small
+        on_curve = curve_steps((r["step"] for r in rows), stride)
         for r in rows:
             site = {"layer": r["layer"], "pos": r["pos"], "feature": feature_name(r["feature"]),
                     "mismatch": r["mismatch"]}
@@ -240,7 +242,7 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
                 influence.append({**key, **site, "component": r["component"], "total": r["cumulative"],
                                   "optimizer": r["optimizer"],
                                   "useful": bool(task.useful[r["pos"], task.feature_names.index(feature_name(r["feature"]))])})
-            if r["optimizer"] == own and (r["step"] % stride == 0 or r["step"] == last):
+            if r["optimizer"] == own and r["step"] in on_curve:
                 curves.append({**key, **site, "step": r["step"] + 1, "component": r["component"],
                                "cumulative": r["cumulative"]})
         for p in read_json(att.summary)["probes"]:  # held-out R(θ_0), R removed, offset
