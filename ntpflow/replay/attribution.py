@@ -74,7 +74,7 @@ def attribute(run_dir: str | Path, spec: AttributionSpec, *, out_dir: str | Path
     if not run.done:
         raise ValueError(f"{run_dir} has not finished training; attribution replays a finished run")
     cfg = run.cfg
-    spec.readout_size(cfg.n_eval, cfg.batch_size)  # checked before the account is read
+    readout = spec.readout_size(cfg.n_eval, cfg.batch_size)  # checked before the account is read
     dev = resolve_device(device if device != "auto" else cfg.device)
     sites = run_sites(run, spec.sites) if spec.sites or not spec.directions else []
     mc = run.model_config()
@@ -100,8 +100,7 @@ def attribute(run_dir: str | Path, spec: AttributionSpec, *, out_dir: str | Path
         if kept is not None:
             return _from_account(run, kept, out, sites, features, dev, device, extra, spec.matrices)
         return replay_member(run, out, sites, features, dev, device, spec.block, progress, spec.sgd_rows,
-                             spec.reading == "midpoint", spec.readout_size(cfg.n_eval, cfg.batch_size), extra,
-                             spec.matrices)
+                             spec.reading == "midpoint", readout, extra, spec.matrices)
 
 
 def _from_account(run: Run, kept: KeptAccount, out: Path, sites: list[Site], features, dev, device,
