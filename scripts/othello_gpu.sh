@@ -24,9 +24,9 @@
 # worker on its share of the batch and of the readout), the myopic run after it.
 #
 # --six runs scale medium-6x6 instead (4 layers, d 128, a 6x6 board: NOT the paper's setting), its vanilla and myopic
-# runs, the fragility test and the vanilla run's account at its 4 sites, into results/othello-medium-6x6-gpu and
-# docs/results/othello-medium-6x6-gpu/: the CPU result docs/results/othello-medium-6x6 has no replay (about 5.5
-# core-hours here), so this decides claims (ii)-(iv) on a model with a world model. FLOPs: 2 x 12,000 x 40 GFLOP =
+# runs, the fragility test and the vanilla run's account at its site (layer 3, position 18), into
+# results/othello-medium-6x6-gpu and docs/results/othello-medium-6x6-gpu/ (on this CPU the run with the account takes
+# about 3.6 core-hours), so this decides claims (ii)-(iv) on a model with a world model. FLOPs: 2 x 12,000 x 40 GFLOP =
 # 9.6e14 of training and 1.2e15 of the account, seconds of arithmetic on an H200 but small kernels: an estimate, not
 # measured, of 5-15 min in all; run it as one call, `--six` (it resumes).
 #
