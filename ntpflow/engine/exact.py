@@ -39,6 +39,7 @@ from ntpflow.engine.influence import (
     Readout,
     adam_second_moment,
     composite_gauss_legendre,
+    plain_sgd,
 )
 from ntpflow.model.gpt import GPT
 from ntpflow.model.loss import position_weights
@@ -63,7 +64,7 @@ def account_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
             raise ValueError("the account supports Adam's decoupled weight decay (AdamW), not its L2 penalty "
                              "(weight_decay on torch.optim.Adam): use torch.optim.AdamW")
         return ("adamw" if decoupled else "adam"), g
-    if type(opt) is torch.optim.SGD and not g.get("nesterov", False) and g.get("dampening", 0) == 0:
+    if plain_sgd(opt) and not g.get("nesterov", False) and g.get("dampening", 0) == 0:
         if g.get("weight_decay", 0):
             raise ValueError("the account supports SGD without weight decay (use AdamW for a decayed run)")
         return ("momentum" if g.get("momentum", 0) else "sgd"), g

@@ -58,6 +58,12 @@ class Probe:
     w: torch.Tensor
 
 
+def plain_sgd(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` steps as ``torch.optim.SGD`` does: SGD itself, or a subclass that only sets the learning rate
+    between steps (``schedule_only``, as ``ntpflow.runs.training.ScheduledSGD``)."""
+    return type(opt) is torch.optim.SGD or (isinstance(opt, torch.optim.SGD) and getattr(opt, "schedule_only", False))
+
+
 def _check_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
     if len(opt.param_groups) != 1:
         raise ValueError("influence tracking needs an optimizer with exactly one parameter group")
@@ -68,7 +74,7 @@ def _check_optimizer(opt: torch.optim.Optimizer) -> tuple[str, dict]:
         raise ValueError("influence tracking needs maximize=False (a maximizing optimizer flips every sign)")
     if isinstance(opt, torch.optim.Adam) and not g.get("amsgrad", False):
         return "adam", g
-    if type(opt) is torch.optim.SGD and not g.get("nesterov", False) and g.get("dampening", 0) == 0:
+    if plain_sgd(opt) and not g.get("nesterov", False) and g.get("dampening", 0) == 0:
         return ("momentum" if g.get("momentum", 0) else "sgd"), g
     raise ValueError(f"influence tracking supports Adam and SGD (with momentum, no dampening or Nesterov), not "
                      f"{type(opt).__name__} with these options")

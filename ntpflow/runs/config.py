@@ -89,8 +89,6 @@ class TrainConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose 'adam' or 'sgd'")
         if self.momentum and self.optimizer != "sgd":
             raise ValueError("momentum applies to optimizer=sgd (Adam's first moment is beta1)")
-        if self.optimizer == "sgd" and self.scheduled:
-            raise ValueError("optimizer=sgd takes a constant learning rate: drop warmup/decay")
         for name in ("momentum", "beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise ValueError(f"{name} must lie in [0, 1), got {getattr(self, name)}")

@@ -225,6 +225,11 @@ def apply_state(model: GPT, opt: torch.optim.Optimizer, meta: dict, tensors: dic
                            "exp_avg": tensors[f"adam.exp_avg.{n}"],
                            "exp_avg_sq": tensors[f"adam.exp_avg_sq.{n}"]} for i, n in enumerate(names)}
         opt.load_state_dict(sd)
+    if "steps_taken" in opt.param_groups[0]:  # an optimizer that counts its steps itself (training.ScheduledSGD)
+        sd = opt.state_dict()
+        for group in sd["param_groups"]:
+            group["steps_taken"] = int(meta["step"])
+        opt.load_state_dict(sd)
 
 
 class Checkpoints:

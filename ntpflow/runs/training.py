@@ -126,8 +126,8 @@ def train(cfg: TrainConfig, run_dir: str | Path, *, progress: bool = True, track
     writes the folder.
 
     Loss: ``lm_loss`` (mean over positions of the per-position batch-mean cross-entropy). Optimiser: Adam,
-    no weight decay; a constant learning rate, or the schedule of ``cfg.warmup``/``cfg.decay`` (:class:`ScheduledAdam`);
-    or SGD with momentum (``cfg.optimizer``, :func:`make_optimizer`).
+    no weight decay; or SGD with momentum (``cfg.optimizer``); a constant learning rate, or the schedule of
+    ``cfg.warmup``/``cfg.decay`` (:func:`make_optimizer`).
     """
     run = Run(Path(run_dir), cfg)
     check_sinks(track)  # missing packages or credentials fail before anything is written
@@ -406,45 +406,83 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, tokens: torch.Tensor, los
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Adam without weight decay; the fused kernel on CPU and CUDA (one pass over an untied model's many copies).
-    With a learning-rate schedule (``cfg.scheduled``) a :class:`ScheduledAdam`. ``cfg.optimizer == "sgd"``: SGD
-    with ``cfg.momentum`` (no dampening, no Nesterov, no decay): each step is lr · m with m = momentum · m + g, linear
-    in the gradients, so the components' steps lr · m_c add up to it with no per-parameter scale."""
-    fused = next(model.parameters()).device.type in ("cpu", "cuda")
+    ``cfg.optimizer == "sgd"``: SGD with ``cfg.momentum`` (no dampening, no Nesterov, no decay): each step is lr · m
+    with m = momentum · m + g, linear in the gradients, so the components' steps lr · m_c add up to it with no
+    per-parameter scale. With a learning-rate schedule (``cfg.scheduled``) a :class:`ScheduledAdam` or
+    :class:`ScheduledSGD`."""
     if cfg.optimizer == "sgd":
+        if cfg.scheduled:
+            return ScheduledSGD(model.parameters(), cfg, momentum=cfg.momentum)
         return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
+    fused = next(model.parameters()).device.type in ("cpu", "cuda")
     kw = {"betas": (cfg.beta1, cfg.beta2), "eps": cfg.adam_eps, "fused": fused}
     if cfg.scheduled:
         return ScheduledAdam(model.parameters(), cfg, **kw)
     return torch.optim.Adam(model.parameters(), lr=cfg.lr, **kw)
 
 
-class ScheduledAdam(torch.optim.Adam):
-    """Adam whose learning rate follows ``cfg.lr_at``: its groups' ``lr`` is always that of the step it takes next
-    (counted by Adam's own step count, restored by ``load_state_dict``), so a checkpoint, a resumed run and a replay
-    that reads ``lr`` before the step all see the step's rate. Not for a run group (its stacked Adam is rebuilt by
-    hand, ``runs.group``), which refuses a schedule."""
+class _Scheduled:
+    """An optimizer (mixed in before it) whose groups' ``lr`` is always that of the step it takes next, ``cfg.lr_at``,
+    so a checkpoint, a resumed run, an account and a replay that read ``lr`` before the step all see the step's rate.
+    The count of steps taken is restored by ``load_state_dict`` (:meth:`_taken`). Not for a run group (its stacked
+    Adam is rebuilt by hand, ``runs.group``), which refuses a schedule."""
 
-    def __init__(self, params, cfg: TrainConfig, **kw):
-        super().__init__(params, lr=cfg.lr_at(0), **kw)
+    param_groups: list[dict]
+    schedule_only = True  # steps as its base does (the account and the tracker accept it: engine.influence.plain_sgd)
+
+    def _start(self, cfg: TrainConfig) -> None:
         self._lr_at, self._next = cfg.lr_at, 0
+        self._set(0)
 
     def _set(self, step: int) -> None:
         self._next = step
         for group in self.param_groups:
             group["lr"] = self._lr_at(step)
 
+    def _taken(self) -> int:
+        """Steps taken, from the loaded state."""
+        raise NotImplementedError
+
     def step(self, closure=None):
-        """Adam's step at the rate of step ``_next``; then the rate of the following step."""
+        """The optimizer's step at the rate of step ``_next``; then the rate of the following step."""
         self._set(self._next)
-        loss = super().step(closure)
+        loss = super().step(closure)  # type: ignore[misc]
         self._set(self._next + 1)
         return loss
 
     def load_state_dict(self, state_dict) -> None:
-        """Adam's ``load_state_dict``, then the rate of the next step from the loaded step count."""
-        super().load_state_dict(state_dict)
+        """The optimizer's ``load_state_dict``, then the rate of the next step from the loaded step count."""
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        self._set(self._taken())
+
+
+class ScheduledAdam(_Scheduled, torch.optim.Adam):
+    """Adam on the schedule of ``cfg`` (:class:`_Scheduled`), its steps counted by Adam's own step count."""
+
+    def __init__(self, params, cfg: TrainConfig, **kw):
+        torch.optim.Adam.__init__(self, params, lr=cfg.lr_at(0), **kw)
+        self._start(cfg)
+
+    def _taken(self) -> int:
         taken = [int(st["step"]) for st in self.state.values() if "step" in st]
-        self._set(taken[0] if taken else 0)
+        return taken[0] if taken else 0
+
+
+class ScheduledSGD(_Scheduled, torch.optim.SGD):
+    """SGD (with ``momentum``) on the schedule of ``cfg`` (:class:`_Scheduled`). SGD keeps no step count, so each
+    group carries one, ``steps_taken``, saved and restored with the optimizer's state."""
+
+    def __init__(self, params, cfg: TrainConfig, **kw):
+        torch.optim.SGD.__init__(self, params, lr=cfg.lr_at(0), **kw)
+        self._start(cfg)
+
+    def _set(self, step: int) -> None:
+        super()._set(step)
+        for group in self.param_groups:
+            group["steps_taken"] = step
+
+    def _taken(self) -> int:
+        return int(self.param_groups[0].get("steps_taken", 0))
 
 
 def _truncate_metrics(path: Path, step: int):
