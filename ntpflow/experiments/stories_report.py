@@ -39,7 +39,7 @@ GROUP_LABELS = {"tags": "POS tags (10)", "deps": "dependency labels (10)", "posi
                 "syntax": "syntax: tags + deps (20)"}
 ALL_COMPONENTS = COMPONENTS + ("full",)
 REGIME_COLORS = {**{r: fs.REGIME_COLORS[r] for r in REGIMES}, "init": fs.BASELINE}
-INFLUENCE_UNIT = "squared probe units (first-order reduction of the batch-mean squared probe mismatch)"
+INFLUENCE_UNIT = "squared probe units (the decrease of the squared probe mismatch R that the component caused)"
 PAPER_SETTINGS = {"corpus": "TinyStoriesV2-GPT4 (hub)", "tokenizer": "TinyStories-1M (GPT-Neo BPE, 50,257)",
                   "seeds": "10", "steps": "1000", "batch_size": "256", "lr": "0.001", "n_layer": "4",
                   "d_model": "128", "n_head": "4", "n_train": "300000", "n_eval": "30000",

@@ -59,7 +59,7 @@ PROBE_FEATURES = {"majority": ("is_majority_0", "is_majority_1", "is_majority_2"
                   "cond_majority": ("prev_is_0",)}
 PAPER_SETTINGS = {"seeds": "10", "steps": "3000", "batch_size": "256", "lr": "0.001", "n_layer": "2",
                   "d_model": "128", "n_head": "4", "n_train": "102400", "n_eval": "10240"}
-INFLUENCE_UNIT = "probe units² (first-order change of the mismatch)"
+INFLUENCE_UNIT = "probe units² (the decrease of the mismatch R that the component caused)"
 
 
 def summarize(data: dict) -> dict:
