@@ -74,7 +74,7 @@ NEGLIGIBLE = 0.25  # a component "does not build" a feature: at most this share 
 KAPPA_LIMIT = 2.0  # a "built by" claim: κ = Σ_c |I_c| / |I_full| of every row it reads at most this
 KAPPA_WHY = ("at κ ≤ 2 the components working against the net change add up to at most half of it ((κ − 1)/2), so "
              "no component's sign or size is an artefact of cancellation")
-OPTIMIZER_NAMES = {"adam": "Adam", "momentum": "SGD with momentum", "sgd": "SGD"}
+OPTIMIZER_NAMES = {"adam": "Adam", "adamw": "AdamW", "momentum": "SGD with momentum", "sgd": "SGD"}
 
 
 def meaning_checks(rows: list[dict], own: str, where: str) -> tuple[Check, Check]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from ntpflow.experiments import figure_style as fs
 from ntpflow.experiments.claim_registry import (
     FRAGILITY_METRIC,
+    OPTIMIZER_NAMES,
     PAPER_CI,
     account_text,
     othello_claims,
@@ -43,7 +44,8 @@ STEP0_LABEL = "step 0 (untrained baseline; right: mean over layers ≥ 1)"
 METRIC_BOUNDS = {"r": (-1.0, 1.0), "acc": (0.0, 1.0)}
 
 SIGN = "Sign convention: positive = the component moved the feature toward its final value."
-INFLUENCE_UNIT = "probe units² (the decrease of the squared probe mismatch R that the component caused, summed over steps)"
+INFLUENCE_UNIT = ("probe units² (the decrease of the squared probe mismatch R that the component caused, summed over "
+                  "steps)")
 PAPER_SETTINGS = {"n_layer": "6", "d_model": "256", "n_head": "4", "batch_size": "1024", "steps": "5000",
                   "lr": "0.001", "n_train": "unknown (pre-generated)", "n_eval": "20480",
                   "sites": "layers 1–6 × positions 4, 8, …, 56", "squares": "16 central (C3–F6)",
@@ -123,7 +125,8 @@ def summarize(data: dict) -> dict:
         "probe_by_layer": _split(by_layer, False), "probe_by_pos": _split(by_pos, False),
         "probe_grid": _split(grid, False), "gap_by_layer": _split(by_layer, True), "gap_by_pos": _split(by_pos, True),
         "gap_grid": _split(grid, True), "gap_slopes": gap_slopes,
-        "influence": table, "influence_sgd": table_sgd, "optimizer": data.get("optimizer", "adam"), "readout": data.get("readout"),
+        "influence": table, "influence_sgd": table_sgd, "optimizer": data.get("optimizer", "adam"),
+        "readout": data.get("readout"),
         "influence_by_site": per_site, "influence_curves": curves, "sanity": sanity_s,
         "exact_account": residual_share(r for r in records if r["mismatch"] == "paper"),
         **by_mismatch,
@@ -431,7 +434,8 @@ def _document(summary: dict, figures) -> list[tuple]:
         summary["fragility"]["claims"] = _fragility_claims(summary["fragility"], summary)
     return template_blocks("othello", [c.to_dict() for c in othello_claims(summary)], s=summary, sign=SIGN,
                            unit=INFLUENCE_UNIT, metrics=METRICS, types=PROBE_TYPES, components=COMPONENTS,
-                           labels=COMPONENT_LABELS, paper_ci=PAPER_CI)
+                           labels=COMPONENT_LABELS, paper_ci=PAPER_CI,
+                           optimizer=OPTIMIZER_NAMES.get(summary.get("optimizer", "adam"), summary.get("optimizer")))
 
 
 # ---------------------------------------------------------------------------------------------------- entry point
