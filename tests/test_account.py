@@ -225,6 +225,35 @@ def test_interrupted_training_resumes_to_the_same_account(accounted, tmp_path, m
         assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), b.name
 
 
+def test_only_the_newest_two_checkpoints_keep_the_account_state(accounted, tmp_path, monkeypatch, caplog):
+    """Killed after each of the checkpoints of steps 2, 4, 6 and 8: only 6 and 8 keep the account's resume state (the
+    older sidecars no longer name it). With step 8's state corrupted, the rerun falls back to step 6 and ends in the
+    bits of the uninterrupted run's account (the checkpoint cadence changes no step)."""
+    out, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
+    args = [*train_args(out, "--account", "1:4,1:14", "--chunks", "5")[:-len(TINY_SET)],
+            *[a for a in TINY_SET if not a.startswith("ckpt_every=")], "ckpt_every=2"]
+    monkeypatch.setenv("NTPFLOW_FAULT", "train:after_checkpoint")
+    for _ in range(4):  # each rerun resumes and is killed after its first checkpoint
+        with pytest.raises(SimulatedKill):
+            main(args)
+    monkeypatch.delenv("NTPFLOW_FAULT")
+    assert sorted(p.name for p in ckpt.glob("*.extras.safetensors")) == [
+        "step_000006.extras.safetensors", "step_000008.extras.safetensors"]
+    sides = {s: json.loads((ckpt / f"step_{s:06d}.json").read_text()) for s in (2, 4, 6, 8)}
+    assert [("extras_sha256" in m) for m in sides.values()] == [False, False, True, True]
+    extras = ckpt / "step_000008.extras.safetensors"
+    data = bytearray(extras.read_bytes())
+    data[-1] ^= 1
+    extras.write_bytes(bytes(data))
+    assert main(args) == 0
+    assert "step_000008.extras.safetensors" in caplog.text and "falling back" in caplog.text
+    ref, got = Run.open(accounted).account, Run.open(out).account
+    assert [p.name for p in got.chunk_files()] == [p.name for p in ref.chunk_files()]
+    for a, b in zip(ref.chunk_files() + [ref.final], got.chunk_files() + [got.final]):
+        x, y = load_tensors(a), load_tensors(b)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), b.name
+
+
 @pytest.mark.parametrize("extra,fragment", [
     (["--readout", "8"], "go with --account"),
     (["--account", "3:4"], "layer"),

@@ -8,8 +8,8 @@ replaying the run.
     chunks/chunk_NNNNNN.safetensors(+.json)   one per chunk of steps (written when the chunk ends, sidecar last)
     final.safetensors(+.json)                 θ*'s readout residuals per site and the counters: the account is done
 
-The running chunk, the tracker's moments and the readout's residual travel in each training checkpoint (extras
-``account.*``), so an interrupted run resumes to the same account.
+The running chunk, the tracker's moments and the readout's residual travel in the training checkpoints (extras
+``account.*``; the newest two keep them), so an interrupted run resumes to the same account.
 """
 
 import math
@@ -160,8 +160,9 @@ class Accounted(Alone):
         written after it."""
         tensors = {k[len("account."):]: v for k, v in (states[0] if states else {}).items() if k.startswith("account.")}
         if start and not tensors:
-            raise ValueError(f"{self.run.dir}'s checkpoint of step {start} holds no account: it was trained without "
-                             "--account; train into another folder")
+            raise ValueError(f"{self.run.dir}'s checkpoint of step {start} holds no account state (trained without "
+                             "--account, or an older checkpoint: only the newest two keep it); train into another "
+                             "folder")
         if tensors:
             self.account.load_state_dict(tensors)
         running = self.account._first if self.account._chunk else start

@@ -5,8 +5,9 @@ Run directory::
     config.json   env.json   metrics.jsonl   threads.json   init.safetensors(+.json)   model.safetensors(+.json)   DONE
     optimizer.safetensors                             (the final Adam moments or SGD momentum: model.safetensors
                                                        holds the weights alone, named as GPT.state_dict names them)
-    ckpt/step_000500.safetensors + step_000500.optimizer.safetensors + step_000500.json
-                                                      (weights, optimizer state; the sidecar is written last)
+    ckpt/step_000500.safetensors + step_000500.optimizer.safetensors (+ step_000500.extras.safetensors) +
+         step_000500.json                             (weights, optimizer state, the account's resume state in the
+                                                       newest two only; the sidecar is written last)
     group.json         (a member of a run group: ntpflow.runs.group)
     probes/  probes_init/  probes_<step>/               (ridge probes of the final, initial or a checkpoint's weights)
     attribution/       (the replay's output: :class:`AttributionDir`)     balance/   (the balance audit's output)
@@ -22,7 +23,16 @@ from pathlib import Path
 
 import torch
 
-from ntpflow.files import CorruptFileError, InFolder, load_tensors, read_json, resolve_device, save_tensors, sidecar
+from ntpflow.files import (
+    CorruptFileError,
+    InFolder,
+    load_tensors,
+    read_json,
+    resolve_device,
+    save_tensors,
+    sidecar,
+    write_json,
+)
 from ntpflow.model.config import GPTConfig, split_groups
 from ntpflow.model.gpt import GPT
 from ntpflow.model.weights import check_tensors, shapes_of
@@ -31,6 +41,7 @@ from ntpflow.runs.data import make_datasets
 from ntpflow.tasks import Batch, Task, make_task
 
 log = logging.getLogger(__name__)
+KEEP_EXTRAS = 2  # the newest checkpoints that keep their extra tensors (resume state): Checkpoints.save
 
 
 @dataclass(frozen=True)
@@ -156,12 +167,22 @@ def task_for(cfg: TrainConfig) -> Task:
 
 
 def optimizer_path(path: Path) -> Path:
-    """The file beside a weights file ``path`` that holds the optimizer state (and any extra tensors) saved with it:
-    ``model.safetensors`` -> ``optimizer.safetensors``, ``step_000500.safetensors`` ->
-    ``step_000500.optimizer.safetensors``."""
+    """The file beside a weights file ``path`` that holds the optimizer state saved with it (and, in versions before
+    :func:`extras_path`, the extra tensors): ``model.safetensors`` -> ``optimizer.safetensors``,
+    ``step_000500.safetensors`` -> ``step_000500.optimizer.safetensors``."""
+    return _beside(path, "optimizer")
+
+
+def extras_path(path: Path) -> Path:
+    """The file beside a weights file ``path`` that holds the extra tensors saved with it (a stepper's or a replay's
+    resume state): ``step_000500.safetensors`` -> ``step_000500.extras.safetensors``."""
+    return _beside(path, "extras")
+
+
+def _beside(path: Path, kind: str) -> Path:
     path = Path(path)
-    return path.with_name("optimizer.safetensors" if path.name == "model.safetensors"
-                          else f"{path.stem}.optimizer.safetensors")
+    return path.with_name(f"{kind}.safetensors" if path.name == "model.safetensors"
+                          else f"{path.stem}.{kind}.safetensors")
 
 
 def model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -174,11 +195,12 @@ def model_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def save_state(path: Path, model: GPT, opt: torch.optim.Optimizer, meta: dict,
                extra: dict[str, torch.Tensor] | None = None) -> None:
-    """Save the model's weights to ``path`` (alone, by parameter name: a file ``GPT.load_state_dict`` takes) and the
-    optimizer state with the ``extra`` tensors to :func:`optimizer_path` beside it, with a JSON sidecar of ``path``
-    holding ``meta``: Adam's step (``adam_step``), whether SGD's momentum buffers exist yet (``momentum``) and the
-    SHA-256 of the optimizer file (``optimizer_sha256``). The optimizer file is written first, the sidecar last."""
-    rest = dict(extra or {})
+    """Save the model's weights to ``path`` (alone, by parameter name: a file ``GPT.load_state_dict`` takes), the
+    optimizer state to :func:`optimizer_path` and the ``extra`` tensors to :func:`extras_path` beside it, with a JSON
+    sidecar of ``path`` holding ``meta``: Adam's step (``adam_step``), whether SGD's momentum buffers exist yet
+    (``momentum``) and the SHA-256 of the optimizer and extras files (``optimizer_sha256``, ``extras_sha256``). The
+    other files are written first, the sidecar last."""
+    rest: dict[str, torch.Tensor] = {}
     adam_step, momentum = 0, False
     for name, p in zip([n for n, _ in model.named_parameters()], opt.param_groups[0]["params"]):
         st = opt.state.get(p)
@@ -190,13 +212,15 @@ def save_state(path: Path, model: GPT, opt: torch.optim.Optimizer, meta: dict,
     meta = {**meta, "adam_step": adam_step, **({"momentum": True} if momentum else {})}
     if rest:
         meta["optimizer_sha256"] = save_tensors(optimizer_path(path), rest)
+    if extra:
+        meta["extras_sha256"] = save_tensors(extras_path(path), extra)
     save_tensors(path, model.state_dict(), meta)
 
 
 def read_state(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
     """What ``save_state`` wrote, checked against its checksums: (meta, all tensors on ``device``, the model's as
-    ``model.<name>``, the optimizer's as ``adam.*`` or ``sgd.*``, and the extras). Reads files of older versions too
-    (one file of all)."""
+    ``model.<name>``, the optimizer's as ``adam.*`` or ``sgd.*``, and the extras, if the checkpoint still has them:
+    see ``Checkpoints.save``). Reads files of older versions too (one file of all; the extras in the optimizer's)."""
     tensors = load_tensors(path, device)
     meta = read_json(sidecar(path))
     if any(k.startswith("model.") for k in tensors):  # an older version's single file
@@ -204,6 +228,8 @@ def read_state(path: Path, device) -> tuple[dict, dict[str, torch.Tensor]]:
     tensors = {f"model.{k}": v for k, v in tensors.items()}
     if "optimizer_sha256" in meta:
         tensors |= load_tensors(optimizer_path(path), device, sha256=meta["optimizer_sha256"])
+    if "extras_sha256" in meta:
+        tensors |= load_tensors(extras_path(path), device, sha256=meta["extras_sha256"])
     return meta, tensors
 
 
@@ -233,10 +259,13 @@ def apply_state(model: GPT, opt: torch.optim.Optimizer, meta: dict, tensors: dic
 
 
 class Checkpoints:
-    """A folder of checkpoints ``step_NNNNNN.safetensors`` + ``step_NNNNNN.optimizer.safetensors`` +
-    ``step_NNNNNN.json``: weights, then optimizer state and any extra tensors of one step (:func:`save_state`). The sidecar is written last, so a checkpoint counts once its sidecar
-    exists; a kill between the two leaves tensors without a sidecar, which are never read. A run's ``ckpt/`` and a
-    replay's resume points (``state/``) are such folders."""
+    """A folder of checkpoints ``step_NNNNNN.safetensors`` + ``step_NNNNNN.optimizer.safetensors`` (+
+    ``step_NNNNNN.extras.safetensors``) + ``step_NNNNNN.json``: weights, optimizer state and any extra tensors of one
+    step (:func:`save_state`). The sidecar is written last, so a checkpoint counts once its sidecar exists; a kill
+    before it leaves tensors without a sidecar, which are never read. A run's ``ckpt/`` and a replay's resume points
+    (``state/``) are such folders. The extras are resume state (the account's running chunk, a replay's tracker), so
+    only the newest :data:`KEEP_EXTRAS` checkpoints keep them: an account with per-type rows would otherwise copy its
+    running accumulators (tens of MB at d 128) into every checkpoint."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -251,10 +280,27 @@ class Checkpoints:
 
     def save(self, step: int, model: GPT, opt: torch.optim.Optimizer, meta: dict | None = None,
              extra: dict[str, torch.Tensor] | None = None) -> None:
-        """Save ``step``'s checkpoint: model, Adam and ``extra`` tensors; ``{"step": step, **meta}`` in the sidecar."""
+        """Save ``step``'s checkpoint: model, Adam and ``extra`` tensors; ``{"step": step, **meta}`` in the sidecar.
+        Then the older checkpoints but the newest :data:`KEEP_EXTRAS` lose their extras."""
         self.folder.mkdir(parents=True, exist_ok=True)
         sidecar(self.path(step)).unlink(missing_ok=True)  # rewriting a checkpoint: it counts again once complete
         save_state(self.path(step), model, opt, {"step": step, **(meta or {})}, extra)
+        self.drop_extras(keep=KEEP_EXTRAS)
+
+    def drop_extras(self, keep: int) -> None:
+        """Remove the extras of every complete checkpoint but the newest ``keep`` (their sidecars first, so a kill in
+        between leaves an unread file, removed next time); a checkpoint without them resumes no stepper state."""
+        kept = set(self.steps()[-keep:])
+        for p in self.folder.glob("step_*.extras.safetensors"):
+            step = _step_of(p)
+            if step in kept:
+                continue
+            side = sidecar(self.path(step))
+            meta = read_json(side) if side.exists() else {}
+            if "extras_sha256" in meta:
+                del meta["extras_sha256"]
+                write_json(side, meta)
+            p.unlink(missing_ok=True)
 
     def load_latest(self, model: GPT, opt: torch.optim.Optimizer, device,
                     upto: int | None = None) -> tuple[int, dict[str, torch.Tensor]]:
