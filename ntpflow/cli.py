@@ -23,7 +23,7 @@ from ntpflow.replay.breakdown import breakdown, parse_steps
 from ntpflow.replay.directions import parse_direction, sae_directions
 from ntpflow.replay.discover import discover
 from ntpflow.replay.spec import AttributionSpec
-from ntpflow.runs.account import DEFAULT_CHUNKS, AccountSpec
+from ntpflow.runs.account import DEFAULT_CHUNKS, AccountSpec, account_sites
 from ntpflow.runs.config import REGIMES, config_from
 from ntpflow.runs.group import group_dirs
 from ntpflow.runs.probe import check_feature, load_or_probe, probe_run
@@ -171,6 +171,8 @@ def cmd_attribute(args) -> int:
     at the sites; print the out folder(s)."""
     features = [f for f in args.features.split(",") if f] if args.features else None
     sites, dirs, directions = parse_sites(args.sites) if args.sites else [], args.run_dir, _directions(args)
+    if not sites and not directions and len(dirs) == 1 and not args.group:
+        sites = account_sites(Run.open(dirs[0]))  # a run trained with --account: the sites it kept
     if not sites and not directions:
         raise ValueError("give --sites (the task's features) and/or --direction / --sae (directions of your own)")
     spec = AttributionSpec(sites, features, directions=directions or {}, reading=_reading(args),
@@ -451,7 +453,8 @@ def _add_attribute(sub) -> None:
                    help="track every member of RUN_DIR's run group in one replay, over the run axis (one vmapped "
                         "pass per step; values equal to a lone replay's to rounding; docs/run-groups.md)")
     a.add_argument("--sites", help="LAYER:POS list or ranges, e.g. 1:5,2:7, 1-2:2-19 or blocks.0.hook_resid_post:4 "
-                   "(= 1:4), where the task's features are tracked; without it, only --direction / --sae")
+                   "(= 1:4), where the task's features are tracked; without it, the sites of the run's account "
+                        "(train --account), else only --direction / --sae")
     a.add_argument("--features", help="comma-separated feature names (default: all of the task's)")
     a.add_argument("--direction", action="append", metavar="NAME=K:I:PATH[:KEY]",
                    help="a direction of your own tracked as feature NAME at site K:I: a .npy vector [d_model], or "

@@ -209,6 +209,17 @@ def test_train_with_account_keeps_the_bits_and_attribute_reads_it(accounted, tmp
     assert found[0]["mismatches"] == found[1]["mismatches"]
 
 
+def test_attribute_without_sites_reads_the_accounts_sites(accounted, tmp_path):
+    """``attribute RUN`` of a run trained with ``--account 1:4,1:14`` is ``attribute RUN --sites 1:4,1:14`` (a run
+    without an account still asks for sites: tests/test_own_question.py)."""
+    outs = [tmp_path / "default", tmp_path / "named"]
+    assert main(["-q", "attribute", str(accounted), "--out", str(outs[0])]) == 0
+    assert main(["-q", "attribute", str(accounted), "--sites", "1:4,1:14", "--out", str(outs[1])]) == 0
+    a, b = (json.loads((o / "spec.json").read_text()) for o in outs)
+    assert a == b and a["sites"] == [[1, 4], [1, 14]]
+    assert (outs[0] / "influence.parquet").read_bytes() == (outs[1] / "influence.parquet").read_bytes()
+
+
 def test_interrupted_training_resumes_to_the_same_account(accounted, tmp_path, monkeypatch):
     """Killed right after a checkpoint (step 4, inside the chunk of steps 3–5), rerun: every chunk and the final
     file have the bits of the uninterrupted run's."""

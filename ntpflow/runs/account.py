@@ -221,6 +221,12 @@ class KeptAccount:
             yield int(path.stem.split("_")[1]), load_tensors(path)
 
 
+def account_sites(run: Run) -> list[Site]:
+    """The sites of the account ``run`` was trained with (``train --account``); none without one."""
+    spec = run.account.spec
+    return [Site(*s) for s in read_json(spec)["sites"]] if spec.exists() else []
+
+
 def read_account(run: Run) -> KeptAccount | None:
     """The run's finished account, or None when it was trained without one (or its account did not finish)."""
     folder = run.account
