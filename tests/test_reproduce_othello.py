@@ -144,6 +144,31 @@ def test_runs_trained_side_by_side_are_those_trained_in_turn(smoke, tmp_path):
 
 
 @pytest.mark.one_thread
+def test_a_resumed_training_is_timed_over_its_own_steps(smoke, tmp_path):
+    """A call cut off before it recorded its time leaves no record, so the call that resumes the run times only the
+    steps it trains: its seconds per step are read over those, and the report says so."""
+    timings = json.loads((smoke / "timings.json").read_text())
+    steps = SCALES["smoke"].config().steps
+    assert timings["steps"] == {"train": steps, "train_myopic": steps}  # trained whole, side by side
+    out = tmp_path / "cut"
+    shutil.copytree(smoke, out)
+    run = out / "run"
+    for name in ("DONE", "model.safetensors", "model.json", "optimizer.safetensors", "timings.json"):
+        (run / name if name != "timings.json" else out / name).unlink()
+    for f in (run / "ckpt").glob(f"step_{steps:06d}*"):
+        f.unlink()
+    run_othello("smoke", out, device="cpu", progress=False, workers=1)
+    resumed = json.loads((out / "timings.json").read_text())
+    assert resumed["steps"] == {"train": steps - 6}  # from its checkpoint at step 6; the myopic run was done
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step_times"]["train_s_per_step"] == resumed["train"] / (steps - 6)
+    assert "tracked_s_per_step" not in summary["step_times"]  # the influence was read from the kept account
+    labels = [r["label"] for r in summary["cpu_time"]["stages"]]
+    assert f"training (vanilla, with the account), the last {steps - 6} of {steps} steps" in labels
+    assert (run / "model.safetensors").read_bytes() == (smoke / "run" / "model.safetensors").read_bytes()
+
+
+@pytest.mark.one_thread
 def test_myopic_run_is_the_vanilla_config_in_regime_myopic(smoke):
     vanilla, myopic = (json.loads((d / "config.json").read_text()) for d in (smoke / "run", smoke / "myopic" / "run"))
     assert myopic["train"]["regime"] == "myopic" and vanilla["train"]["regime"] == "vanilla"
@@ -353,7 +378,7 @@ def test_report_statistics_on_hand_made_data(tmp_path):
     # 'all' ignores the null square
     pa = next(r for r in s["probe_by_layer"] if r["metric"] == "r" and r["type"] == "all" and r["layer"] == 0)
     assert pa["n"] == 3 and pa["mean"] == pytest.approx(0.5)
-    assert s["step_times"] == {"train_s_per_step": 2.0, "tracked_s_per_step": 10.0}
+    assert s["step_times"] == {"train_s_per_step": 2.0, "tracked_s_per_step": 10.0, "train_includes": "evaluations"}
 
     verdicts = {c["id"]: c["verdict"] for c in s["claims"]}
     # (i) positive at layers 1, 2, slopes constant across squares (sd 0 → CI collapses to the mean) > 0

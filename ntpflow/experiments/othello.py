@@ -21,9 +21,10 @@ are the board from the view of the player to move next (+1 own, −1 opponent, 0
 0 empty, 1 NTP-useless, 2 NTP-useful.
 
 Stage wall times and CPU times (of the process that did the stage's work; only of stages that did work in a call) are
-accumulated in ``out/timings.json``: ``{stage: wall seconds, "cpu_s": {stage: CPU seconds}}``. With ``workers`` ≥ 2
-the two training runs (stages 1 and 4) train side by side, each in its own worker process on the scale's threads,
-so each run's bits are those of training it alone.
+accumulated in ``out/timings.json``: ``{stage: wall seconds, "cpu_s": {stage: CPU seconds}, "steps": {training
+stage: steps it timed}}`` (a call cut off loses its record, so a resumed training times only its own steps). With
+``workers`` ≥ 2 the two training runs (stages 1 and 4) train side by side, each in its own worker process on the
+scale's threads, so each run's bits are those of training it alone.
 """
 
 from __future__ import annotations
@@ -214,18 +215,24 @@ class _Timer:
         self.data = read_json(path) if path.exists() else {}
 
     @contextmanager
-    def stage(self, name: str, done: bool):
-        """Time the ``with`` block as stage ``name`` and add it to the record, unless ``done`` (skipped)."""
+    def stage(self, name: str, done: bool, steps: int | None = None):
+        """Time the ``with`` block as stage ``name`` (of ``steps`` training steps) and add it to the record, unless
+        ``done`` (skipped)."""
         t0, c0 = time.perf_counter(), time.process_time()
         yield
         if not done:
-            self.add(name, time.perf_counter() - t0, time.process_time() - c0)
+            self.add(name, time.perf_counter() - t0, time.process_time() - c0, steps)
 
-    def add(self, name: str, wall_s: float, cpu_s: float) -> None:
-        """Add ``wall_s`` and ``cpu_s`` seconds to stage ``name`` and write the record."""
+    def add(self, name: str, wall_s: float, cpu_s: float, steps: int | None = None) -> None:
+        """Add ``wall_s`` and ``cpu_s`` seconds (and, for a training, the ``steps`` they trained: ``"steps"``) to
+        stage ``name`` and write the record. A training resumed from a call cut off before it recorded its time
+        covers only its own steps, so its seconds per step are read over those."""
         cpu = self.data.setdefault("cpu_s", {})
         self.data[name] = round(self.data.get(name, 0.0) + wall_s, 3)
         cpu[name] = round(cpu.get(name, 0.0) + cpu_s, 3)
+        if steps is not None:
+            timed = self.data.setdefault("steps", {})
+            timed[name] = timed.get(name, 0) + steps
         write_json(self.path, self.data)
 
 
@@ -266,6 +273,8 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
     accounts = {"vanilla": None if kept is None else replace(kept, chunks=scale.account_chunks,
                                                                  types=tuple(scale.squares)), "myopic": None}
     pending = [(name, c, run_dir, stage) for name, c, run_dir, stage in trainings if not Run(run_dir, c).done]
+    to_train = {stage: c.steps - max(Run(run_dir, c).checkpoints(), default=0)  # a resumed run: the steps left
+                for _, c, run_dir, stage in pending}
     gpus = gpu_count(device)
     if workers is None:
         workers = min(2, os.cpu_count() or 1) if resolve_device(device).type == "cpu" else 1
@@ -277,12 +286,12 @@ def run_othello(scale: str | OthelloScale, out: str | Path, *, device: str = "au
                                      for (name, c, _, _), d in zip(pending, dirs)],
                         workers, f"othello {scale.name} training", progress)
         for (*_, stage), r in zip(pending, done):
-            timer.add(stage, r["wall_s"], r["cpu_s"])
+            timer.add(stage, r["wall_s"], r["cpu_s"], to_train[stage])
     with on_threads(scale.threads):
         runs = {}
         for name, c, run_dir, stage in trainings:
             trained = Run(run_dir, c).done
-            with timer.stage(stage, trained):
+            with timer.stage(stage, trained, to_train.get(stage)):
                 if progress and not trained:
                     log.info("othello %s: training %s (%s)", scale.name, run_dir, name)
                 account = accounts[name]
@@ -364,6 +373,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         "timings": timings, "influence_read_at": influence_read_at([att.dir] if att.summary.exists() else []),
         "fragility": _fragility_record(layout), "pilots": scale.pilots,
         "readout": read_json(att.spec).get("readout") if att.spec.exists() else None,
+        "account_kept": run.account.spec.exists(),  # the influence read from the account kept while training
     }
 
 

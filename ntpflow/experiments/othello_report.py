@@ -111,12 +111,14 @@ def summarize(data: dict) -> dict:
     run = data.get("run") or {}
     timings = data.get("timings") or {}
     cfg = data.get("config") or {}
+    kept = bool(data.get("account_kept"))  # the vanilla run kept the exact account while training (no replay)
 
     summary = {
         "scale": data.get("scale"), "scale_note": data.get("scale_note", ""), "seed": data.get("seed"),
         "config": cfg, "n_params": data.get("n_params"), "sites": data.get("sites") or [],
         "squares": data.get("squares") or [], "settings": _settings(data), "timings": timings,
-        "step_times": _step_times(timings, cfg.get("steps")), "sign_convention": SIGN, "influence_unit": INFLUENCE_UNIT,
+        "step_times": _step_times(timings, cfg.get("steps"), kept), "sign_convention": SIGN,
+        "influence_unit": INFLUENCE_UNIT,
         "ci": ("two-sided 95% Student-t intervals; probe quality over squares (n ≤ 64), influence over units "
                "square × position × layer; lo/hi null when n < 2"),
         "run": {k: run.get(k) for k in ("legal_acc", "first_acc", "eval_loss")},
@@ -133,7 +135,7 @@ def summarize(data: dict) -> dict:
     }
     summary["claims"] = [c.to_dict() for c in othello_claims(summary)]
     summary["fragility"] = _fragility(data.get("fragility"), summary)
-    summary["cpu_time"] = _cpu_time(timings)
+    summary["cpu_time"] = _cpu_time(timings, cfg.get("steps"), kept)
     summary["pilots"] = data.get("pilots") or ""
     summary["pilots_repo"] = posixpath.normpath(f"docs/results/othello-{summary['scale']}/{summary['pilots']}")
     summary["n_squares"] = len(data.get("feature_names") or []) or 64
@@ -146,15 +148,25 @@ STAGES = {"train": "training (vanilla)", "train_myopic": "training (myopic)", "p
           "fragility": "fragility test", "attribution": "tracked replay"}
 
 
-def _cpu_time(timings: dict) -> dict:
+def _cpu_time(timings: dict, steps: int | None = None, kept: bool = False) -> dict:
     """Per stage of :data:`STAGES` the CPU seconds recorded (``timings["cpu_s"]``), else the wall seconds (stages
-    timed before CPU times were recorded), else nothing; and the total CPU hours of the stages with a CPU record.
+    timed before CPU times were recorded), else nothing; and the total CPU hours of the stages with a CPU record. A
+    training timed over fewer than its ``steps`` (resumed after a call cut off) says over how many; ``kept``: the
+    influence stage read the account kept while training (no replay).
     ``{"stages": [{stage, label, cpu_s, wall_s}], "total_cpu_h", "missing": [labels]}``."""
-    cpu = timings.get("cpu_s") or {}
-    rows = [{"stage": k, "label": label, "cpu_s": cpu.get(k), "wall_s": timings.get(k)} for k, label in STAGES.items()
+    cpu, timed = timings.get("cpu_s") or {}, timings.get("steps") or {}
+
+    def label(k: str) -> str:
+        if k == "attribution" and kept:
+            return "influence (read from the account kept while training)"
+        part = timed.get(k)
+        return ({"train": "training (vanilla, with the account)"}.get(k, STAGES[k]) if kept else STAGES[k]) + (
+            f", the last {part} of {steps} steps" if part is not None and steps and part < steps else "")
+
+    rows = [{"stage": k, "label": label(k), "cpu_s": cpu.get(k), "wall_s": timings.get(k)} for k in STAGES
             if finite(cpu.get(k)) or finite(timings.get(k))]
     return {"stages": rows, "total_cpu_h": sum(r["cpu_s"] for r in rows if finite(r["cpu_s"])) / 3600,
-            "missing": [label for k, label in STAGES.items() if not finite(cpu.get(k)) and not finite(timings.get(k))]}
+            "missing": [label(k) for k in STAGES if not finite(cpu.get(k)) and not finite(timings.get(k))]}
 
 
 def _fragility(record: dict | None, summary: dict) -> dict | None:
@@ -218,12 +230,15 @@ def _split(rows: list[dict], gap: bool) -> list[dict]:
     return [{k: v for k, v in r.items() if k != "type"} if gap else r for r in rows if (r["type"] == "gap") == gap]
 
 
-def _step_times(timings: dict, steps: int | None) -> dict:
-    """Seconds per training step and per tracked (replayed) step, from the stage timings."""
+def _step_times(timings: dict, steps: int | None, kept: bool = False) -> dict:
+    """Seconds per training step (over the steps the training stage timed, all ``steps`` when it does not say) and,
+    for a replay (not ``kept``: the account kept while training), per tracked step, from the stage timings."""
     step_times = {}
-    if steps and finite(timings.get("train")):
-        step_times["train_s_per_step"] = timings["train"] / steps
-    if steps and finite(timings.get("attribution")):
+    trained = (timings.get("steps") or {}).get("train", steps)
+    if trained and finite(timings.get("train")):
+        step_times["train_s_per_step"] = timings["train"] / trained
+        step_times["train_includes"] = "evaluations and the exact account" if kept else "evaluations"
+    if steps and finite(timings.get("attribution")) and not kept:
         step_times["tracked_s_per_step"] = timings["attribution"] / steps
     return step_times
 
