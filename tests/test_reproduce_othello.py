@@ -144,6 +144,16 @@ def test_runs_trained_side_by_side_are_those_trained_in_turn(smoke, tmp_path):
 
 
 @pytest.mark.one_thread
+def test_sanity_line_of_the_exact_account_says_the_two_sides_are_one_quantity(smoke):
+    """Read with the exact account (the smoke run keeps it while training), the full influence and the mismatch
+    removed are the same change of R on the readout, not a first-order approximation of it."""
+    report = (smoke / "report.md").read_text()
+    summary = json.loads((smoke / "summary.json").read_text())
+    assert summary["exact_account"] is not None
+    assert "equal up to the account's quadrature residual" in report and "agree only to first order" not in report
+
+
+@pytest.mark.one_thread
 def test_a_resumed_training_is_timed_over_its_own_steps(smoke, tmp_path):
     """A call cut off before it recorded its time leaves no record, so the call that resumes the run times only the
     steps it trains: its seconds per step are read over those, and the report says so."""
