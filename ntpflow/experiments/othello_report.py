@@ -157,11 +157,11 @@ def _cpu_time(timings: dict, steps: int | None = None, kept: bool = False) -> di
     cpu, timed = timings.get("cpu_s") or {}, timings.get("steps") or {}
 
     def label(k: str) -> str:
-        if k == "attribution" and kept:
+        if kept and k == "attribution":
             return "influence (read from the account kept while training)"
+        name = "training (vanilla, with the account)" if kept and k == "train" else STAGES[k]
         part = timed.get(k)
-        return ({"train": "training (vanilla, with the account)"}.get(k, STAGES[k]) if kept else STAGES[k]) + (
-            f", the last {part} of {steps} steps" if part is not None and steps and part < steps else "")
+        return name + (f", the last {part} of {steps} steps" if part is not None and steps and part < steps else "")
 
     rows = [{"stage": k, "label": label(k), "cpu_s": cpu.get(k), "wall_s": timings.get(k)} for k in STAGES
             if finite(cpu.get(k)) or finite(timings.get(k))]
