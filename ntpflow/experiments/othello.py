@@ -361,6 +361,7 @@ def gather(scale: OthelloScale, out: Path) -> dict:
               else {"paper": []})  # the SGD direction, for the claims' meaning checks (empty: not kept)
     sanity, mismatch = _held_out_records(att)
     timings = read_json(layout.timings) if layout.timings.exists() else {}
+    spec = read_json(att.spec) if att.spec.exists() else {}  # how the influence was read (none yet: {})
     return {
         "scale": scale.name, "scale_note": scale.note, "seed": cfg.seed, "train": scale.train,
         "config": cfg.to_dict(), "n_params": _n_params(run),
@@ -372,8 +373,8 @@ def gather(scale: OthelloScale, out: Path) -> dict:
         "optimizer": cfg.own_rows,
         "timings": timings, "influence_read_at": influence_read_at([att.dir] if att.summary.exists() else []),
         "fragility": _fragility_record(layout), "pilots": scale.pilots,
-        "readout": read_json(att.spec).get("readout") if att.spec.exists() else None,
-        "account_kept": run.account.spec.exists(),  # the influence read from the account kept while training
+        "readout": spec.get("readout"),
+        "account_kept": bool(spec.get("account")),  # the influence read from the account kept while training
     }
 
 
