@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The paper-scale toy study in one command: 2 tasks x 4 regimes x 10 seeds (3000 steps, d_model 128, 2 layers,
 # 4 heads, batch 256, lr 1e-3), each (task, regime) trained as one run group of 10 seeds; the 20 vanilla runs
-# replayed with influence tracking at layers 1-2 x positions 2-19; probes of the final and the step-0 weights; the
-# report. Work files go to results/toy-paper (resumable: rerun to continue); the report is copied to
+# keeping the exact account at layers 1-2 x positions 2-19 while their groups train (runs begun without it, as by
+# --no-replays, are replayed instead, one replay per group over the run axis); probes of the final and the step-0
+# weights; the report. Work files go to results/toy-paper (resumable: rerun to continue); the report is copied to
 # docs/results/toy-paper/. Meant for a GPU; see docs/run-groups.md for the time it needs. On a machine with several
 # GPUs the run groups (and then their replays) take the GPUs in turn, one job per GPU at a time.
 #

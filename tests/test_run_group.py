@@ -5,12 +5,14 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import ntpflow.runs.group as run_group
+from ntpflow.engine.exact import ExactAccount
 from ntpflow.files import SimulatedKill, load_tensors
 from ntpflow.model.gpt import GPT
 from ntpflow.model.loss import lm_loss
@@ -18,6 +20,7 @@ from ntpflow.model.sites import Site
 from ntpflow.model.stack import RunStack
 from ntpflow.replay.attribution import attribute, attribute_group
 from ntpflow.replay.spec import AttributionSpec
+from ntpflow.runs.account import AccountSpec
 from ntpflow.runs.config import REGIMES, TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets
 from ntpflow.runs.group import GroupData, group_step, stack_runs, train_group
@@ -355,28 +358,134 @@ def test_bad_groups_are_clean_errors_and_write_nothing(tmp_path):
         train_group(configs(), [tmp_path / "alone", tmp_path / "other"], progress=False)
 
 
+# ---------------------------------------------------------------- the account kept while a group trains
+
+ACCOUNT = AccountSpec((Site(1, 5),), readout=32, chunks=3)
+
+
+@pytest.fixture(scope="module")
+def accounted_group(tmp_path_factory):
+    """The group of ``group`` trained again, member 0 keeping the account at site 1:5 (readout 32, chunks of 4)."""
+    root = tmp_path_factory.mktemp("accounted")
+    cfgs = configs()
+    return train_group(cfgs, [root / f"a{c.seed}" for c in cfgs], progress=False, accounts=[ACCOUNT, None])
+
+
+def test_a_group_keeping_an_account_has_the_same_bits_and_attribute_reads_it(group, accounted_group, tmp_path):
+    """The weights are the group's without the account, bit for bit; member 0's attribution is read from its account
+    (no replay) and equals the replay of it (through its group's steps) to float32 rounding and quadrature; a group
+    attribution reads member 0 and replays member 1."""
+    _, _, plain = group
+    for a, b in zip(accounted_group, plain):
+        assert same_bits(weights(a), weights(b)) and a.metrics() == b.metrics()
+    member, other = accounted_group
+    assert (member.dir / "account" / "final.safetensors").exists() and not (other.dir / "account").exists()
+    spec = AttributionSpec([Site(1, 5)], ["is_majority_<0>", "is_majority_<1>"])
+    kept = attribute(member.dir, spec, out_dir=tmp_path / "kept", device="cpu", progress=False)
+    replayed = attribute(member.dir, replace(spec, replay=True, readout=32), out_dir=tmp_path / "replayed",
+                         device="cpu", progress=False)
+    a, b = (json.loads((o / "summary.json").read_text()) for o in (kept, replayed))
+    assert a["account"] and "account" not in b and len(a["probes"]) == len(b["probes"]) == 4
+    for x, y in zip(a["probes"], b["probes"]):
+        assert (x["feature"], x["mismatch"]) == (y["feature"], y["mismatch"])
+        for k in ("change", "adam_direct", "adam_pre_cached", "adam_shared", "adam_full", "sgd_direct", "sgd_full"):
+            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-4 * y["R0_eval"]), k
+    outs = attribute_group([r.dir for r in accounted_group], spec, out_dirs=[tmp_path / "g0", tmp_path / "g1"],
+                           device="cpu", progress=False)
+    specs = [json.loads((o / "spec.json").read_text()) for o in outs]
+    assert specs[0].get("account") is True and "account" not in specs[1]
+    assert (outs[0] / "influence.parquet").read_bytes() == (kept / "influence.parquet").read_bytes()
+
+
+def test_a_members_account_is_its_own_steps_account_float64():
+    """Exact maths: the account a member keeps inside a group (its state exported before each group step, the
+    account taken from there, the group stepping) equals the account of the same run trained alone, step for step
+    (float64; the group's batched kernels round differently from a lone run's, so to float64 rounding grown over four
+    Adam steps: measured 12 eps, bound 1e4 eps of each tensor's largest |value|)."""
+    cfgs = configs(seeds=(0, 1))
+    mcfg = model_config(cfgs[0], task_for(cfgs[0]))
+    models = [GPT(mcfg, seed=c.seed).double() for c in cfgs]
+    alone = GPT(mcfg, seed=1).double()
+    gen = torch.Generator().manual_seed(0)
+    held = torch.randint(0, mcfg.vocab_size, (6, mcfg.n_ctx), generator=gen)
+    batches = [(torch.randint(0, mcfg.vocab_size, (2, 8, mcfg.n_ctx), generator=gen),
+                torch.rand(2, 8, mcfg.n_ctx, generator=gen) > 0.3) for _ in range(4)]
+    stack, group_opt = stack_runs(models, [make_optimizer(m, cfgs[0]) for m in models], cfgs[0])
+    member = GPT(mcfg, seed=1).double()
+    member_opt = make_optimizer(member, cfgs[0])
+    sites = [Site(1, 5), Site(2, 3)]
+    kept = ExactAccount(member, member_opt, sites, held, levels=(8,), pieces=())
+    own = ExactAccount(alone, make_optimizer(alone, cfgs[0]), sites, held, levels=(8,), pieces=())
+    for tokens, mask in batches:
+        stack.export(1, group_opt, member, member_opt)
+        kept.account_step(tokens[1], mask[1])
+        group_step(stack, group_opt, tokens, mask)
+        own.train_step(tokens[1], mask[1])
+    assert len(kept.chunks) == len(own.chunks) == 4
+    for (i, x), (j, y) in zip(kept.chunks, own.chunks):
+        assert i == j and x.keys() == y.keys()
+        for k in x:
+            tol = 1e4 * torch.finfo(torch.float64).eps
+            torch.testing.assert_close(x[k], y[k], rtol=tol, atol=tol * float(y[k].abs().max()), msg=k)
+
+
+def test_a_killed_group_resumes_to_the_same_account(accounted_group, tmp_path, monkeypatch):
+    """Killed right after the checkpoint of step 4 (inside the chunk of steps 4–7), rerun: every chunk and the final
+    file of the member's account have the bits of the uninterrupted group's."""
+    cfgs = configs()
+    dirs = [tmp_path / f"a{c.seed}" for c in cfgs]
+    monkeypatch.setenv("NTPFLOW_FAULT", "train:after_checkpoint")
+    with pytest.raises(SimulatedKill):
+        train_group(cfgs, dirs, progress=False, accounts=[ACCOUNT, None])
+    monkeypatch.delenv("NTPFLOW_FAULT")
+    train_group(cfgs, dirs, progress=False, accounts=[ACCOUNT, None])
+    ref, got = accounted_group[0].account, Run.open(dirs[0]).account
+    assert [p.name for p in got.chunk_files()] == [p.name for p in ref.chunk_files()] and len(ref.chunk_files()) == 3
+    for a, b in zip(ref.chunk_files() + [ref.final], got.chunk_files() + [got.final]):
+        x, y = load_tensors(a), load_tensors(b)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), b.name
+
+
+def test_a_group_account_on_a_member_begun_without_it_is_refused(group, tmp_path):
+    """A member begun without the account cannot take one later (its early steps were not accounted for)."""
+    _, cfgs, runs = group
+    with pytest.raises(ValueError, match="trained without --account"):
+        train_group(cfgs, [r.dir for r in runs], progress=False, accounts=[ACCOUNT, None])
+    with pytest.raises(ValueError, match="one account"):
+        train_group(cfgs, [tmp_path / "x", tmp_path / "y"], progress=False, accounts=[ACCOUNT])
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.one_thread
 def test_paper_script_smoke(tmp_path):
-    """``scripts/paper_gpu.sh --smoke``: the paper scale's code path (run groups, tracked vanilla replays, report),
-    first with ``--no-replays`` (train and probe only), then again without it, which adds the replays."""
+    """``scripts/paper_gpu.sh --smoke``: the paper scale's code path (run groups, the tracked vanilla members keeping
+    the account while their group trains, report); then in another folder first with ``--no-replays`` (train and
+    probe only), then again without it, which adds the tracking by replaying the members begun without it."""
     env = {**os.environ, "PYTHON": sys.executable}
 
-    def script(*args):
-        res = subprocess.run(["bash", str(ROOT / "scripts" / "paper_gpu.sh"), "--smoke", *args, str(tmp_path / "w")],
+    def script(work, *args):
+        res = subprocess.run(["bash", str(ROOT / "scripts" / "paper_gpu.sh"), "--smoke", *args, str(tmp_path / work)],
                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
         assert res.returncode == 0, res.stderr[-2000:]
-        return json.loads((tmp_path / "w" / "data.json").read_text())
+        return json.loads((tmp_path / work / "data.json").read_text())
 
-    data = script("--no-replays")
-    assert len(data["runs"]) == 16 and data["influence"] == [] and not list((tmp_path / "w").glob("runs/*/attribution"))
-    data = script()
-    assert len(data["runs"]) == 16  # 2 tasks x 4 regimes x 2 seeds
-    assert {r["regime"] for r in data["influence"]} == {"vanilla"}
-    assert {(r["task"], r["seed"]) for r in data["influence"]} == {(t, s) for t in ("majority", "cond_majority")
-                                                                     for s in (0, 1)}
-    for d in (tmp_path / "w" / "runs").iterdir():
-        assert (d / "group.json").exists() and (d / "DONE").exists() and (d / "probes_init").exists()
-    assert (tmp_path / "w" / "report.md").exists()
+    def check(work, data, account):
+        assert len(data["runs"]) == 16  # 2 tasks x 4 regimes x 2 seeds
+        assert {r["regime"] for r in data["influence"]} == {"vanilla"}
+        assert {(r["task"], r["seed"]) for r in data["influence"]} == {(t, s) for t in ("majority", "cond_majority")
+                                                                         for s in (0, 1)}
+        for d in (tmp_path / work / "runs").iterdir():
+            assert (d / "group.json").exists() and (d / "DONE").exists() and (d / "probes_init").exists()
+            tracked = "vanilla" in d.name
+            assert (d / "account" / "final.safetensors").exists() == (account and tracked)
+            if tracked:
+                assert json.loads((d / "attribution" / "spec.json").read_text()).get("account", False) == account
+        assert (tmp_path / work / "report.md").exists()
+
+    check("w", script("w"), account=True)
+    data = script("w2", "--no-replays")
+    assert len(data["runs"]) == 16 and data["influence"] == [] and not list((tmp_path / "w2").glob("runs/*/attribution"))
+    check("w2", script("w2"), account=False)
 
 
 def test_paper_scale_is_eight_groups_of_ten_seeds():

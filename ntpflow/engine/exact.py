@@ -219,6 +219,18 @@ class ExactAccount(InfluenceTracker):
     def train_step(self, tokens: Tokens, loss_mask: Mask | None = None) -> torch.Tensor:
         """Take the training step of ``tokens`` [batch, T] (``loss_mask`` [batch, T]) and account for it; returns its
         loss (0-dim, before the step)."""
+        passes = self.account_step(tokens, loss_mask)
+        self.opt.zero_grad(set_to_none=True)
+        for p, g in zip(self.model.parameters(), passes.param_grads):
+            p.grad = g
+        self.opt.step()
+        return passes.loss
+
+    def account_step(self, tokens: Tokens, loss_mask: Mask | None = None) -> "SitePasses | _Summed | _Clipped":
+        """Account for the training step of ``tokens`` [batch, T] (``loss_mask`` [batch, T]) from the model and
+        optimizer as they are, without taking it; returns the step's passes (``param_grads``: the gradients the
+        optimizer takes, clipped; ``loss``). For a loop that steps the weights itself, as a run group does
+        (``ntpflow.runs.group``), with the model and optimizer holding the state before each step."""
         own, group = account_optimizer(self.opt)
         params = list(self.model.parameters())
         if self.shard.size == 1:
@@ -243,11 +255,7 @@ class ExactAccount(InfluenceTracker):
         if self.decay:
             decay = lr * group["weight_decay"] * torch.cat([p.detach().reshape(-1) for p in params])
         self._account_step(passes, lr, step, decay)
-        self.opt.zero_grad(set_to_none=True)
-        for p, g in zip(params, passes.param_grads):
-            p.grad = g
-        self.opt.step()
-        return passes.loss
+        return passes
 
     def _moments(self, g_full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The tracker's first moments (full [n_params], sites [n_sites, 2, n_params]), allocated on first use."""

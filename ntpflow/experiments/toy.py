@@ -1,10 +1,12 @@
 """The toy-task reproduction (docs/paper.md#majority): majority and conditioned majority in four regimes.
 
-``run_toy(scale, out)`` trains every (task, regime, seed), fits probes on the final and the untrained model,
-replays the runs of the tracked regimes with influence tracking at the tracked sites, and gathers everything into
-``out/data.json``. At the scales marked ``grouped`` the seeds of a (task, regime) train as one run group
-(``ntpflow.runs.group``): one batched model, written as ordinary run directories, and the tracked members of a group
-are replayed together in one replay of the group (``ntpflow.replay.attribution.attribute_group``).
+``run_toy(scale, out)`` trains every (task, regime, seed), the runs of the tracked regimes with the exact account at
+the tracked sites (``train --account``; a run begun without it is replayed instead), fits probes on the final and the
+untrained model, attributes the tracked runs from their accounts, and gathers everything into ``out/data.json``. At
+the scales marked ``grouped`` the seeds of a (task, regime) train as one run group (``ntpflow.runs.group``): one
+batched model, written as ordinary run directories, its tracked members keeping their accounts while it trains
+(members begun without one are replayed together in one replay of the group,
+``ntpflow.replay.attribution.attribute_group``).
 Every stage is resumable and skipped when finished, so an interrupted call continues where it stopped.
 """
 
@@ -26,6 +28,7 @@ from ntpflow.model.sites import Site, feature_name
 from ntpflow.probes import ProbeSet
 from ntpflow.replay.attribution import attribute_group, influence_read_at
 from ntpflow.replay.spec import AttributionSpec
+from ntpflow.runs.account import account_for
 from ntpflow.runs.config import REGIMES, TrainConfig
 from ntpflow.runs.group import train_group
 from ntpflow.runs.probe import load_or_probe
@@ -63,6 +66,7 @@ class ToyScale:
         return cfg.regime in self.tracked and (self.tracked_seeds is None or cfg.seed in self.tracked_seeds)
 
 
+READOUT = 256  # the exact account's readout set (at most the run's n_eval): the committed results'
 MOMENTUM_LR = 0.03  # the pilot's choice by its rule, fixed before it ran (docs/results/toy-momentum-pilot/README.md)
 MAX_CURVE_POINTS = 200  # influence curves keep at most about this many steps per run (the last step always)
 
@@ -105,7 +109,8 @@ SCALES = {
                       {"steps": 40, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 2_560, "n_eval": 512,
                        "eval_every": 20, "ckpt_every": 20},
                       curve_every=2),
-    # the paper scale's code path (run groups, tracked vanilla replays) at the smoke size: scripts/paper_gpu.sh --smoke
+    # the paper scale's code path (run groups, the tracked vanilla members keeping the account) at the smoke size:
+    # scripts/paper_gpu.sh --smoke
     "paper-smoke": ToyScale("paper-smoke", (0, 1), site_grid((1,), (5, 12)),
                             {"steps": 40, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 2_560,
                              "n_eval": 512, "eval_every": 20, "ckpt_every": 20},
@@ -125,24 +130,30 @@ def run_dir_name(cfg: TrainConfig) -> str:
     return f"{cfg.task}-{cfg.regime}-s{cfg.seed}"
 
 
-def _one_group(cfg_dicts: list[dict], run_dirs: list[str], device: str, threads: int, *, stages: bool = False) -> dict:
-    """Train the runs of one (task, regime) as one run group, then probe each (final and step 0), on ``threads``
-    torch threads (the caller's count is restored); stage lines when ``stages`` (see ``run_jobs``)."""
+def _one_group(cfg_dicts: list[dict], run_dirs: list[str], sites: list[list[tuple[int, int]]], device: str,
+               threads: int, *, stages: bool = False) -> dict:
+    """Train the runs of one (task, regime) as one run group, member r with the exact account at ``sites[r]`` (none:
+    without; a member begun without it stays so), then probe each (final and step 0), on ``threads`` torch threads
+    (the caller's count is restored); stage lines when ``stages`` (see ``run_jobs``)."""
+    cfgs = [TrainConfig.from_dict(d) for d in cfg_dicts]
+    accounts = [account_for(d, [Site(*s) for s in ss], min(READOUT, c.n_eval))
+                for c, d, ss in zip(cfgs, run_dirs, sites)]
     with on_threads(threads):
-        for run in train_group([TrainConfig.from_dict(d) for d in cfg_dicts], run_dirs, progress=stages):
+        for run in train_group(cfgs, run_dirs, progress=stages, accounts=accounts):
             load_or_probe(run, "final", device)
             load_or_probe(run, "init", device)
     return {"run_dirs": run_dirs}
 
 
-def _group_replay(run_dirs: list[str], sites: list[tuple[int, int]], features: list[str], device: str,
+def _group_attribution(run_dirs: list[str], sites: list[tuple[int, int]], features: list[str], device: str,
                   threads: int, reading: str = "exact", *, stages: bool = False) -> dict:
-    """Replay the tracked members ``run_dirs`` of one run group in one replay of the group (finished ones skipped),
-    on ``threads`` torch threads (the caller's count is restored); stage lines when ``stages``."""
+    """Attribute the tracked members ``run_dirs`` of one run group: read from their accounts, the members trained
+    without one in one replay of the group (finished ones skipped), on ``threads`` torch threads (the caller's count
+    is restored); stage lines when ``stages``."""
     with on_threads(threads):
-        n_eval = min(Run.open(d).cfg.n_eval for d in run_dirs)  # the committed results' readout: 256
+        n_eval = min(Run.open(d).cfg.n_eval for d in run_dirs)
         attribute_group(run_dirs, AttributionSpec([Site(*s) for s in sites], features, reading=reading,
-                                        readout=min(256, n_eval) if reading == "exact" else None),
+                                        readout=min(READOUT, n_eval) if reading == "exact" else None),
                         device=device, progress=stages)
     return {"run_dirs": run_dirs}
 
@@ -152,9 +163,10 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
             seeds: tuple[int, ...] | None = None, replays: bool = True, reading: str = "exact") -> Path:
     """Run (or resume) every run of ``scale`` (for ``tasks``, ``regimes`` and ``seeds``, a subset of the scale's)
     into ``out/runs`` and gather ``out/data.json``.
-    ``replays=False`` trains and probes only: the tracked replays (the costly part) are skipped, and the influence
-    claims come out not testable; a later call with ``replays=True`` adds them. ``reading`` is how the replays read
-    the influence (``ntpflow.replay.attribution.attribute``: the exact account by default). Returns ``out``."""
+    ``replays=False`` trains and probes only: the influence tracking (the costly part, the account or a replay) is
+    skipped, and the influence claims come out not testable; a later call with ``replays=True`` adds it by replaying
+    the tracked runs. ``reading`` is how the influence is read (``ntpflow.replay.attribution.attribute``: the exact
+    account by default, kept while training). Returns ``out``."""
     scale = resolve_scale(scale, SCALES, ToyScale)
     if seeds is not None:
         if not seeds or set(seeds) - set(scale.seeds):
@@ -178,16 +190,17 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
     def tracked(c: TrainConfig) -> bool:
         return replays and scale.is_tracked(c)
 
-    if scale.grouped:  # every seed of a (task, regime) at once, then the tracked replays
+    if scale.grouped:  # every seed of a (task, regime) at once (the tracked ones with the account), then attribute
         groups = {(c.task, c.regime): [g for g in configs if (g.task, g.regime) == (c.task, c.regime)]
                   for c in configs}
         on = job_devices(device, len(groups), gpus)
-        run_jobs(_one_group, [([{**c.to_dict(), "device": dev} for c in g], [run_dir[c] for c in g], dev, threads)
+        run_jobs(_one_group, [([{**c.to_dict(), "device": dev} for c in g], [run_dir[c] for c in g],
+                               [sites if tracked(c) and reading == "exact" else [] for c in g], dev, threads)
                               for g, dev in zip(groups.values(), on)], workers, f"toy {scale.name} groups", progress)
-        replays_of = [[run_dir[c] for c in g if tracked(c)] for g in groups.values()]  # one replay per group
-        run_jobs(_group_replay, [(dirs, sites, list(TRACKED[g[0].task]), dev, threads, reading)
-                                 for g, dirs, dev in zip(groups.values(), replays_of, on) if dirs], workers,
-                 f"toy {scale.name} replays", progress)
+        tracked_of = [[run_dir[c] for c in g if tracked(c)] for g in groups.values()]  # one attribution per group
+        run_jobs(_group_attribution, [(dirs, sites, list(TRACKED[g[0].task]), dev, threads, reading)
+                                 for g, dirs, dev in zip(groups.values(), tracked_of, on) if dirs], workers,
+                 f"toy {scale.name} attributions", progress)
     else:
         jobs = [({**c.to_dict(), "device": dev}, run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), dev,
                  threads, reading) for c, dev in zip(configs, job_devices(device, len(configs), gpus))]

@@ -80,19 +80,7 @@ def attribute(run_dir: str | Path, spec: AttributionSpec, *, out_dir: str | Path
     mc = run.model_config()
     extra = direction_probes(spec.directions, mc.n_layer, run.task.seq_len, mc.d_model, run.task.feature_names)
     features = None if spec.features is None else list(spec.features)
-    kept = None if spec.reading != "exact" or spec.replay else read_account(run)
-    if kept is not None and not ({*sites, *(p.site for p in extra)} <= set(kept.sites)
-                                 and spec.readout in (None, kept.spec["readout"])):
-        log.info("%s's account (sites %s, readout %d) does not cover this attribution: replaying the run", run.dir,
-                 ", ".join(f"{s.layer}:{s.pos}" for s in kept.sites), kept.spec["readout"])
-        kept = None
-    typed = [] if kept is None or not sites or run.datasets()[1].feature_types is None else [
-        f for f in (feature_name(f) for f in features or run.task.feature_names) if f not in kept.types]
-    if typed:
-        log.info("%s's task labels its features by type (e.g. Othello's squares) and its account keeps no per-type "
-                 "rows of %s (train --account-types): replaying the run", run.dir, ", ".join(typed[:5])
-                 + (f" and {len(typed) - 5} more" if len(typed) > 5 else ""))
-        kept = None
+    kept = covering_account(run, spec, sites, extra, features)
     if sites:
         check_features(run, features)  # before the output folder is made
     out = ensure_writable_dir(run.attribution(out_dir).dir)
@@ -101,6 +89,29 @@ def attribute(run_dir: str | Path, spec: AttributionSpec, *, out_dir: str | Path
             return _from_account(run, kept, out, sites, features, dev, device, extra, spec.matrices)
         return replay_member(run, out, sites, features, dev, device, spec.block, progress, spec.sgd_rows,
                              spec.reading == "midpoint", readout, extra, spec.matrices)
+
+
+def covering_account(run: Run, spec: AttributionSpec, sites: Sequence[Site], extra: Sequence[Probe],
+                     features: Sequence[str] | None) -> KeptAccount | None:
+    """The run's finished account if it answers ``spec`` at ``sites`` for ``features`` (None: all the task's) and
+    the directions ``extra`` without a replay: the exact reading, not ``spec.replay``, every site kept, the spec's
+    readout (if given) the account's, and the per-type rows of a task that labels its features by type; None
+    otherwise (the run is replayed; a kept account that does not cover says why in the log)."""
+    kept = None if spec.reading != "exact" or spec.replay else read_account(run)
+    if kept is None:
+        return None
+    if not ({*sites, *(p.site for p in extra)} <= set(kept.sites) and spec.readout in (None, kept.spec["readout"])):
+        log.info("%s's account (sites %s, readout %d) does not cover this attribution: replaying the run", run.dir,
+                 ", ".join(f"{s.layer}:{s.pos}" for s in kept.sites), kept.spec["readout"])
+        return None
+    typed = [] if not sites or run.datasets()[1].feature_types is None else [
+        f for f in (feature_name(f) for f in features or run.task.feature_names) if f not in kept.types]
+    if typed:
+        log.info("%s's task labels its features by type (e.g. Othello's squares) and its account keeps no per-type "
+                 "rows of %s (train --account-types): replaying the run", run.dir, ", ".join(typed[:5])
+                 + (f" and {len(typed) - 5} more" if len(typed) > 5 else ""))
+        return None
+    return kept
 
 
 def _from_account(run: Run, kept: KeptAccount, out: Path, sites: list[Site], features, dev, device,
@@ -150,6 +161,8 @@ def attribute_group(run_dirs: Sequence[str | Path], spec: AttributionSpec, *,
     member writes to its own folder (``out_dirs``, default ``RUN_DIR/attribution``); members already finished are
     skipped. The spec's sites, features, reading, readout, sgd_rows and block apply (the exact account by default,
     with each member's own readout set); directions, matrices and replay are for :func:`attribute` (one run).
+    A member trained with the account (``train_group(..., accounts=...)``) that covers the spec is read from it, as
+    :func:`attribute` reads one, and the others are replayed.
     """
     spec.check_group()
     runs = [Run.open(d) for d in run_dirs]
@@ -171,13 +184,18 @@ def attribute_group(run_dirs: Sequence[str | Path], spec: AttributionSpec, *,
         raise ValueError("the members need distinct output folders")
     dev = resolve_device(device if device != "auto" else runs[0].cfg.device)
     run_axis = run_axis and runs[0].task.sample(1, np.random.default_rng(0)).feature_types is None
+    kept = [covering_account(run, spec, sites, (), features) for run in runs]
     with ExitStack() as locks:
         for o in outs:  # one writer per attribution folder
             locks.enter_context(DirLock(o, force=force_unlock))
-        todo = [(r, m) for r, m in zip(index, (MemberReplay(run, o, sites, features, dev, device, spec.block,
-                                                        spec.sgd_rows, spec.reading == "midpoint", run_axis,
-                                                        readout)
-                                               for run, o in zip(runs, outs)))
+        for run, o, account in zip(runs, outs, kept):  # members trained with the account: read, not replayed
+            if account is not None:
+                _from_account(run, account, o, sites, features, dev, device, (), False)
+        replayed = [(r, run, o) for r, run, o, account in zip(index, runs, outs, kept) if account is None]
+        todo = [(r, m) for r, m in zip((r for r, _, _ in replayed),
+                                       (MemberReplay(run, o, sites, features, dev, device, spec.block, spec.sgd_rows,
+                                                     spec.reading == "midpoint", run_axis, readout)
+                                        for _, run, o in replayed))
                 if not m.done]
         if todo:
             group = GroupReplay(runs[0], dev, runs)

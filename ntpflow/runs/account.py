@@ -132,33 +132,37 @@ def check_accountable(run: Run, spec: dict) -> None:
                          "folder")
 
 
-class Accounted(Alone):
-    """One run trained alone with the exact account (a :class:`~ntpflow.runs.training.Stepper`): each step is the
-    account's (the same ordinary backward and optimizer step as ``train_step``, so the weights are the same bits)."""
+class RunAccount:
+    """The account one run keeps while it trains, as its ``RUN_DIR/account/spec.json`` says: an
+    :class:`~ntpflow.engine.exact.ExactAccount` on the run's model and optimizer whose finished chunks go to the
+    folder. Shared by a run trained alone (:class:`Accounted`) and the members of a run group
+    (``ntpflow.runs.group.Stacked``).
 
-    def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], device):
-        super().__init__(runs, models, opts, device)
-        (self.run,) = runs
-        self.folder = self.run.account
+    eval_tokens: the run's evaluation sequences [n_eval, pos] on the device (the readout is their first ``readout``);
+    eval_types: their feature-type labels [n_eval, pos, n_features] (numpy; only for an account that keeps types)."""
+
+    def __init__(self, run: Run, model: GPT, opt: torch.optim.Optimizer, eval_tokens: torch.Tensor,
+                 eval_types: np.ndarray | None):
+        self.run, self.folder = run, run.account
         spec = read_json(self.folder.spec)
-        tokens = self.evals[0]["tokens"][:spec["readout"]]
-        self.types = {}
+        tokens = eval_tokens[:spec["readout"]]
+        types = {}
         if spec.get("types"):
-            assert self.eval_set.feature_types is not None  # checked by AccountSpec.resolved
-            labels = torch.as_tensor(self.eval_set.feature_types[:spec["readout"]], device=self.device)
-            self.types = {f: labels[..., self.run.task.feature_names.index(f)].long() for f in spec["types"]}
-        self.account = ExactAccount(self.model, self.opt, [Site(*s) for s in spec["sites"]], tokens,
+            assert eval_types is not None  # checked by AccountSpec.resolved
+            labels = torch.as_tensor(eval_types[:spec["readout"]], device=tokens.device)
+            types = {f: labels[..., run.task.feature_names.index(f)].long() for f in spec["types"]}
+        self.account = ExactAccount(model, opt, [Site(*s) for s in spec["sites"]], tokens,
                                     chunk_steps=spec["chunk_steps"], sgd_rows=spec["sgd_rows"], rtol=spec["rtol"],
-                                    on_chunk=self._write_chunk, types=self.types)
+                                    on_chunk=self._write_chunk, types=types)
 
     def _write_chunk(self, first: int, tensors: dict[str, torch.Tensor]) -> None:
         if is_lead():
             save_tensors(self.folder.chunk(first), tensors, {"first": first, "config_hash": self.run.cfg.hash()})
 
-    def resume(self, start: int, states: list[dict[str, torch.Tensor]]) -> None:
-        """Restore the account saved with the checkpoint of step ``start`` (none: start over) and drop the chunks
-        written after it."""
-        tensors = {k[len("account."):]: v for k, v in (states[0] if states else {}).items() if k.startswith("account.")}
+    def resume(self, start: int, state: dict[str, torch.Tensor]) -> None:
+        """Restore the account saved with the checkpoint of step ``start`` (``state``: that checkpoint's tensors;
+        start 0: start over) and drop the chunks written after it."""
+        tensors = {k[len("account."):]: v for k, v in state.items() if k.startswith("account.")}
         if start and not tensors:
             raise ValueError(f"{self.run.dir}'s checkpoint of step {start} holds no account state (trained without "
                              "--account, or an older checkpoint: only the newest two keep it); train into another "
@@ -171,21 +175,19 @@ class Accounted(Alone):
                 sidecar(path).unlink(missing_ok=True)
                 path.unlink(missing_ok=True)
 
-    def step(self, step: int) -> torch.Tensor:
-        idx = self.order(step).to(self.device)
-        return self.account.train_step(self.data["tokens"][idx], self.data["loss_mask"][idx]).detach()[None]
-
-    def extra_state(self) -> list[dict[str, torch.Tensor]]:
-        return [{f"account.{k}": v for k, v in self.account.state_dict().items()}]
+    def state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of the account (``account.*``)."""
+        return {f"account.{k}": v for k, v in self.account.state_dict().items()}
 
     def finish(self) -> None:
-        """The last chunk, then θ*'s readout residuals and the counters (``final.safetensors``: the account is done)."""
+        """The last chunk, then θ*'s readout residuals and the counters (``final.safetensors``: the account is done),
+        from the model holding the final weights."""
         acc = self.account
         acc.end_chunk()  # every worker: the chunk is gathered
         if not is_lead():
             return
         with torch.no_grad():
-            resid = self.model(acc.tokens, return_resid=True, myopic="none")[1]
+            resid = acc.model(acc.tokens, return_resid=True, myopic="none")[1]
         labels = {f"types.{f}": lab for f, lab in acc.types.items()}
         save_tensors(self.folder.final, {f"final_resid.{s.layer}:{s.pos}": resid[s.layer][:, s.pos].to(torch.float64)
                                          for s in acc.sites} | labels,
@@ -194,6 +196,28 @@ class Accounted(Alone):
                       "rule": {"levels": list(acc.rule.levels), "pieces": list(acc.rule.pieces),
                                "rtol": acc.rule.rtol, "floor": acc.rule.floor, "stall": acc.rule.stall},
                       "config_hash": self.run.cfg.hash()})
+
+
+class Accounted(Alone):
+    """One run trained alone with the exact account (a :class:`~ntpflow.runs.training.Stepper`): each step is the
+    account's (the same ordinary backward and optimizer step as ``train_step``, so the weights are the same bits)."""
+
+    def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], device):
+        super().__init__(runs, models, opts, device)
+        self.kept = RunAccount(runs[0], self.model, self.opt, self.evals[0]["tokens"], self.eval_set.feature_types)
+
+    def resume(self, start: int, states: list[dict[str, torch.Tensor]]) -> None:
+        self.kept.resume(start, states[0] if states else {})
+
+    def step(self, step: int) -> torch.Tensor:
+        idx = self.order(step).to(self.device)
+        return self.kept.account.train_step(self.data["tokens"][idx], self.data["loss_mask"][idx]).detach()[None]
+
+    def extra_state(self) -> list[dict[str, torch.Tensor]]:
+        return [self.kept.state()]
+
+    def finish(self) -> None:
+        self.kept.finish()
 
 
 @dataclass(frozen=True)

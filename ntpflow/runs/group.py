@@ -12,9 +12,12 @@ Each member is an ordinary run directory (``config.json``, ``init``, ``metrics.j
     group.json   {"index": r, "members": [config dicts, in group order], "dirs": [member dirs relative to this one]}
 
 which says that it was trained in a group. A group trains through the loop of a single run
-(``ntpflow.runs.training.fit``: same cadence, checkpoints and resume) with the batched :class:`Stacked` step. Its replay (``ntpflow attribute``) goes through the same batched step
-(:func:`replay_stepper`), so the replay reproduces the run bit for bit. A killed group resumes from the last
-checkpoint that every member has, to the same bits.
+(``ntpflow.runs.training.fit``: same cadence, checkpoints and resume) with the batched :class:`Stacked` step. Members
+may keep the exact account while the group trains (``train_group(..., accounts=...)``: each such member's
+``RUN_DIR/account``, as ``train --account`` keeps one), read by ``attribute`` without a replay. A member trained
+without it is replayed: the replay (``ntpflow attribute``) goes through the same batched step
+(:func:`replay_stepper`), so it reproduces the run bit for bit. A killed group resumes from the last checkpoint that
+every member has, to the same bits (and the same accounts).
 """
 
 import logging
@@ -28,6 +31,7 @@ import torch
 from ntpflow.files import DirLock, ensure_writable_dir, write_json
 from ntpflow.model.gpt import GPT
 from ntpflow.model.stack import RunStack
+from ntpflow.runs.account import AccountSpec, RunAccount
 from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets, to_torch
 from ntpflow.runs.run import Run, load_latest, task_for
@@ -89,6 +93,7 @@ class GroupData:
             sets = [make_datasets(c, task) for c in cfgs]
         train = [to_torch(tr, device) for tr, _ in sets]
         self.evals = [to_torch(ev, device) for _, ev in sets]
+        self.eval_types = [ev.feature_types for _, ev in sets]  # [n_eval, pos, n_features] or None per member
         self.tokens = torch.stack([t["tokens"] for t in train])  # [R, n_train, pos]
         self.loss_mask = torch.stack([t["loss_mask"] for t in train])
         self.orders = [DataOrder(c.seed, c.n_train, c.batch_size) for c in cfgs]
@@ -138,21 +143,34 @@ def _prepare(runs: Sequence[Run]) -> None:
         prepare_run_dir(run)
 
 
-def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, progress: bool = True) -> list[Run]:
+def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, progress: bool = True,
+                accounts: Sequence[AccountSpec | None] | None = None) -> list[Run]:
     """Train the runs ``cfgs`` (one regime, different seeds) as one batched model into ``run_dirs``, resuming from
-    the last checkpoint that every member has. Returns the member Runs (each readable like one from ``train``)."""
+    the last checkpoint that every member has. Returns the member Runs (each readable like one from ``train``).
+
+    ``accounts``: per member, the exact account to keep while the group trains (``train --account``: the member's
+    ``RUN_DIR/account``, read by ``attribute`` without a replay), or None; the weights are the same bits either way."""
     cfgs, run_dirs = list(cfgs), [Path(d) for d in run_dirs]
     check_group(cfgs)
     if len(cfgs) != len(run_dirs) or len({d.resolve() for d in run_dirs}) != len(run_dirs):
         raise ValueError("a run group needs one distinct run directory per config")
+    accounts = list(accounts) if accounts is not None else [None] * len(cfgs)
+    if len(accounts) != len(cfgs):
+        raise ValueError("a run group takes one account (or None) per member")
     runs = [Run(d, c) for c, d in zip(cfgs, run_dirs)]
+    kept = [(run, spec) for run, spec in zip(runs, accounts) if spec is not None]
     for run in runs:
         run.task  # a bad task setting fails before anything is written
+    for run, spec in kept:
+        spec.check(run)  # bad sites or sizes too
     _prepare(runs)
     with ExitStack() as locks, kept_threads():
         for run in runs:  # one writer per run directory
             locks.enter_context(DirLock(run.dir))
         _prepare(runs)
+        for run, spec in kept:  # again under the lock
+            spec.check(run)
+            spec.prepare(run)
         if not all(run.done for run in runs):
             fit(runs, Stacked, progress=progress)
     return runs
@@ -160,15 +178,39 @@ def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, 
 
 class Stacked(PlainSteps):
     """The members of a run group stepping as one batched model (a :class:`~ntpflow.runs.training.Stepper`): the
-    models and Adams stacked (:func:`stack_runs`), one :func:`group_step` per step on the batches [R, batch, pos]."""
+    models and Adams stacked (:func:`stack_runs`), one :func:`group_step` per step on the batches [R, batch, pos].
+
+    A member whose run keeps an account (``RUN_DIR/account``, :class:`~ntpflow.runs.account.RunAccount`) has it
+    kept here: before each group step its state is copied into its own model and Adam, and its account takes the
+    step's account from there (``ExactAccount.account_step``: its own ordinary backward of its batch); the group then
+    steps as without accounts, so the weights are the same bits. The accounts are kept one member after another."""
 
     def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], device):
         self.data = GroupData([run.cfg for run in runs], device)
         self.evals, self.models, self.opts = self.data.evals, list(models), list(opts)
         self.stack, self.group_opt = stack_runs(self.models, self.opts, runs[0].cfg)
+        self.kept = {r: RunAccount(run, model, opt, ev["tokens"], types) for r, (run, model, opt, ev, types)
+                     in enumerate(zip(runs, self.models, self.opts, self.evals, self.data.eval_types))
+                     if run.account.spec.exists()}
 
     def step(self, step: int) -> torch.Tensor:
-        return group_step(self.stack, self.group_opt, *self.data.batch(step))
+        tokens, loss_mask = self.data.batch(step)
+        for r, kept in self.kept.items():
+            self.stack.export(r, self.group_opt, self.models[r], self.opts[r])
+            kept.account.account_step(tokens[r], loss_mask[r])
+        return group_step(self.stack, self.group_opt, tokens, loss_mask)
+
+    def resume(self, start: int, states: list[dict[str, torch.Tensor]]) -> None:
+        for r, kept in self.kept.items():
+            kept.resume(start, states[r] if states else {})
+
+    def extra_state(self) -> list[dict[str, torch.Tensor]]:
+        return [self.kept[r].state() if r in self.kept else {} for r in range(len(self.models))]
+
+    def finish(self) -> None:
+        self.members()  # the final weights in each member's model
+        for kept in self.kept.values():
+            kept.finish()
 
     def members(self) -> list[tuple[GPT, torch.optim.Optimizer]]:
         for r, (model, opt) in enumerate(zip(self.models, self.opts)):
