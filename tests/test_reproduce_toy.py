@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +10,10 @@ from _util import all_numbers
 
 from ntpflow.cli import main
 from ntpflow.experiments.claims import VERDICTS
+from ntpflow.runs.config import TrainConfig
 from ntpflow.runs.run import Run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +95,30 @@ def test_unknown_scale_is_a_clean_error(tmp_path, capsys):
     assert "seeds [3] are not seeds of scale smoke" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["reproduce", "toy", "--seeds", "0,a", "--out", str(tmp_path / "x")]) == 2
     assert "--seeds takes comma-separated integers" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["reproduce", "toy", "--scale", "medium-momentum-cond", "--tasks", "majority",
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "is for the task(s) ['cond_majority'], not ['majority']" in err and err.count("\n") == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_control_of_conditioned_majority_is_the_third_pilots_choice():
+    """Scale ``medium-momentum-cond`` trains what the third pilot trained (its file, committed before it ran) with
+    the pilot's seed as one of its five: every setting but the evaluation and checkpoint cadence, which do not touch
+    the training's bits."""
+    import tomllib
+
+    from ntpflow.experiments.toy import SCALES, run_configs
+
+    pilot = tomllib.loads((ROOT / "docs/results/toy-momentum-pilot/pilot-cond-long.toml").read_text())
+    (lr,) = pilot["grid"]["lr"]
+    want = TrainConfig(**{**pilot["settings"], "lr": lr})
+    scale = SCALES["medium-momentum-cond"]
+    got = run_configs(scale, scale.tasks, ("vanilla",))
+    assert [c.seed for c in got] == [0, 1, 2, 3, 4] and scale.tracked == ("vanilla",) and scale.tracked_seeds is None
+    cadence = ("eval_every", "ckpt_every", "device")
+    assert {k: v for k, v in got[0].to_dict().items() if k not in cadence} == \
+        {k: v for k, v in want.to_dict().items() if k not in cadence}
 
 
 @pytest.mark.one_thread

@@ -49,7 +49,7 @@ class ToyScale:
     """Settings of one scale. ``train`` holds TrainConfig overrides shared by all runs and ``task_train`` those of
     one task (e.g. its steps); ``grouped`` trains the seeds of each (task, regime) as one run group
     (``ntpflow.runs.group``); ``tracked`` names the regimes whose runs are replayed with influence tracking, and
-    ``tracked_seeds`` (None: all) which of their seeds."""
+    ``tracked_seeds`` (None: all) which of their seeds; ``tasks`` the tasks the scale is for (default both)."""
 
     name: str
     seeds: tuple[int, ...]
@@ -60,6 +60,7 @@ class ToyScale:
     tracked: tuple[str, ...] = REGIMES
     task_train: dict = field(default_factory=dict)
     tracked_seeds: tuple[int, ...] | None = None
+    tasks: tuple[str, ...] = TASKS
 
     def is_tracked(self, cfg: TrainConfig) -> bool:
         """Whether the run of ``cfg`` is replayed with influence tracking."""
@@ -104,6 +105,15 @@ SCALES = {
                                  "optimizer": "sgd", "momentum": 0.9, "lr": MOMENTUM_LR},
                                 curve_every=10, tracked=("vanilla",),
                                 task_train={"majority": {"steps": 3000}, "cond_majority": {"steps": 5000}}),
+    # the momentum-SGD control for conditioned majority: medium-momentum's constant rate does not learn it in 5000
+    # steps, and the third pilot (docs/results/toy-momentum-pilot, fixed 2026-12-07 before it ran) chose peak lr 0.1
+    # with a 200-step warmup and a cosine decay to 0.1 x the peak over 20,000 steps; medium's model, data and tracked
+    # sites, every seed tracked (run it with --regimes vanilla, as the claim reads)
+    "medium-momentum-cond": ToyScale("medium-momentum-cond", (0, 1, 2, 3, 4), site_grid((1,), (4, 6, 8, 14)),
+                                     {"n_train": 102_400, "n_eval": 10_240, "eval_every": 500, "ckpt_every": 200,
+                                      "optimizer": "sgd", "momentum": 0.9, "lr": 0.1, "warmup": 200,
+                                      "decay": "cosine", "final_lr_frac": 0.1, "steps": 20_000},
+                                     curve_every=100, tracked=("vanilla",), tasks=("cond_majority",)),
     # CI: a narrow model, 40 steps, two sites; checks the pipeline, not the science
     "smoke": ToyScale("smoke", (0,), site_grid((1,), (5, 12)),
                       {"steps": 40, "d_model": 32, "n_head": 2, "batch_size": 64, "n_train": 2_560, "n_eval": 512,
@@ -159,10 +169,10 @@ def _group_attribution(run_dirs: list[str], sites: list[tuple[int, int]], featur
 
 
 def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = None, device: str = "auto",
-            progress: bool = True, tasks: tuple[str, ...] = TASKS, regimes: tuple[str, ...] = REGIMES,
+            progress: bool = True, tasks: tuple[str, ...] | None = None, regimes: tuple[str, ...] = REGIMES,
             seeds: tuple[int, ...] | None = None, replays: bool = True, reading: str = "exact") -> Path:
-    """Run (or resume) every run of ``scale`` (for ``tasks``, ``regimes`` and ``seeds``, a subset of the scale's)
-    into ``out/runs`` and gather ``out/data.json``.
+    """Run (or resume) every run of ``scale`` (for ``tasks``, ``regimes`` and ``seeds``, a subset of the scale's;
+    None: all its tasks) into ``out/runs`` and gather ``out/data.json``.
     ``replays=False`` trains and probes only: the influence tracking (the costly part, the account or a replay) is
     skipped, and the influence claims come out not testable; a later call with ``replays=True`` adds it by replaying
     the tracked runs. ``reading`` is how the influence is read (``ntpflow.replay.attribution.attribute``: the exact
@@ -174,6 +184,10 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
                              f"{scale.name}; choose from {list(scale.seeds)}")
         scale = replace(scale, seeds=tuple(sorted(set(seeds))), tracked_seeds=None if scale.tracked_seeds is None
                         else tuple(s for s in scale.tracked_seeds if s in seeds))
+    tasks = scale.tasks if tasks is None else tasks
+    if set(tasks) <= set(TASKS) and set(tasks) - set(scale.tasks):
+        raise ValueError(f"scale {scale.name} is for the task(s) {list(scale.tasks)}, not "
+                         f"{sorted(set(tasks) - set(scale.tasks))}")
     for kind, given, known in (("task", tasks, TASKS), ("regime", regimes, REGIMES)):
         unknown = sorted(set(given) - set(known))
         if unknown or not given:

@@ -7,6 +7,7 @@ accumulators are summed and gathered. Worker 0 writes the run folder; the others
 compared at every checkpoint and at the end (they must be the same bits).
 """
 
+import gc
 import os
 import socket
 import subprocess
@@ -43,10 +44,14 @@ def join_workers(device: str) -> int:
 
 
 def leave_workers() -> None:
-    """Leave the workers' process group, once every worker is done (nothing alone)."""
+    """Leave the workers' process group, once every worker is done (nothing alone). The group's last references (in
+    reference cycles) are collected here, while the interpreter is whole: left to its teardown, a gloo worker aborted
+    ("terminate called without an active exception") in 2 of 20 exits of a 2-worker training, and in none of 60
+    with the collection."""
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        gc.collect()
 
 
 def is_lead() -> bool:
