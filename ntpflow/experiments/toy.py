@@ -156,7 +156,7 @@ def _one_group(cfg_dicts: list[dict], run_dirs: list[str], sites: list[list[tupl
 
 
 def _group_attribution(run_dirs: list[str], sites: list[tuple[int, int]], features: list[str], device: str,
-                  threads: int, reading: str = "exact", *, stages: bool = False) -> dict:
+                       threads: int, reading: str = "exact", *, stages: bool = False) -> dict:
     """Attribute the tracked members ``run_dirs`` of one run group: read from their accounts, the members trained
     without one in one replay of the group (finished ones skipped), on ``threads`` torch threads (the caller's count
     is restored); stage lines when ``stages``."""
@@ -213,7 +213,7 @@ def run_toy(scale: str | ToyScale, out: str | Path, *, workers: int | None = Non
                               for g, dev in zip(groups.values(), on)], workers, f"toy {scale.name} groups", progress)
         tracked_of = [[run_dir[c] for c in g if tracked(c)] for g in groups.values()]  # one attribution per group
         run_jobs(_group_attribution, [(dirs, sites, list(TRACKED[g[0].task]), dev, threads, reading)
-                                 for g, dirs, dev in zip(groups.values(), tracked_of, on) if dirs], workers,
+                                      for g, dirs, dev in zip(groups.values(), tracked_of, on) if dirs], workers,
                  f"toy {scale.name} attributions", progress)
     else:
         jobs = [({**c.to_dict(), "device": dev}, run_dir[c], sites if tracked(c) else [], list(TRACKED[c.task]), dev,

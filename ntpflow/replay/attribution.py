@@ -191,12 +191,10 @@ def attribute_group(run_dirs: Sequence[str | Path], spec: AttributionSpec, *,
         for run, o, account in zip(runs, outs, kept):  # members trained with the account: read, not replayed
             if account is not None:
                 _from_account(run, account, o, sites, features, dev, device, (), False)
-        replayed = [(r, run, o) for r, run, o, account in zip(index, runs, outs, kept) if account is None]
-        todo = [(r, m) for r, m in zip((r for r, _, _ in replayed),
-                                       (MemberReplay(run, o, sites, features, dev, device, spec.block, spec.sgd_rows,
-                                                     spec.reading == "midpoint", run_axis, readout)
-                                        for _, run, o in replayed))
-                if not m.done]
+        replays = [(r, MemberReplay(run, o, sites, features, dev, device, spec.block, spec.sgd_rows,
+                                    spec.reading == "midpoint", run_axis, readout))
+                   for r, run, o, account in zip(index, runs, outs, kept) if account is None]
+        todo = [(r, m) for r, m in replays if not m.done]
         if todo:
             group = GroupReplay(runs[0], dev, runs)
             axis = None
