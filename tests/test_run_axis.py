@@ -8,7 +8,7 @@ from ntpflow.engine.run_axis import RunAxisTracker
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
 from ntpflow.runs.config import REGIMES, TrainConfig
-from ntpflow.runs.group import group_step, stack_runs
+from ntpflow.runs.group import export_member, group_step, stack_runs
 from ntpflow.runs.run import model_config, task_for
 from ntpflow.runs.training import make_optimizer
 
@@ -59,7 +59,7 @@ def test_run_axis_rows_equal_separate_trackers_float64(regime, reading):
         mask = torch.rand(tokens.shape, generator=gen) > 0.2
         batched = axis.track(stack, group_opt, range(R), tokens, mask, ids)
         for r in range(R):
-            stack.export(r, group_opt, models[r], opts[r])
+            export_member(stack, r, group_opt, models[r], opts[r])
             rows = alone[r].track(models[r], opts[r], tokens[r], mask[r], example_ids=ids[r])
             assert [{**x, "value": 0} for x in batched[r]] == [{**x, "value": 0} for x in rows]
             want = torch.tensor([x["value"] for x in rows], dtype=torch.float64)

@@ -23,7 +23,7 @@ from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.account import AccountSpec
 from ntpflow.runs.config import REGIMES, TrainConfig
 from ntpflow.runs.data import DataOrder, make_datasets
-from ntpflow.runs.group import GroupData, group_step, stack_runs, train_group
+from ntpflow.runs.group import GroupData, export_member, group_step, stack_runs, train_group
 from ntpflow.runs.run import Checkpoints, Run, model_config, model_tensors, task_for
 from ntpflow.runs.training import TrainingDiverged, make_optimizer, train
 
@@ -35,6 +35,7 @@ TINY = dict(task="majority", steps=12, d_model=16, n_head=2, batch_size=16, n_tr
 # step; after TINY's 12 steps the measured gap is ~1e-6, the bound lr * steps / 10 = 1.2e-3 is far from any real
 # divergence (the weights move by ~lr * steps = 1.2e-2 in that time).
 TOL = 1e-3 * 12 / 10
+SGD = dict(optimizer="sgd", momentum=0.9, lr=0.1, warmup=3, decay="cosine", final_lr_frac=0.1)  # the control's kind
 
 
 def configs(regime="vanilla", seeds=(0, 1), **kw):
@@ -66,15 +67,18 @@ def test_run_axis_gradients_equal_separate_runs_float64(regime):
             torch.testing.assert_close(s.grad[r], p.grad, rtol=1e-10, atol=1e-13, msg=name)
 
 
-def test_one_adam_over_stacked_params_is_separate_adams():
-    """Adam is elementwise: a step of the stacked optimizer equals each run's own optimizer step (float64)."""
-    cfgs = configs(seeds=(0, 1))
+@pytest.mark.parametrize("optim", [{}, SGD], ids=["adam", "sgd-momentum-scheduled"])
+def test_one_optimizer_over_stacked_params_is_separate_optimizers(optim):
+    """Adam and SGD with momentum are elementwise, and a schedule is the same for every run: a step of the stacked
+    optimizer equals each run's own optimizer step, state and learning rate included (float64); ``export`` gives
+    each run's state back."""
+    cfgs = configs(seeds=(0, 1), **optim)
     mcfg = model_config(cfgs[0], task_for(cfgs[0]))
     models = [GPT(mcfg, seed=c.seed).double() for c in cfgs]
     opts = [make_optimizer(m, c) for m, c in zip(models, cfgs)]
     stack, group_opt = stack_runs(models, opts, cfgs[0])
     gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
+    for _ in range(5):
         for s in stack.stacked:
             s.grad = torch.randn(s.shape, generator=gen, dtype=s.dtype)
         for r, m in enumerate(models):
@@ -82,10 +86,19 @@ def test_one_adam_over_stacked_params_is_separate_adams():
                 p.grad = s.grad[r].clone()
             opts[r].step()
         group_opt.step()
+        assert group_opt.param_groups[0]["lr"] == opts[0].param_groups[0]["lr"]
     for r, m in enumerate(models):
         for s, (name, p) in zip(stack.stacked, m.named_parameters()):
             torch.testing.assert_close(s.detach()[r], p.detach(), rtol=1e-12, atol=1e-15, msg=name)
-            torch.testing.assert_close(group_opt.state[s]["exp_avg_sq"][r], opts[r].state[p]["exp_avg_sq"])
+        twin = GPT(mcfg).double()
+        twin_opt = make_optimizer(twin, cfgs[r])
+        export_member(stack, r, group_opt, twin, twin_opt)
+        assert twin_opt.param_groups[0]["lr"] == opts[r].param_groups[0]["lr"]
+        for p, q in zip(m.parameters(), twin.parameters()):
+            mine, theirs = opts[r].state[p], twin_opt.state[q]
+            assert mine.keys() == theirs.keys()
+            for k in mine:
+                torch.testing.assert_close(theirs[k], mine[k], rtol=1e-12, atol=1e-15, msg=k)
 
 
 def test_group_data_is_each_runs_own_order():
@@ -417,7 +430,7 @@ def test_a_members_account_is_its_own_steps_account_float64():
     kept = ExactAccount(member, member_opt, sites, held, levels=(8,), pieces=())
     own = ExactAccount(alone, make_optimizer(alone, cfgs[0]), sites, held, levels=(8,), pieces=())
     for tokens, mask in batches:
-        stack.export(1, group_opt, member, member_opt)
+        export_member(stack, 1, group_opt, member, member_opt)
         kept.account_step(tokens[1], mask[1])
         group_step(stack, group_opt, tokens, mask)
         own.train_step(tokens[1], mask[1])
@@ -454,6 +467,65 @@ def test_a_group_account_on_a_member_begun_without_it_is_refused(group, tmp_path
     with pytest.raises(ValueError, match="one account"):
         train_group(cfgs, [tmp_path / "x", tmp_path / "y"], progress=False, accounts=[ACCOUNT])
     assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- SGD with momentum on a schedule (the control)
+
+@pytest.fixture(scope="module")
+def sgd_group(tmp_path_factory):
+    """Two members trained with SGD with momentum 0.9 on a warmup-cosine schedule, member 0 keeping the account."""
+    root = tmp_path_factory.mktemp("sgd")
+    cfgs = configs(**SGD)
+    return cfgs, train_group(cfgs, [root / f"s{c.seed}" for c in cfgs], progress=False, accounts=[ACCOUNT, None])
+
+
+def test_an_sgd_group_is_its_runs_trained_alone_and_resumes_to_the_same_bits(sgd_group, tmp_path, monkeypatch):
+    """Each member is the run ``train`` makes alone, schedule included (weights within TOL, the first loss to float32
+    rounding); killed after a checkpoint, the group resumes on the schedule to the same bits and the same account."""
+    cfgs, runs = sgd_group
+    for c, run in zip(cfgs, runs):
+        alone = train(c, tmp_path / f"alone{c.seed}", progress=False)
+        for k, v in weights(alone).items():
+            assert (weights(run)[k] - v).abs().max() <= TOL, k
+        got, want = ([m["loss"] for m in r.metrics() if m["kind"] == "train"] for r in (run, alone))
+        assert got[0] == pytest.approx(want[0], rel=1e-5) and got[-1] == pytest.approx(want[-1], rel=1e-3)
+    dirs = [tmp_path / f"s{c.seed}" for c in cfgs]
+    monkeypatch.setenv("NTPFLOW_FAULT", "train:after_checkpoint")
+    with pytest.raises(SimulatedKill):
+        train_group(cfgs, dirs, progress=False, accounts=[ACCOUNT, None])
+    monkeypatch.delenv("NTPFLOW_FAULT")
+    resumed = train_group(cfgs, dirs, progress=False, accounts=[ACCOUNT, None])
+    for a, b in zip(resumed, runs):
+        assert same_bits(weights(a), weights(b)) and a.metrics() == b.metrics()
+    x, y = (load_tensors(r.account.final) for r in (runs[0], resumed[0]))
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_an_sgd_groups_account_and_replays_agree(sgd_group, tmp_path):
+    """Member 0's attribution read from the account it kept in the group equals its replay through the group's steps
+    (quadrature tolerance); the group replay over the run axis (momentum rows) gives member 1 the rows of its own
+    replay (float32 rounding: 1e3 eps of each column's largest |value|)."""
+    _, runs = sgd_group
+    spec = AttributionSpec([Site(1, 5)], ["is_majority_<0>"])
+    opts = dict(device="cpu", progress=False)
+    kept = attribute(runs[0].dir, spec, out_dir=tmp_path / "kept", **opts)
+    replayed = attribute(runs[0].dir, replace(spec, replay=True, readout=32), out_dir=tmp_path / "replayed", **opts)
+    a, b = (json.loads((o / "summary.json").read_text()) for o in (kept, replayed))
+    for x, y in zip(a["probes"], b["probes"]):
+        for k in ("change", "momentum_direct", "momentum_pre_cached", "momentum_full", "sgd_direct", "sgd_full"):
+            assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-4 * y["R0_eval"]), k
+    axis = attribute_group([r.dir for r in runs], replace(spec, replay=True, readout=32),
+                           out_dirs=[tmp_path / "g0", tmp_path / "g1"], **opts)
+    alone = attribute(runs[1].dir, replace(spec, readout=32), out_dir=tmp_path / "alone1", **opts)
+    assert json.loads((axis[1] / "spec.json").read_text())["run_axis"] is True
+    want, got = parquet_rows(alone), parquet_rows(axis[1])
+    assert {x["optimizer"] for x in want} == {"none", "sgd", "momentum"}
+    assert [{**x, "value": 0, "cumulative": 0} for x in got] == [{**x, "value": 0, "cumulative": 0} for x in want]
+    eps = torch.finfo(torch.float32).eps
+    for col in ("value", "cumulative"):
+        w = torch.tensor([x[col] for x in want], dtype=torch.float64)
+        torch.testing.assert_close(torch.tensor([x[col] for x in got], dtype=torch.float64), w, rtol=0,
+                                   atol=1e3 * eps * w.abs().max().item())
 
 
 @pytest.mark.one_thread

@@ -1,8 +1,8 @@
 """Influence tracking over a run axis: the tracked members of a run group in one pass per step.
 
 ``InfluenceTracker.influences`` (the whole tensor work of a tracked step) runs under ``torch.func.vmap`` over the
-members, with each member's weights, Adam state, first moments, batch, θ* projections and probe directions as the
-batched inputs. The ordinary backward is the ``torch.func`` one (``SitePasses(functional=True)``), since
+members, with each member's weights, Adam second moment (under Adam), first moments or momentum buffers, batch, θ*
+projections and probe directions as the batched inputs. The ordinary backward is the ``torch.func`` one (``SitePasses(functional=True)``), since
 ``torch.autograd`` does not see through vmap. One step therefore launches each kernel once for all R members, as the
 group's training step does (``ntpflow.runs.group``), instead of once per member.
 
@@ -23,7 +23,14 @@ from torch.func import functional_call, vmap
 
 from ntpflow.engine.decomposition import SitePasses
 from ntpflow.engine.forward_mode import Primals
-from ntpflow.engine.influence import AdamStep, InfluenceTracker, Readout, _check_optimizer, adam_second_moment
+from ntpflow.engine.influence import (
+    AdamStep,
+    InfluenceTracker,
+    MomentumStep,
+    Readout,
+    _check_optimizer,
+    adam_second_moment,
+)
 from ntpflow.model.gpt import GPT
 from ntpflow.model.stack import RunStack
 
@@ -67,33 +74,37 @@ class RunAxisTracker:
         self._views: list = []
         self._directions = torch.stack([t.directions for t in self.trackers])  # [R, n_probes, d_model]
 
-    def track(self, stack: RunStack, group_opt: torch.optim.Adam, members: Sequence[int], tokens: torch.Tensor,
+    def track(self, stack: RunStack, group_opt: torch.optim.Optimizer, members: Sequence[int], tokens: torch.Tensor,
               loss_mask: torch.Tensor, example_ids: torch.Tensor) -> list[list[dict]]:
         """Each tracked member's rows for this step (see the class docstring)."""
         kind, group = _check_optimizer(group_opt)
-        if kind != "adam":
-            raise ValueError("a run group trains with Adam")
         first = self.trackers[0]
         if len({t.step for t in self.trackers}) > 1:
             raise RuntimeError("the members tracked over a run axis must be at the same step")
         idx = torch.tensor(list(members), device=tokens.device)
         params = {n: s.detach()[idx] for n, s in zip(stack.names, stack.stacked)}
-        v_prev, t = adam_second_moment(group_opt, list(stack.stacked), idx)  # [R, n_params]
-        m_full, m_sites = self._moments(v_prev)
-        lr, betas, eps = group["lr"], group["betas"], group["eps"]
-        adam = (v_prev, t, betas, eps, m_full, m_sites)
+        n_params = sum(s[0].numel() for s in stack.stacked)
+        if kind == "adam":
+            v_prev, t = adam_second_moment(group_opt, list(stack.stacked), idx)  # [R, n_params]
+        else:  # SGD keeps no second moment: an empty stand-in, so every kind takes the same vmapped arguments
+            v_prev, t = stack.stacked[0].new_zeros((len(idx), 0)), 0
+        m_full, m_sites = self._moments(v_prev.new_zeros((len(idx), n_params)))
+        lr = group["lr"]
+        optim = (v_prev, _step_of(kind, group, t), m_full, m_sites)
         if first.readout is not None:
-            return self._track_exact(params, stack, tokens, loss_mask, lr, adam)
+            return self._track_exact(params, stack, tokens, loss_mask, lr, optim)
         final_proj = torch.stack([tr._cached_projections(i) for tr, i in zip(self.trackers, example_ids)])
         layout = []
+
+        v_prev, step_of, m_full, m_sites = optim
 
         def one(params, tokens, loss_mask, final_proj, w, v_prev, m_full, m_sites):
             def on(model):
                 passes = SitePasses(model, tokens, first.sites, loss_mask, functional=True)
                 midpoint = ((lambda step: self._midpoint(model, step, passes.primals.tokens)) if first.midpoint
                             else None)
-                values, lay = first.influences(passes, final_proj, w, None, lr,
-                                               AdamStep(v_prev, t, betas, eps, m_full, m_sites), midpoint)
+                values, lay = first.influences(passes, final_proj, w, None, lr, step_of(v_prev, m_full, m_sites),
+                                               midpoint)
                 layout.append(lay)
                 return values
 
@@ -107,10 +118,10 @@ class RunAxisTracker:
         return out
 
     def _track_exact(self, params: dict, stack: RunStack, tokens: torch.Tensor, loss_mask: torch.Tensor, lr: float,
-                     adam: tuple) -> list[list[dict]]:
+                     optim: tuple) -> list[list[dict]]:
         """Each member's rows of an exactly integrated step (``InfluenceTracker.exact_integral`` under vmap)."""
         first, trackers = self.trackers[0], self.trackers
-        v_prev, t, betas, eps, m_full, m_sites = adam
+        v_prev, step_of, m_full, m_sites = optim
         readout = _readout(first)  # the members' rule (the same for all, see __init__)
         ro_tokens = torch.stack([_readout(tr).tokens for tr in trackers])  # [R, N, n_pos]
         ro_proj = torch.stack([_readout(tr).final_proj for tr in trackers])  # [R, N, n_probes]
@@ -130,9 +141,8 @@ class RunAxisTracker:
                 def on(model):
                     passes = SitePasses(model, tokens, first.sites, loss_mask, functional=True)
                     points = lambda step, s: self._shifted(model, step, s, ro_tokens)  # noqa: E731
-                    *tensors, lay = first.exact_integral(passes, lr, AdamStep(v_prev, t, betas, eps, m_full, m_sites),
-                                                         points, n, ro_proj, w, None, update=level == 0,
-                                                         pieces=pieces)
+                    *tensors, lay = first.exact_integral(passes, lr, step_of(v_prev, m_full, m_sites), points, n,
+                                                         ro_proj, w, None, update=level == 0, pieces=pieces)
                     layout.append(lay)
                     return tuple(tensors)
 
@@ -192,6 +202,17 @@ class RunAxisTracker:
         buffers = {f"model.{n}": b for n, b in model.named_buffers()}
         top = self.trackers[0].top_layer  # the members' sites are the same
         return functional_call(self._bound, (moved, buffers), (lambda m: Primals(m, tokens, top),))
+
+
+def _step_of(kind: str, group: dict, t: int):
+    """``(v_prev, m_full, m_sites) -> AdamStep | MomentumStep | None``: one member's step of the group's optimizer
+    (``kind`` from ``_check_optimizer``, ``group`` its settings, ``t`` Adam's step number), on that member's second
+    moment (Adam) and the tracker's first moments or buffers; None for plain SGD."""
+    if kind == "adam":
+        return lambda v_prev, m_full, m_sites: AdamStep(v_prev, t, group["betas"], group["eps"], m_full, m_sites)
+    if kind == "momentum":
+        return lambda v_prev, m_full, m_sites: MomentumStep(group["momentum"], m_full, m_sites)
+    return lambda v_prev, m_full, m_sites: None
 
 
 def _readout(tracker: InfluenceTracker) -> Readout:

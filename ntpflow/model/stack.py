@@ -53,15 +53,6 @@ class RunStack(nn.Module):
         """Whether each run's weights are all finite: [R] bool (no sync)."""
         return torch.stack([torch.isfinite(s).flatten(1).all(1) for s in self.stacked]).all(0)
 
-    @torch.no_grad()
-    def export(self, r: int, group_opt: torch.optim.Optimizer, model: GPT, opt: torch.optim.Optimizer) -> None:
-        """Copy run r's weights and Adam state into an ordinary ``model`` and its optimizer ``opt``."""
-        model.load_state_dict({n: s[r] for n, s in zip(self.names, self.stacked)})
-        for s, p in zip(self.stacked, model.parameters()):
-            st = group_opt.state.get(s)
-            if st:
-                opt.state[p] = {"step": st["step"].clone(), "exp_avg": st["exp_avg"][r].clone(),
-                                "exp_avg_sq": st["exp_avg_sq"][r].clone()}
-            else:
-                opt.state.pop(p, None)
-
+    def member(self, r: int) -> dict[str, torch.Tensor]:
+        """Run r's parameters by name (views of the stacked ones)."""
+        return {n: s[r] for n, s in zip(self.names, self.stacked)}

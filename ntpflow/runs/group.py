@@ -1,8 +1,8 @@
 """Run groups: R runs of one regime (seeds) trained as one batched model, each written as an ordinary run directory.
 
 Every parameter gets a leading run axis ``[R, ...]``. ``torch.func.vmap`` over ``functional_call`` runs the R models
-on their own batches ``[R, batch, pos]`` in one pass, and one Adam over the stacked parameters is R separate Adams
-(Adam is elementwise). Member r uses exactly its own config: its seed's initial weights, its training set and its
+on their own batches ``[R, batch, pos]`` in one pass, and one optimizer over the stacked parameters is R separate
+ones (Adam and SGD with momentum are elementwise; a learning-rate schedule is the same for every member). Member r uses exactly its own config: its seed's initial weights, its training set and its
 data order (``DataOrder``), so it is the run ``train`` would make, up to the last bits of the arithmetic: batched
 kernels may round differently from the single-run ones (measured in docs/run-groups.md).
 
@@ -38,6 +38,7 @@ from ntpflow.runs.run import Run, load_latest, task_for
 from ntpflow.runs.threads import kept_threads
 from ntpflow.runs.training import (
     PlainSteps,
+    Scheduled,
     fit,
     init_members,
     make_optimizer,
@@ -54,23 +55,53 @@ PER_RUN = ("seed", "data_seed")  # the config fields in which the members of a g
 
 def stack_runs(models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], cfg: TrainConfig
                ) -> tuple[RunStack, torch.optim.Optimizer]:
-    """One RunStack of ``models`` (on their device) and one Adam holding their optimizers' states stacked."""
+    """One RunStack of ``models`` (on their device) and one optimizer of ``cfg`` (Adam or SGD, on its schedule) holding
+    their optimizers' states stacked: each state tensor shaped as its parameter stacked over the runs, any other
+    (Adam's step count, the same in every run) and the settings (a schedule's step count) taken from the first."""
     stack = RunStack(models).to(next(models[0].parameters()).device)
     group_opt = make_optimizer(stack, cfg)
     for i, s in enumerate(stack.stacked):
-        states = [o.state.get(list(m.parameters())[i]) for m, o in zip(models, opts)]
+        params = [list(m.parameters())[i] for m in models]
+        states = [o.state.get(p) for p, o in zip(params, opts)]
         present = [st for st in states if st]
         if len(present) == len(states):
-            group_opt.state[s] = {"step": present[0]["step"].clone(),
-                                  "exp_avg": torch.stack([st["exp_avg"] for st in present]),
-                                  "exp_avg_sq": torch.stack([st["exp_avg_sq"] for st in present])}
+            group_opt.state[s] = {k: torch.stack([st[k] for st in present]) if _per_param(v, params[0])
+                                  else v.clone() if torch.is_tensor(v) else v for k, v in present[0].items()}
         elif present:
             raise ValueError("the runs of a group must resume from the same step")
+    group_opt.param_groups[0].update({k: v for k, v in opts[0].param_groups[0].items() if k != "params"})
+    if isinstance(group_opt, Scheduled):
+        group_opt.schedule_at(group_opt.steps_taken())
     return stack, group_opt
 
 
+@torch.no_grad()
+def export_member(stack: RunStack, r: int, group_opt: torch.optim.Optimizer, model: GPT,
+                  opt: torch.optim.Optimizer) -> None:
+    """Copy run r's weights and optimizer state out of the group into an ordinary ``model`` and its optimizer ``opt``
+    (made by ``make_optimizer`` from the group's config): the inverse of :func:`stack_runs`. Each state tensor shaped
+    as its stacked parameter gives run r's row, any other (Adam's step count) is copied whole, and so are the group's
+    settings (the learning rate, a schedule's step count)."""
+    model.load_state_dict(stack.member(r))
+    for s, p in zip(stack.stacked, model.parameters()):
+        st = group_opt.state.get(s)
+        if st:
+            opt.state[p] = {k: (v[r] if v.shape == s.shape else v).clone() if torch.is_tensor(v) else v
+                            for k, v in st.items()}
+        else:
+            opt.state.pop(p, None)
+    opt.param_groups[0].update({k: v for k, v in group_opt.param_groups[0].items() if k != "params"})
+    if isinstance(opt, Scheduled):
+        opt.schedule_at(opt.steps_taken())
+
+
+def _per_param(value, param: torch.Tensor) -> bool:
+    """Whether an optimizer state ``value`` is a tensor shaped as its parameter (a moment, a momentum buffer)."""
+    return torch.is_tensor(value) and value.shape == param.shape
+
+
 def group_step(stack: RunStack, opt: torch.optim.Optimizer, tokens: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """One Adam step of every run on its own batch (tokens, loss_mask [R, batch, pos]); returns the losses [R].
+    """One optimizer step of every run on its own batch (tokens, loss_mask [R, batch, pos]); returns the losses [R].
 
     The losses are summed before the backward pass: run r's parameters only reach its own loss, so each gets
     exactly its own gradient."""
@@ -109,10 +140,6 @@ def check_group(cfgs: Sequence[TrainConfig]) -> None:
     """ValueError unless the configs differ only in ``seed`` and ``data_seed`` (one regime, one schedule)."""
     if not cfgs:
         raise ValueError("a run group needs at least one run")
-    if cfgs[0].scheduled:
-        raise ValueError("a run group has no learning-rate schedule (warmup/decay): train such runs alone")
-    if cfgs[0].optimizer != "adam":
-        raise ValueError("a run group trains with Adam: train optimizer=sgd runs alone")
     base = {k: v for k, v in cfgs[0].to_dict().items() if k not in PER_RUN}
     for c in cfgs[1:]:
         diff = sorted(k for k, v in c.to_dict().items() if k not in PER_RUN and base[k] != v)
@@ -178,10 +205,10 @@ def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, 
 
 class Stacked(PlainSteps):
     """The members of a run group stepping as one batched model (a :class:`~ntpflow.runs.training.Stepper`): the
-    models and Adams stacked (:func:`stack_runs`), one :func:`group_step` per step on the batches [R, batch, pos].
+    models and optimizers stacked (:func:`stack_runs`, :func:`export_member`), one :func:`group_step` per step on the batches [R, batch, pos].
 
     A member whose run keeps an account (``RUN_DIR/account``, :class:`~ntpflow.runs.account.RunAccount`) has it
-    kept here: before each group step its state is copied into its own model and Adam, and its account takes the
+    kept here: before each group step its state is copied into its own model and optimizer, and its account takes the
     step's account from there (``ExactAccount.account_step``: its own ordinary backward of its batch); the group then
     steps as without accounts, so the weights are the same bits. The accounts are kept one member after another."""
 
@@ -196,7 +223,7 @@ class Stacked(PlainSteps):
     def step(self, step: int) -> torch.Tensor:
         tokens, loss_mask = self.data.batch(step)
         for r, kept in self.kept.items():
-            self.stack.export(r, self.group_opt, self.models[r], self.opts[r])
+            export_member(self.stack, r, self.group_opt, self.models[r], self.opts[r])
             kept.account.account_step(tokens[r], loss_mask[r])
         return group_step(self.stack, self.group_opt, tokens, loss_mask)
 
@@ -214,7 +241,7 @@ class Stacked(PlainSteps):
 
     def members(self) -> list[tuple[GPT, torch.optim.Optimizer]]:
         for r, (model, opt) in enumerate(zip(self.models, self.opts)):
-            self.stack.export(r, self.group_opt, model, opt)
+            export_member(self.stack, r, self.group_opt, model, opt)
         return list(zip(self.models, self.opts))
 
     def weights_finite(self) -> torch.Tensor:
@@ -224,7 +251,7 @@ class Stacked(PlainSteps):
 class GroupReplay:
     """Advances the replays of members of a run group as the group trained them: the whole group takes each step
     (rebuilt from the members' common training checkpoint on the first call), then each joined member r's weights
-    and Adam state are copied into its replay's ``model`` and ``opt``. ``join(r, model, opt)`` adds member r, whose
+    and optimizer state are copied into its replay's ``model`` and ``opt``. ``join(r, model, opt)`` adds member r, whose
     ``model`` must hold the group's state at the next step. Call as ``stepper(step, *batch)``: any batch given is
     ignored, the group's batches [R, batch, pos] are recomputed here."""
 
@@ -269,20 +296,20 @@ class GroupReplay:
             self._check(r, model)
 
     def state(self, step: int) -> tuple[RunStack, torch.optim.Optimizer]:
-        """The group's stacked weights and Adam before ``step`` (brought there first, if they are elsewhere)."""
+        """The group's stacked weights and optimizer before ``step`` (brought there first, if they are elsewhere)."""
         if step != self.next_step:
             self._seek(step)
         assert self.stack is not None and self.group_opt is not None  # set by _seek
         return self.stack, self.group_opt
 
     def __call__(self, step: int, *batch, export: bool = True) -> None:
-        """Take the group's ``step``; then, with ``export``, copy each joined member's state into its model and Adam
+        """Take the group's ``step``; then, with ``export``, copy each joined member's state into its model and optimizer
         (a caller that reads them only now and then may skip it in between)."""
         stack, group_opt = self.state(step)
         group_step(stack, group_opt, *self.data.batch(step))
         if export:
             for r, (model, opt) in self.members.items():
-                stack.export(r, group_opt, model, opt)
+                export_member(stack, r, group_opt, model, opt)
         self.next_step = step + 1
 
 

@@ -421,67 +421,68 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     return torch.optim.Adam(model.parameters(), lr=cfg.lr, **kw)
 
 
-class _Scheduled:
+class Scheduled:
     """An optimizer (mixed in before it) whose groups' ``lr`` is always that of the step it takes next, ``cfg.lr_at``,
     so a checkpoint, a resumed run, an account and a replay that read ``lr`` before the step all see the step's rate.
-    The count of steps taken is restored by ``load_state_dict`` (:meth:`_taken`). Not for a run group (its stacked
-    Adam is rebuilt by hand, ``runs.group``), which refuses a schedule."""
+    The count of steps taken is restored by ``load_state_dict`` (:meth:`steps_taken`); a run group's stacked optimizer
+    (``runs.group``) is put on its members' step by :meth:`schedule_at`."""
 
     param_groups: list[dict]
     schedule_only = True  # steps as its base does (the account and the tracker accept it: engine.influence.plain_sgd)
 
     def _start(self, cfg: TrainConfig) -> None:
         self._lr_at, self._next = cfg.lr_at, 0
-        self._set(0)
+        self.schedule_at(0)
 
-    def _set(self, step: int) -> None:
+    def schedule_at(self, step: int) -> None:
+        """Set the rate of step ``step`` (the next step to take)."""
         self._next = step
         for group in self.param_groups:
             group["lr"] = self._lr_at(step)
 
-    def _taken(self) -> int:
+    def steps_taken(self) -> int:
         """Steps taken, from the loaded state."""
         raise NotImplementedError
 
     def step(self, closure=None):
         """The optimizer's step at the rate of step ``_next``; then the rate of the following step."""
-        self._set(self._next)
+        self.schedule_at(self._next)
         loss = super().step(closure)  # type: ignore[misc]
-        self._set(self._next + 1)
+        self.schedule_at(self._next + 1)
         return loss
 
     def load_state_dict(self, state_dict) -> None:
         """The optimizer's ``load_state_dict``, then the rate of the next step from the loaded step count."""
         super().load_state_dict(state_dict)  # type: ignore[misc]
-        self._set(self._taken())
+        self.schedule_at(self.steps_taken())
 
 
-class ScheduledAdam(_Scheduled, torch.optim.Adam):
-    """Adam on the schedule of ``cfg`` (:class:`_Scheduled`), its steps counted by Adam's own step count."""
+class ScheduledAdam(Scheduled, torch.optim.Adam):
+    """Adam on the schedule of ``cfg`` (:class:`Scheduled`), its steps counted by Adam's own step count."""
 
     def __init__(self, params, cfg: TrainConfig, **kw):
         torch.optim.Adam.__init__(self, params, lr=cfg.lr_at(0), **kw)
         self._start(cfg)
 
-    def _taken(self) -> int:
+    def steps_taken(self) -> int:
         taken = [int(st["step"]) for st in self.state.values() if "step" in st]
         return taken[0] if taken else 0
 
 
-class ScheduledSGD(_Scheduled, torch.optim.SGD):
-    """SGD (with ``momentum``) on the schedule of ``cfg`` (:class:`_Scheduled`). SGD keeps no step count, so each
+class ScheduledSGD(Scheduled, torch.optim.SGD):
+    """SGD (with ``momentum``) on the schedule of ``cfg`` (:class:`Scheduled`). SGD keeps no step count, so each
     group carries one, ``steps_taken``, saved and restored with the optimizer's state."""
 
     def __init__(self, params, cfg: TrainConfig, **kw):
         torch.optim.SGD.__init__(self, params, lr=cfg.lr_at(0), **kw)
         self._start(cfg)
 
-    def _set(self, step: int) -> None:
-        super()._set(step)
+    def schedule_at(self, step: int) -> None:
+        super().schedule_at(step)
         for group in self.param_groups:
             group["steps_taken"] = step
 
-    def _taken(self) -> int:
+    def steps_taken(self) -> int:
         return int(self.param_groups[0].get("steps_taken", 0))
 
 
