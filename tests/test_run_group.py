@@ -67,18 +67,22 @@ def test_run_axis_gradients_equal_separate_runs_float64(regime):
             torch.testing.assert_close(s.grad[r], p.grad, rtol=1e-10, atol=1e-13, msg=name)
 
 
-@pytest.mark.parametrize("optim", [{}, SGD], ids=["adam", "sgd-momentum-scheduled"])
+@pytest.mark.parametrize("optim", [{}, dict(warmup=2, decay="cosine"), SGD],
+                         ids=["adam", "adam-scheduled", "sgd-momentum-scheduled"])
 def test_one_optimizer_over_stacked_params_is_separate_optimizers(optim):
     """Adam and SGD with momentum are elementwise, and a schedule is the same for every run: a step of the stacked
-    optimizer equals each run's own optimizer step, state and learning rate included (float64); ``export`` gives
-    each run's state back."""
+    optimizer equals each run's own optimizer step, state and learning rate included (float64), also after the group
+    is rebuilt from its members' optimizers mid-schedule (as a resumed group is); ``export_member`` gives each run's
+    state back."""
     cfgs = configs(seeds=(0, 1), **optim)
     mcfg = model_config(cfgs[0], task_for(cfgs[0]))
     models = [GPT(mcfg, seed=c.seed).double() for c in cfgs]
     opts = [make_optimizer(m, c) for m, c in zip(models, cfgs)]
     stack, group_opt = stack_runs(models, opts, cfgs[0])
     gen = torch.Generator().manual_seed(1)
-    for _ in range(5):
+    for step in range(5):
+        if step == 3:  # a resumed group: stacked again from the members' models and optimizers
+            stack, group_opt = stack_runs(models, opts, cfgs[0])
         for s in stack.stacked:
             s.grad = torch.randn(s.shape, generator=gen, dtype=s.dtype)
         for r, m in enumerate(models):

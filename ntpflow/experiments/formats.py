@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from ntpflow.runs.config import TrainConfig
 from ntpflow.stats import has_ci, mean_of
@@ -17,6 +22,19 @@ COMPONENTS = ("direct", "pre_cached", "shared")
 MISMATCHES = ("centred", "paper")  # R_c = var_b d_b and the paper's R = mean_b d_b² (docs/experiments/toy.md)
 COMPONENT_LABELS = {"direct": "direct", "pre_cached": "pre-cached", "shared": "shared", "full": "full (= sum)"}
 TRAIN_KEYS = ("steps", "batch_size", "lr", "n_layer", "d_model", "n_head", "n_train", "n_eval")
+
+
+def reading_rows(influence: Path, own: str) -> list[dict]:
+    """The whole-batch rows (feature type −1) of an attribution's ``influence.parquet`` that a report reads: the run's
+    own split ``own`` (``TrainConfig.own_rows``) and the SGD direction ("sgd") where the replay kept it; columns step,
+    layer, pos, feature, mismatch, component, optimizer, cumulative."""
+    table = pq.read_table(influence)
+    # pyarrow.compute functions are generated at import; not in the stubs
+    table = table.filter(pc.and_(  # pyright: ignore[reportAttributeAccessIssue]
+        pc.is_in(table["optimizer"], pa.array([own, "sgd"])),  # pyright: ignore[reportAttributeAccessIssue]
+        pc.equal(table["feature_type"], -1)))  # pyright: ignore[reportAttributeAccessIssue]
+    return table.select(["step", "layer", "pos", "feature", "mismatch", "component", "optimizer",
+                         "cumulative"]).to_pylist()
 
 
 def mismatch_summary(paper: list[dict], centred: list[dict] | None, records: list[dict], keys: tuple[str, ...]) -> dict:

@@ -27,12 +27,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 import torch
 
-from ntpflow.experiments.formats import curve_steps
+from ntpflow.experiments.formats import curve_steps, reading_rows
 from ntpflow.experiments.parallel import one_run, run_jobs, run_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.experiments.stories_report import write_report
@@ -278,14 +275,8 @@ def gather(scale: StoriesScale, out: Path, configs: list[TrainConfig]) -> dict:
         att = run.attribution()
         if not att.done:  # a regime the scale does not replay: trained and probed only
             continue
-        table = pq.read_table(att.influence)
         own = cfg.own_rows  # the run's own split; the SGD direction ("sgd") beside it where the replay kept it
-        # pyarrow.compute functions are generated at import; not in the stubs
-        table = table.filter(pc.and_(  # pyright: ignore[reportAttributeAccessIssue]
-            pc.is_in(table["optimizer"], pa.array([own, "sgd"])),  # pyright: ignore[reportAttributeAccessIssue]
-            pc.equal(table["feature_type"], -1)))  # pyright: ignore[reportAttributeAccessIssue]
-        rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "optimizer",
-                             "cumulative"]).to_pylist()
+        rows = reading_rows(att.influence, own)
         last = max(r["step"] for r in rows)
         on_curve = curve_steps((r["step"] for r in rows), scale.curve_every)
         cacc = defaultdict(list)

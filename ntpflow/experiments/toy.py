@@ -16,11 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
-
-from ntpflow.experiments.formats import curve_steps
+from ntpflow.experiments.formats import curve_steps, reading_rows
 from ntpflow.experiments.parallel import gpu_count, job_devices, on_threads, one_run, run_jobs, run_threads
 from ntpflow.experiments.scales import resolve_scale, site_grid
 from ntpflow.files import ensure_writable_dir, read_json, write_json
@@ -251,14 +247,8 @@ def gather(scale: ToyScale, out: Path, configs: list[TrainConfig], replays: bool
             continue
         att = run.attribution()
         attributed.append(att.dir)
-        table = pq.read_table(att.influence)
         own = cfg.own_rows  # the run's own split; the SGD direction ("sgd") beside it where the replay kept it
-        # pyarrow.compute functions are generated at import; not in the stubs
-        table = table.filter(pc.and_(  # pyright: ignore[reportAttributeAccessIssue]
-            pc.is_in(table["optimizer"], pa.array([own, "sgd"])),  # pyright: ignore[reportAttributeAccessIssue]
-            pc.equal(table["feature_type"], -1)))  # pyright: ignore[reportAttributeAccessIssue]
-        rows = table.select(["step", "layer", "pos", "feature", "mismatch", "component", "optimizer",
-                             "cumulative"]).to_pylist()
+        rows = reading_rows(att.influence, own)
         last = max(r["step"] for r in rows)
         stride = max(scale.curve_every, last // MAX_CURVE_POINTS)  # a long run keeps its curves (and data.json) small
         on_curve = curve_steps((r["step"] for r in rows), stride)
