@@ -2,9 +2,10 @@
 
 ``InfluenceTracker.influences`` (the whole tensor work of a tracked step) runs under ``torch.func.vmap`` over the
 members, with each member's weights, Adam second moment (under Adam), first moments or momentum buffers, batch, θ*
-projections and probe directions as the batched inputs. The ordinary backward is the ``torch.func`` one (``SitePasses(functional=True)``), since
-``torch.autograd`` does not see through vmap. One step therefore launches each kernel once for all R members, as the
-group's training step does (``ntpflow.runs.group``), instead of once per member.
+projections and probe directions as the batched inputs. The ordinary backward is the ``torch.func`` one
+(``SitePasses(functional=True)``), since ``torch.autograd`` does not see through vmap. One step therefore launches
+each kernel once for all R members, as the group's training step does (``ntpflow.runs.group``), instead of once per
+member.
 
 Each member keeps its own ``InfluenceTracker`` for everything that is not tensor work (probes, sites, the θ*
 projections of its dataset, resume state, rows); its first moments become views into the stacked

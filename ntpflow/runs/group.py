@@ -2,9 +2,10 @@
 
 Every parameter gets a leading run axis ``[R, ...]``. ``torch.func.vmap`` over ``functional_call`` runs the R models
 on their own batches ``[R, batch, pos]`` in one pass, and one optimizer over the stacked parameters is R separate
-ones (Adam and SGD with momentum are elementwise; a learning-rate schedule is the same for every member). Member r uses exactly its own config: its seed's initial weights, its training set and its
-data order (``DataOrder``), so it is the run ``train`` would make, up to the last bits of the arithmetic: batched
-kernels may round differently from the single-run ones (measured in docs/run-groups.md).
+ones (Adam and SGD with momentum are elementwise; a learning-rate schedule is the same for every member). Member r
+uses exactly its own config: its seed's initial weights, its training set and its data order (``DataOrder``), so it
+is the run ``train`` would make, up to the last bits of the arithmetic: batched kernels may round differently from
+the single-run ones (measured in docs/run-groups.md).
 
 Each member is an ordinary run directory (``config.json``, ``init``, ``metrics.jsonl``, ``ckpt/``,
 ``model.safetensors``, ``DONE``; see ``ntpflow.runs.training``) plus
@@ -86,7 +87,7 @@ def export_member(stack: RunStack, r: int, group_opt: torch.optim.Optimizer, mod
     for s, p in zip(stack.stacked, model.parameters()):
         st = group_opt.state.get(s)
         if st:
-            opt.state[p] = {k: (v[r] if v.shape == s.shape else v).clone() if torch.is_tensor(v) else v
+            opt.state[p] = {k: v[r].clone() if _per_param(v, s) else v.clone() if torch.is_tensor(v) else v
                             for k, v in st.items()}
         else:
             opt.state.pop(p, None)
@@ -96,7 +97,8 @@ def export_member(stack: RunStack, r: int, group_opt: torch.optim.Optimizer, mod
 
 
 def _per_param(value, param: torch.Tensor) -> bool:
-    """Whether an optimizer state ``value`` is a tensor shaped as its parameter (a moment, a momentum buffer)."""
+    """Whether an optimizer state ``value`` is a tensor shaped as its parameter ``param`` (a moment, a momentum
+    buffer), stacked or not as ``param`` is."""
     return torch.is_tensor(value) and value.shape == param.shape
 
 
@@ -205,12 +207,14 @@ def train_group(cfgs: Sequence[TrainConfig], run_dirs: Sequence[str | Path], *, 
 
 class Stacked(PlainSteps):
     """The members of a run group stepping as one batched model (a :class:`~ntpflow.runs.training.Stepper`): the
-    models and optimizers stacked (:func:`stack_runs`, :func:`export_member`), one :func:`group_step` per step on the batches [R, batch, pos].
+    models and optimizers stacked (:func:`stack_runs`; :func:`export_member` copies one back), one
+    :func:`group_step` per step on the batches [R, batch, pos].
 
     A member whose run keeps an account (``RUN_DIR/account``, :class:`~ntpflow.runs.account.RunAccount`) has it
-    kept here: before each group step its state is copied into its own model and optimizer, and its account takes the
-    step's account from there (``ExactAccount.account_step``: its own ordinary backward of its batch); the group then
-    steps as without accounts, so the weights are the same bits. The accounts are kept one member after another."""
+    kept here: before each group step its state is copied into its own model and optimizer, and its account takes
+    the step's account from there (``ExactAccount.account_step``: its own ordinary backward of its batch); the group
+    then steps as without accounts, so the weights are the same bits. The accounts are kept one member after
+    another."""
 
     def __init__(self, runs: Sequence[Run], models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], device):
         self.data = GroupData([run.cfg for run in runs], device)
@@ -251,9 +255,9 @@ class Stacked(PlainSteps):
 class GroupReplay:
     """Advances the replays of members of a run group as the group trained them: the whole group takes each step
     (rebuilt from the members' common training checkpoint on the first call), then each joined member r's weights
-    and optimizer state are copied into its replay's ``model`` and ``opt``. ``join(r, model, opt)`` adds member r, whose
-    ``model`` must hold the group's state at the next step. Call as ``stepper(step, *batch)``: any batch given is
-    ignored, the group's batches [R, batch, pos] are recomputed here."""
+    and optimizer state are copied into its replay's ``model`` and ``opt``. ``join(r, model, opt)`` adds member r,
+    whose ``model`` must hold the group's state at the next step. Call as ``stepper(step, *batch)``: any batch given
+    is ignored, the group's batches [R, batch, pos] are recomputed here."""
 
     def __init__(self, run: Run, device, known: Sequence[Run] = ()):
         """``run``: a member; ``known``: members already open (their cached datasets are used, not built again)."""
@@ -303,8 +307,8 @@ class GroupReplay:
         return self.stack, self.group_opt
 
     def __call__(self, step: int, *batch, export: bool = True) -> None:
-        """Take the group's ``step``; then, with ``export``, copy each joined member's state into its model and optimizer
-        (a caller that reads them only now and then may skip it in between)."""
+        """Take the group's ``step``; then, with ``export``, copy each joined member's state into its model and
+        optimizer (a caller that reads them only now and then may skip it in between)."""
         stack, group_opt = self.state(step)
         group_step(stack, group_opt, *self.data.batch(step))
         if export:
