@@ -42,7 +42,23 @@ def test_run_axis_rows_equal_separate_trackers_float64(regime, reading):
     model and Adam (exported from the group's stack), over several Adam steps: the same rows, values equal to
     rounding (batched kernels round differently): within 1e3 · eps64 of the step's largest |value|. With the exact
     account, the refinement counters too."""
-    cfg = TrainConfig(task="majority", d_model=16, n_head=2, batch_size=BATCH, regime=regime)
+    compare_with_separate_trackers(TrainConfig(task="majority", d_model=16, n_head=2, batch_size=BATCH, regime=regime),
+                                   reading)
+
+
+@pytest.mark.parametrize("reading", ["start", "exact"])
+@pytest.mark.parametrize("optim", [dict(optimizer="sgd", lr=0.1),
+                                   dict(optimizer="sgd", momentum=0.9, lr=0.1, warmup=2, decay="cosine")],
+                         ids=["sgd", "sgd-momentum-scheduled"])
+def test_run_axis_rows_equal_separate_trackers_under_sgd_float64(optim, reading):
+    """As above for a group trained with SGD, plain (the SGD rows only) and with momentum on a schedule (the
+    ``momentum`` rows beside the SGD direction's)."""
+    compare_with_separate_trackers(TrainConfig(task="majority", d_model=16, n_head=2, batch_size=BATCH, **optim),
+                                   reading)
+
+
+def compare_with_separate_trackers(cfg: TrainConfig, reading: str) -> None:
+    """R members of ``cfg`` tracked over the run axis and alone for STEPS steps: rows, values, state (see above)."""
     mcfg = model_config(cfg, task_for(cfg))
     models = [GPT(mcfg, seed=s).double() for s in range(R)]
     opts = [make_optimizer(m, cfg) for m in models]

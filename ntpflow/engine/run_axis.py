@@ -85,11 +85,15 @@ class RunAxisTracker:
         idx = torch.tensor(list(members), device=tokens.device)
         params = {n: s.detach()[idx] for n, s in zip(stack.names, stack.stacked)}
         n_params = sum(s[0].numel() for s in stack.stacked)
+        empty = stack.stacked[0].new_zeros((len(idx), 0))  # a stand-in, so every kind takes the same vmapped arguments
         if kind == "adam":
             v_prev, t = adam_second_moment(group_opt, list(stack.stacked), idx)  # [R, n_params]
-        else:  # SGD keeps no second moment: an empty stand-in, so every kind takes the same vmapped arguments
-            v_prev, t = stack.stacked[0].new_zeros((len(idx), 0)), 0
-        m_full, m_sites = self._moments(v_prev.new_zeros((len(idx), n_params)))
+        else:  # SGD keeps no second moment
+            v_prev, t = empty, 0
+        if kind == "sgd":  # and plain SGD no first moments either: the trackers keep none, as alone
+            m_full, m_sites = empty, empty[:, None, None].expand(-1, len(first.sites), 2, 0)
+        else:
+            m_full, m_sites = self._moments(empty.new_zeros((len(idx), n_params)))
         lr = group["lr"]
         optim = (v_prev, _step_of(kind, group, t), m_full, m_sites)
         if first.readout is not None:
