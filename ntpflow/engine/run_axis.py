@@ -56,8 +56,9 @@ class RunAxisTracker:
     [R, batch, pos] and example_ids [R, batch] are theirs; returns each member's rows, as its own
     ``InfluenceTracker.track`` would (to rounding). Only whole-batch risks (no feature types). With the exact
     account (every member's ``use_readout``, each on its own readout set of one size) a step is integrated for all
-    members at once, and again at the next rule (more points, then the composite rules) while some member's residual is above its tolerance; each member
-    keeps the rule its own tracker would settle at.
+    members at once, and again at the next rule (more points, then the composite rules) while some member's residual
+    is above its tolerance; each member keeps the rule its own tracker would settle at. Any optimizer a group trains
+    with: Adam, SGD with or without momentum, on a schedule or not.
     """
 
     def __init__(self, trackers: Sequence[InfluenceTracker]):
