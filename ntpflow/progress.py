@@ -5,7 +5,8 @@ A stage line names the loop (its run), the step out of the total, the time elaps
     majority-vanilla-s0: step 900/3000 (30%), elapsed 1m12s, ETA 2m48s, loss=0.4131
 
 One line when the loop starts, then one whenever both :data:`INTERVAL_S` seconds and :data:`FRACTION` of the steps
-have passed since the last (so never every step), and one when it ends."""
+have passed since the last (so never every step), or :data:`LONGEST_S` seconds have (so a run of many hours still
+says how it stands every few minutes), and one when it ends."""
 
 import math
 import sys
@@ -16,6 +17,7 @@ from tqdm.auto import tqdm
 
 INTERVAL_S = 30.0  # the least time between two stage lines
 FRACTION = 0.1  # ... and the least share of the steps between them
+LONGEST_S = 600.0  # ... unless this much time has passed since the last line
 
 
 def on_terminal() -> bool:
@@ -59,10 +61,10 @@ class StageLines:
     ``write`` are there for tests."""
 
     def __init__(self, iterable: Iterable, *, desc: str, total: int | None, initial: int = 0, unit: str = "step",
-                 interval: float = INTERVAL_S, fraction: float = FRACTION,
+                 interval: float = INTERVAL_S, fraction: float = FRACTION, longest: float = LONGEST_S,
                  clock: Callable[[], float] = time.monotonic, write: Callable[[str], None] | None = None):
         self.iterable, self.desc, self.total, self.initial, self.unit = iterable, desc, total, initial, unit
-        self.interval, self.clock = interval, clock
+        self.interval, self.longest, self.clock = interval, longest, clock
         self.every = max(1, math.ceil(fraction * (total - initial))) if total else 1
         self._write = write
         self.postfix = ""
@@ -82,7 +84,8 @@ class StageLines:
             yield item
             n += 1
             now = self.clock()
-            if now - last_t >= self.interval and n - last_n >= self.every and n != self.total:
+            due = n - last_n >= self.every or now - last_t >= self.longest
+            if now - last_t >= self.interval and due and n != self.total:
                 text = f"elapsed {duration(now - start)}"
                 if self.total:
                     text += f", ETA {duration((now - start) / (n - self.initial) * (self.total - n))}"

@@ -49,6 +49,14 @@ def test_steps_throttle_when_steps_are_slow():
     assert counts(lines_of(50, 100.0)) == [0, 5, 10, 15, 20, 25, 30, 35, 40, 45, 50]
 
 
+def test_a_long_loop_says_how_it_stands_every_ten_minutes():
+    """60 s a step, 1000 steps: a tenth of the steps would be 100 minutes apart; a line every 10 steps (600 s) instead,
+    its ETA from the steps so far."""
+    lines = lines_of(1000, 60.0)
+    assert counts(lines)[:4] == [0, 10, 20, 30] and counts(lines)[-2:] == [990, 1000]
+    assert lines[1] == "run-a: step 10/1000 (1%), elapsed 10m00s, ETA 16h30m"
+
+
 def test_short_loop_prints_start_and_end_only():
     assert counts(lines_of(1000, 0.001)) == [0, 1000]
 
