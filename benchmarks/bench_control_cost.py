@@ -4,8 +4,7 @@ the exact account, side by side in one process, and what the five tracked seeds 
 Each configuration trains twice into fresh folders (``--short`` and ``--long`` steps, both with a warmup of ``--long``
 steps to the scale's peak rate, so the short run is the long one's first steps and the difference is the cost of
 steps ``short``..``long`` − 1, without start-up, data generation and the final evaluation), the order rotating between
-rounds; medians of the per-step CPU seconds
-(one torch thread) over ``--rounds``. Configurations: the scale ``medium-momentum-cond``'s model (2 layers, d_model
+rounds; medians of the per-step CPU seconds (one torch thread) over ``--rounds``. Configurations: the scale ``medium-momentum-cond``'s model (2 layers, d_model
 128, batch 256, SGD with momentum on its warmup-cosine schedule) plain, and with the account at its four sites
 (readout 256); and the same account on a d_model-16 model, whose step is almost free of FLOPs, so its time is the
 per-step overhead of the account's many small operations (Python and operator dispatch): what a GPU, which removes
@@ -16,7 +15,7 @@ step's 18 directions: two shared by every site over all positions, four per site
 step's end), without the components' gradients, at that matmul rate.
 
     python benchmarks/bench_control_cost.py                 # steps 10 and 30, 2 rounds
-    python benchmarks/bench_control_cost.py --rounds 3 --long 50
+    python benchmarks/bench_control_cost.py --long 50        # the committed figures (BENCHMARKS.md)
 """
 
 import argparse
@@ -31,6 +30,7 @@ import torch
 from ntpflow.experiments.toy import SCALES, run_configs
 from ntpflow.model.sites import parse_sites
 from ntpflow.runs.account import AccountSpec
+from ntpflow.runs.run import task_for
 from ntpflow.runs.training import train
 
 SITES = "1:4,1:6,1:8,1:14"
@@ -90,7 +90,7 @@ def main(argv=None) -> None:
                 cpu[steps] = time.process_time() - start
             per_step[name].append((cpu[args.long] - cpu[args.short]) / (args.long - args.short))
     med = {k: statistics.median(v) for k, v in per_step.items()}
-    tokens, d, layers = base.batch_size * 21, base.d_model, base.n_layer
+    tokens, d, layers = base.batch_size * task_for(base).seq_len, base.d_model, base.n_layer
     flops = 3 * 2 * layers * 12 * d * d * tokens  # forward + backward of the blocks' matmuls
     rate = matmul_rate(tokens, d, 4 * d)
     floor = flops + account_flops(d, 256, [s.pos for s in parse_sites(SITES)])

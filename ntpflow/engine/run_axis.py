@@ -95,14 +95,12 @@ class RunAxisTracker:
             m_full, m_sites = empty, empty[:, None, None].expand(-1, len(first.sites), 2, 0)
         else:
             m_full, m_sites = self._moments(empty.new_zeros((len(idx), n_params)))
-        lr = group["lr"]
-        optim = (v_prev, _step_of(kind, group, t), m_full, m_sites)
+        lr, step_of = group["lr"], _step_of(kind, group, t)
+        optim = (v_prev, step_of, m_full, m_sites)
         if first.readout is not None:
             return self._track_exact(params, stack, tokens, loss_mask, lr, optim)
         final_proj = torch.stack([tr._cached_projections(i) for tr, i in zip(self.trackers, example_ids)])
         layout = []
-
-        v_prev, step_of, m_full, m_sites = optim
 
         def one(params, tokens, loss_mask, final_proj, w, v_prev, m_full, m_sites):
             def on(model):

@@ -70,7 +70,7 @@ def stack_runs(models: Sequence[GPT], opts: Sequence[torch.optim.Optimizer], cfg
                                   else v.clone() if torch.is_tensor(v) else v for k, v in present[0].items()}
         elif present:
             raise ValueError("the runs of a group must resume from the same step")
-    group_opt.param_groups[0].update({k: v for k, v in opts[0].param_groups[0].items() if k != "params"})
+    group_opt.param_groups[0].update(_settings(opts[0]))
     if isinstance(group_opt, Scheduled):
         group_opt.schedule_at(group_opt.steps_taken())
     return stack, group_opt
@@ -91,9 +91,14 @@ def export_member(stack: RunStack, r: int, group_opt: torch.optim.Optimizer, mod
                             for k, v in st.items()}
         else:
             opt.state.pop(p, None)
-    opt.param_groups[0].update({k: v for k, v in group_opt.param_groups[0].items() if k != "params"})
+    opt.param_groups[0].update(_settings(group_opt))
     if isinstance(opt, Scheduled):
         opt.schedule_at(opt.steps_taken())
+
+
+def _settings(opt: torch.optim.Optimizer) -> dict:
+    """An optimizer's settings (learning rate, a schedule's step count, ...): its parameter group less its params."""
+    return {k: v for k, v in opt.param_groups[0].items() if k != "params"}
 
 
 def _per_param(value, param: torch.Tensor) -> bool:
