@@ -42,8 +42,8 @@ Extra sections:
              so N ≤ 63. ``--curve-order layer`` (default): the first N sites of layers 0..2 × positions 0..20 in
              layer-major order, so small N are all layer-0 sites (VJPs through the embedding only: cheap);
              ``spread``: N sites spread evenly over that list. Both: ``--curve-order layer,spread``.
-    matrices (``--matrices``) the exact account's tracked step (readout 256, Adam rows) without and with influence
-             matrices, interleaved; target: with / without <= 1.10 (issue 30).
+    matrices (``--matrices``) a replay's exact step (readout 256, Adam rows) through the tracker and through the
+             replay account (rows and influence matrices: what attribute runs), interleaved; target <= 1.10.
     flops    (``--flops``) the matmul FLOPs of one tracked step (all rows; Adam rows only) per plain step, from a
              dispatch counter (torch's FLOP formulas for mm, bmm, addmm, ...; ``baddbmm_`` counted by hand).
     profile  (``--profile``) one extra tracked step with an exclusive-time breakdown by phase (forwards,
@@ -88,11 +88,13 @@ from torch.utils.flop_counter import flop_registry
 from ntpflow.engine import decomposition as attribution
 from ntpflow.engine import forward_mode, influence
 from ntpflow.engine.influence import InfluenceTracker, Probe
+from ntpflow.engine.replay_account import ReplayAccount
 from ntpflow.files import resolve_device
 from ntpflow.model.config import GPTConfig
 from ntpflow.model.gpt import GPT
 from ntpflow.model.loss import per_position_loss
 from ntpflow.model.sites import Site
+from ntpflow.replay.from_account import account_rows
 from ntpflow.runs.training import train_step
 
 # The paper's toy configuration.
@@ -141,8 +143,8 @@ def parse_args(argv=None):
     p.add_argument("--no-adam-only", action="store_true", help="do not time the Adam-rows-only variant")
     p.add_argument("--midpoint", action="store_true", help="also time adam_only with the influence read at each "
                    "step's midpoint (needs the Adam-rows-only variant)")
-    p.add_argument("--matrices", action="store_true", help="also time the exact-account step (readout 256) with and "
-                   "without influence matrices, side by side (Adam rows only)")
+    p.add_argument("--matrices", action="store_true", help="also time a replay's exact step (readout 256) through the "
+                   "tracker and through the replay account (rows and matrices), side by side (Adam rows only)")
     p.add_argument("--no-check", action="store_true", help="skip the start-up agreement check")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     p.add_argument("--seed", type=int, default=0, help="model seed (θ* uses seed+1000, data seed+1, probes seed+2)")
@@ -840,35 +842,43 @@ def profile_section(args, tokens, mask) -> list[str]:
 
 # -------------------------------------------------------------------------------------------------- matrices
 def matrices_section(args, tokens, mask) -> list[str]:
-    """The exact account's tracked step (Adam rows, readout of 256 random sequences, default adaptive rule) without
-    and with influence matrices (``use_readout(matrices=True)``), interleaved, same load as the main table."""
+    """A replay's exact step of one run (Adam rows, readout of 256 random sequences, default adaptive rule) through
+    the tracker (the probe rows only; the run-axis replay's path) and through the replay account (what ``attribute``
+    now runs: the rows from the account's accumulators, which also give the influence matrices), interleaved, same
+    load as the main table."""
     probes = make_probes(MAIN_SITES, args.probes_per_site, args.seed, args.device)
     final = make_model(args.seed + 1000, args.device)[0]
     held = make_batch(args.seed + 3, args.device)[0]
-    variants = {}
-    for name, on in (("exact", False), ("exact + matrices", True)):
-        tracker = InfluenceTracker(final, probes, sgd_rows=False, bucket_width=args.bucket_width)
-        tracker.use_readout(held, matrices=on)
-        variants[name] = (tracker, *make_model(args.seed, args.device))
+    tracker = InfluenceTracker(final, probes, sgd_rows=False, bucket_width=args.bucket_width)
+    tracker.use_readout(held)
+    with torch.no_grad():
+        resid = final(held, return_resid=True, myopic="none")[1]
+    r_star = {s: resid[s.layer][:, s.pos] for s in MAIN_SITES}
+    model, opt = make_model(args.seed, args.device)
+    rows = lambda first, t: account_rows([(first, t)], r_star, account.own, account.names, probes)  # noqa: E731
+    account = ReplayAccount(model, opt, probes, held, r_star, sgd_rows=False, bucket_width=args.bucket_width,
+                            on_chunk=rows)
+    m, o = make_model(args.seed, args.device)
+    steps = {"tracker": lambda: (tracker.track(m, o, tokens, mask), tracker.optimizer_step(m, o)),
+             "replay account": lambda: account.train_step(tokens, mask)}
     timer = Timer()
     for r in range(args.warmup + args.repeats):
-        for name in list(variants)[r % 2:] + list(variants)[:r % 2]:
-            tracker, m, o = variants[name]
+        for name in list(steps)[r % 2:] + list(steps)[:r % 2]:
             t0 = now()
-            tracker.track(m, o, tokens, mask)
-            tracker.optimizer_step(m, o)
+            steps[name]()
             if r >= args.warmup:
                 timer.times.setdefault(name, []).append(now() - t0)
             print(f"  matrices round {r + 1}: {name} {now() - t0:.1f} s", flush=True)
-    med = {n: timer.median_ms(n) for n in variants}
-    ratio = med["exact + matrices"] / med["exact"]
-    return [f"exact account (readout 256, Gauss-Legendre 2/4/8 adaptive, Adam rows) with and without influence "
-            f"matrices ({len(MAIN_SITES)} sites x d {D_MODEL}), {args.repeats} timed steps each after "
-            f"{args.warmup} warm-up (both variants take the same steps: same refinements)", "",
+    med = {n: timer.median_ms(n) for n in steps}
+    ratio = med["replay account"] / med["tracker"]
+    return [f"a replay's exact step (readout 256, Gauss-Legendre 2/4/8 adaptive, Adam rows; {len(MAIN_SITES)} sites x "
+            f"d {D_MODEL}) through the tracker (probe rows) and through the replay account (rows and influence "
+            f"matrices), {args.repeats} timed steps each after {args.warmup} warm-up (both take the same steps and "
+            f"refinements: {tracker.evaluations} and {account.evaluations} point evaluations)", "",
             "| variant | median ms | min ms |", "|---|---:|---:|"] + [
-            f"| {n} | {med[n]:.0f} | {min(timer.times[n]) * 1e3:.0f} |" for n in variants] + [
+            f"| {n} | {med[n]:.0f} | {min(timer.times[n]) * 1e3:.0f} |" for n in steps] + [
             "", "| ratio | value | target |", "|---|---:|---|",
-            f"| exact + matrices / exact | {ratio:.3f}x | <= 1.10x: {'PASS' if ratio <= 1.10 else 'FAIL'} |"]
+            f"| replay account / tracker | {ratio:.3f}x | <= 1.10x: {'PASS' if ratio <= 1.10 else 'FAIL'} |"]
 
 
 # ------------------------------------------------------------------------------------------------------ main

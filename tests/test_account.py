@@ -43,7 +43,8 @@ def optimizer(name, model):
 @pytest.mark.parametrize("opt_name,kw", [("adam", {}), ("momentum", {}), ("sgd", {}), ("adam", {"myopic": "kv"}), ("adam", {"position_groups": "untied"})])
 def test_in_run_account_equals_the_replay(opt_name, kw):
     """Trained once with the account, then replayed with θ* known (``InfluenceTracker.use_readout``, the same fixed
-    rule): the weights are the same bits, and every row and influence matrix agrees to float64 rounding."""
+    rule): the weights are the same bits, and every row and every probe's quadratic form of the influence matrices
+    agrees with the replay's rows to float64 rounding."""
     start, held = tiny(0, **kw), batch(99, 10)[0]
     steps = [batch(10 + t, 6) for t in range(4)]
     model = copy.deepcopy(start)
@@ -53,7 +54,7 @@ def test_in_run_account_equals_the_replay(opt_name, kw):
     g = torch.Generator().manual_seed(3)
     probes = [Probe(s, f"w{j}", torch.randn(D, generator=g, dtype=torch.float64)) for j, s in enumerate(SITES)]
     tracker = InfluenceTracker(copy.deepcopy(model), probes)
-    tracker.use_readout(held, levels=(8,), pieces=(), matrices=True)
+    tracker.use_readout(held, levels=(8,), pieces=())
     replayed = copy.deepcopy(start)
     opt = optimizer(opt_name, replayed)
     rows = []
@@ -79,13 +80,14 @@ def test_in_run_account_equals_the_replay(opt_name, kw):
                     assert value == pytest.approx(want[(*key, c, o)], rel=1e-9, abs=1e-12 * scale), (key, c, o)
                     compared += 1
     assert compared == len(account.chunks) * len(probes) * 2 * (len(account.names) + 2)
-    for s in SITES:  # the matrices: Σ over the chunks against the replay's (the own rows)
-        own = account.own
-        total = sum(chunk_matrices(t, s, final[s]) for _, t in account.chunks)
-        ref = tracker.matrices.total[s]  # [3 (direct, pre_cached, full), 2, d, d]
-        for j, comp in enumerate(("direct", "pre_cached", "full")):
-            got = total[:, account.names.index((own, comp))]
-            torch.testing.assert_close(got, ref[j], rtol=1e-9, atol=1e-12 * float(ref[2].abs().max()))
+    for p in probes:  # the matrices: wᵀ (Σ over the chunks) w against the sum of the replay's rows
+        total = sum(chunk_matrices(t, p.site, final[p.site]) for _, t in account.chunks)
+        for mi, mismatch in enumerate(MISMATCHES):
+            key = (p.site.layer, p.site.pos, mismatch)
+            scale = abs(want[(0, *key, "risk", "none")])
+            for j, (o, c) in enumerate(account.names):
+                summed = sum(want[(t, *key, c, o)] for t in range(len(steps)))
+                assert (p.w @ total[mi, j] @ p.w).item() == pytest.approx(summed, rel=1e-9, abs=1e-12 * scale)
 
 
 def test_adamw_clipping_and_a_schedule_are_torchs_and_add_up():

@@ -1,4 +1,4 @@
-"""Influence matrices (``use_readout(matrices=True)``, ``attribute --matrices``) and ``ntpflow discover``: wᵀ M_c w
+"""Influence matrices (a replay's account, ``attribute --matrices``) and ``ntpflow discover``: wᵀ M_c w
 against the probe rows, Σ_c M_c against S_0 − S_T, resume bit for bit, and the generalized eigenvectors."""
 
 import copy
@@ -11,10 +11,13 @@ import torch
 
 from ntpflow import GPT, GPTConfig, Site, TrainConfig
 from ntpflow.cli import main
+from ntpflow.engine.exact import chunk_matrices
 from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe
+from ntpflow.engine.replay_account import ReplayAccount
 from ntpflow.files import load_tensors
 from ntpflow.replay.attribution import attribute
 from ntpflow.replay.discover import discover, generalized_eig
+from ntpflow.replay.from_account import matrices_layout
 from ntpflow.replay.matrices import direction_influence, load_matrices
 from ntpflow.replay.spec import AttributionSpec
 from ntpflow.runs.probe import load_or_probe
@@ -45,6 +48,8 @@ def second_moments(model, final, site, held):
 
 
 def setup(opt_name, kw=None, levels=(2,), probes_per_site=3):
+    """A tracker (the probe rows, by their own projections) and a replay's account (the matrices) of the same steps
+    from ``tiny(0)`` toward an arbitrary θ* (``tiny(1)``), each on its own copy of the weights, with the same rule."""
     kw = kw or {}
     model, final = tiny(seed=0, **kw), tiny(seed=1, **kw)
     g = torch.Generator().manual_seed(3)
@@ -53,20 +58,37 @@ def setup(opt_name, kw=None, levels=(2,), probes_per_site=3):
               for s in sites for j in range(probes_per_site)]
     tracker = InfluenceTracker(final, probes)
     held = tokens_of(99, 10)[0]
-    tracker.use_readout(held, levels=levels, rtol=0.0 if len(levels) > 1 else 1e-3, floor=0.0, matrices=True,
-                        pieces=())
-    lr = 1e-2 if opt_name == "adam" else 1e-1
-    opt = (torch.optim.Adam(model.parameters(), lr=lr) if opt_name == "adam"
-           else torch.optim.SGD(model.parameters(), lr=lr))
-    return model, final, probes, tracker, held, opt
+    rule = {"levels": levels, "rtol": 0.0 if len(levels) > 1 else 1e-3, "floor": 0.0, "pieces": ()}
+    tracker.use_readout(held, **rule)
+    with torch.no_grad():
+        resid = final(held, return_resid=True, myopic="none")[1]
+    r_star = {s: resid[s.layer][:, s.pos] for s in sites}
+    twin = copy.deepcopy(model)
+    account = ReplayAccount(twin, optimizer(opt_name, twin), probes, held, r_star, **rule)
+    return model, final, probes, tracker, held, optimizer(opt_name, model), account
 
 
-def run_steps(model, tracker, opt, steps, start=0):
-    """Track ``steps`` steps; the running sums of every row {(probe name, site, mismatch, optimizer, comp): value}."""
+def optimizer(opt_name, model):
+    return (torch.optim.Adam(model.parameters(), lr=1e-2) if opt_name == "adam"
+            else torch.optim.SGD(model.parameters(), lr=1e-1))
+
+
+def matrices(account) -> dict[str, torch.Tensor]:
+    """The account's influence matrices in ``matrices.safetensors``'s layout (what ``attribute --matrices`` writes)."""
+    total = {s: sum(chunk_matrices(t, s, account.r_star[s]) for _, t in account.chunks) for s in account.sites}
+    start = {s: account.chunks[0][1][f"start.{s.layer}:{s.pos}"] for s in account.sites}
+    return matrices_layout(total, start, account.r_star, account.own, account.names)
+
+
+def run_steps(model, tracker, opt, steps, start=0, account=None):
+    """Track ``steps`` steps (and account for them, if given); the running sums of every tracker row {(probe name,
+    site, mismatch, optimizer, comp): value}."""
     totals: dict = {}
     for step in range(start, start + steps):
         rows = tracker.track(model, opt, *tokens_of(step, 6))
         tracker.optimizer_step(model, opt)
+        if account is not None:
+            account.train_step(*tokens_of(step, 6))
         for r in rows:
             if r["feature_type"] == -1 and r["component"] != "risk":
                 key = (r["feature"], Site(r["layer"], r["pos"]), r["mismatch"], r["optimizer"], r["component"])
@@ -80,10 +102,10 @@ def test_quadratic_forms_are_the_probe_rows(opt_name, kw):
     """For every probe w and component c: wᵀ M_c w equals the integrated probe row (same quadrature points, with
     refinement through 1, 2 and 4 points); Σ_c M_c = M_full; M_full − S_0 + S_T gives each probe's summed residual
     up to R_H at the last step's end (rounding)."""
-    model, final, probes, tracker, held, opt = setup(opt_name, kw, levels=(1, 2, 4))
+    model, final, probes, tracker, held, opt, account = setup(opt_name, kw, levels=(1, 2, 4))
     s_start = {p.site: second_moments(model, final, p.site, held) for p in probes}
-    totals = run_steps(model, tracker, opt, 3)
-    mats = tracker.matrices.tensors()
+    totals = run_steps(model, tracker, opt, 3, account=account)
+    mats = matrices(account)
     for p in probes:
         key = f"{p.site.layer}:{p.site.pos}"
         s_end = second_moments(model, final, p.site, held)
@@ -109,10 +131,10 @@ def test_many_points_split_the_change_of_S_to_rounding():
     """With 24 Gauss–Legendre points Σ_c M_c equals S_0 − S_T entry by entry (the quadrature residual is at rounding
     level); with 1 point it does so only at the embedding (layer 0, where e is linear in θ), not above."""
     for levels in ((24,), (1,)):
-        model, final, probes, tracker, held, opt = setup("adam", levels=levels)
+        model, final, probes, tracker, held, opt, account = setup("adam", levels=levels)
         s_start = {p.site: second_moments(model, final, p.site, held) for p in probes}
-        run_steps(model, tracker, opt, 3)
-        mats = tracker.matrices.tensors()
+        run_steps(model, tracker, opt, 3, account=account)
+        mats = matrices(account)
         for site in s_start:
             key = f"{site.layer}:{site.pos}"
             diff = s_start[site] - second_moments(model, final, site, held)
@@ -122,17 +144,20 @@ def test_many_points_split_the_change_of_S_to_rounding():
 
 
 def test_resume_gives_the_same_matrices_bit_for_bit():
-    model, final, probes, tracker, held, opt = setup("adam", levels=(1, 2, 4))
-    run_steps(model, tracker, opt, 2)
-    twin = InfluenceTracker(final, probes)
-    twin.use_readout(held, levels=(1, 2, 4), rtol=0.0, floor=0.0, matrices=True, pieces=())
-    twin.load_state_dict(copy.deepcopy(tracker.state_dict()))
-    twin_model = copy.deepcopy(model)
+    model, final, probes, tracker, held, opt, account = setup("adam", levels=(1, 2, 4))
+    for step in range(2):
+        account.train_step(*tokens_of(step, 6))
+    rule = {"levels": (1, 2, 4), "rtol": 0.0, "floor": 0.0, "pieces": ()}
+    twin_model = copy.deepcopy(account.model)
     twin_opt = torch.optim.Adam(twin_model.parameters(), lr=1e-2)
-    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    run_steps(model, tracker, opt, 2, start=2)
-    run_steps(twin_model, twin, twin_opt, 2, start=2)
-    a, b = tracker.matrices.tensors(), twin.matrices.tensors()
+    twin_opt.load_state_dict(copy.deepcopy(account.opt.state_dict()))
+    twin = ReplayAccount(twin_model, twin_opt, probes, held, account.r_star, **rule)
+    twin.load_state_dict(copy.deepcopy(account.state_dict()))
+    twin.chunks = list(account.chunks)  # the chunks written before the resume point
+    for step in range(2, 4):
+        account.train_step(*tokens_of(step, 6))
+        twin.train_step(*tokens_of(step, 6))
+    a, b = matrices(account), matrices(twin)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

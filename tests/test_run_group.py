@@ -168,18 +168,19 @@ def test_replay_of_a_member_is_bit_identical_and_resumes(group, monkeypatch):
     run = runs[1]
     from ntpflow.replay import member as replay
 
-    real_track = replay.InfluenceTracker.track
+    real_step = replay.ReplayAccount.account_step
 
-    def dying_track(self, *a, **kw):  # killed at step 6: the replay state at step 4 stays
+    def dying_step(self, *a, **kw):  # killed at step 6: the replay state at step 4 stays
         if self.step == 6:
             raise KeyboardInterrupt("injected kill")
-        return real_track(self, *a, **kw)
+        return real_step(self, *a, **kw)
 
-    monkeypatch.setattr(replay.InfluenceTracker, "track", dying_track)
+    monkeypatch.setattr(replay.ReplayAccount, "account_step", dying_step)
     sites, features = [Site(1, 5)], ["is_majority_<0>"]
     with pytest.raises(KeyboardInterrupt):
         attribute(run.dir, AttributionSpec(sites, features), device="cpu", progress=False)
-    monkeypatch.setattr(replay.InfluenceTracker, "track", real_track)
+    assert resume_points(run.dir / "attribution") == [4]
+    monkeypatch.setattr(replay.ReplayAccount, "account_step", real_step)
     out = attribute(run.dir, AttributionSpec(sites, features),
                     device="cpu", progress=False)  # raises if not bit-identical
     assert (out / "influence.parquet").exists()
@@ -252,6 +253,12 @@ def parquet_rows(folder: Path) -> list[dict]:
     return pq.read_table(folder / "influence.parquet").to_pylist()
 
 
+def row_key(row: dict) -> tuple:
+    """A row's place: its step, site, feature, type, mismatch, component and optimizer."""
+    return tuple(row[k] for k in ("step", "layer", "pos", "feature", "feature_type", "mismatch", "component",
+                                  "optimizer"))
+
+
 def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(group, tmp_path, monkeypatch):
     """The default group replay tracks the members in one vmapped pass: against each member's own replay
     (``attribute``) the same rows, values equal to rounding (float32 runs: within 1e3 · eps32 of the largest
@@ -268,7 +275,7 @@ def test_group_replay_over_the_run_axis_agrees_and_resumes_to_the_same_bits(grou
         alone = attribute(d, spec, out_dir=tmp_path / f"alone{r}", **opts)
         assert json.loads((out / "spec.json").read_text()) == {
             **json.loads((alone / "spec.json").read_text()), "run_axis": True}
-        want, got = parquet_rows(alone), parquet_rows(out)
+        want, got = (sorted(parquet_rows(o), key=row_key) for o in (alone, out))  # the paths order rows apart
         assert [{**x, "value": 0, "cumulative": 0} for x in got] == [{**x, "value": 0, "cumulative": 0} for x in want]
         for col in ("value", "cumulative"):
             a = torch.tensor([x[col] for x in want], dtype=torch.float64)
@@ -522,7 +529,7 @@ def test_an_sgd_groups_account_and_replays_agree(sgd_group, tmp_path):
                            out_dirs=[tmp_path / "g0", tmp_path / "g1"], **opts)
     alone = attribute(runs[1].dir, replace(spec, readout=32), out_dir=tmp_path / "alone1", **opts)
     assert json.loads((axis[1] / "spec.json").read_text())["run_axis"] is True
-    want, got = parquet_rows(alone), parquet_rows(axis[1])
+    want, got = (sorted(parquet_rows(o), key=row_key) for o in (alone, axis[1]))  # the paths order rows apart
     assert {x["optimizer"] for x in want} == {"none", "sgd", "momentum"}
     assert [{**x, "value": 0, "cumulative": 0} for x in got] == [{**x, "value": 0, "cumulative": 0} for x in want]
     eps = torch.finfo(torch.float32).eps

@@ -11,7 +11,7 @@ and the centred mismatch R_c (the covariance over H) the same with Ḡ_c = ∫ (
 from G_c and the means of T_c and r* from theirs. Both are sums over steps, so they are kept per chunk of steps (the
 integrals by the same Gauss–Legendre points as the replay's exact account, ``InfluenceTracker.use_readout``);
 :func:`chunk_values` contracts a chunk with r* and any directions afterwards: the probe rows and the influence
-matrices of ``ntpflow.engine.matrices``, without replaying the run.
+matrices (``chunk_matrices``: wᵀ M w is any direction w's row), without replaying the run.
 
 Without r* a step's quadrature is judged by what it integrates exactly: the readout's displacement r_{t+1} − r_t
 = −Σ T_full and the change of its second moment mean_b r rᵀ = −(G_full + G_fullᵀ) (the same refinement ladder as
@@ -220,11 +220,16 @@ class ExactAccount(InfluenceTracker):
         """Take the training step of ``tokens`` [batch, T] (``loss_mask`` [batch, T]) and account for it; returns its
         loss (0-dim, before the step)."""
         passes = self.account_step(tokens, loss_mask)
+        self.optimizer_step(passes)
+        return passes.loss
+
+    def optimizer_step(self, passes: "SitePasses | _Summed | _Clipped") -> None:
+        """Take the step of the batch :meth:`account_step` just accounted for, on its gradients ``passes.param_grads``
+        (one ordinary backward, as ``training.train_step``'s: the same bits); leaves ``.grad`` set."""
         self.opt.zero_grad(set_to_none=True)
         for p, g in zip(self.model.parameters(), passes.param_grads):
             p.grad = g
         self.opt.step()
-        return passes.loss
 
     def account_step(self, tokens: Tokens, loss_mask: Mask | None = None) -> "SitePasses | _Summed | _Clipped":
         """Account for the training step of ``tokens`` [batch, T] (``loss_mask`` [batch, T]) from the model and
@@ -280,10 +285,8 @@ class ExactAccount(InfluenceTracker):
             if ro.settles(level, excess, previous):
                 break
             previous = excess
-        for s, acc in sink.items():
-            for name, value in acc.items():
-                key = chunk_key(s, *name.split("|"))
-                self._chunk[key] = value if key not in self._chunk else self._chunk[key] + value
+        for key, value in keyed(sink).items():
+            self._chunk[key] = value if key not in self._chunk else self._chunk[key] + value
         self.evaluations += sum(n * k for n, k in ro.rules[:level + 1])
         self.refined += level > 0
         self.subdivided += ro.rules[level][1] > 1
@@ -458,6 +461,12 @@ def chunk_key(site: Site, kind: str, type_: str | None = None, feature: str | No
     """A chunk tensor's name: ``{kind}.{layer}:{pos}`` (kind G, Gbar, T, start, end), and for a type subset's G and
     Gbar ``{kind}.{layer}:{pos}.{type}.{feature}``."""
     return f"{kind}.{site.layer}:{site.pos}" + ("" if type_ is None else f".{type_}.{feature}")
+
+
+def keyed(sink: dict[Site, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A step's integrals {site: {``G``, ``Gbar``, ``T``, ``G|type|feature``, ...}} under their chunk names
+    (:func:`chunk_key`)."""
+    return {chunk_key(s, *name.split("|")): value for s, acc in sink.items() for name, value in acc.items()}
 
 
 def chunk_values(tensors: dict[str, torch.Tensor], site: Site, r_star: torch.Tensor, w: torch.Tensor,

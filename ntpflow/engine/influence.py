@@ -34,7 +34,6 @@ import torch
 
 from ntpflow.engine.decomposition import SitePasses, flat_grads
 from ntpflow.engine.forward_mode import Primals, all_tangents, site_tangents
-from ntpflow.engine.matrices import InfluenceMatrices
 from ntpflow.model.gpt import GPT, GPTConfig
 from ntpflow.model.shapes import Labels, Mask, Rows, Tokens
 from ntpflow.model.sites import Site, checked_sites
@@ -262,7 +261,6 @@ class InfluenceTracker:
         self._r0: torch.Tensor | None = None  # |R_H(θ_0)| [n_risks]
         self.refined = self.evaluations = 0  # steps re-integrated, and points evaluated (readout mode)
         self.subdivided = 0  # steps settled at a composite rule (readout mode)
-        self.matrices: InfluenceMatrices | None = None  # see use_readout(matrices=True)
         # Adam first moments, stacked: per site [n_sites, 2 (direct, pre-cached), n_params], and the full one
         self._m_sites: torch.Tensor | None = None
         self._m_full: torch.Tensor | None = None
@@ -318,8 +316,6 @@ class InfluenceTracker:
                           "readout.refined": torch.tensor(self.refined),
                           "readout.evaluations": torch.tensor(self.evaluations),
                           "readout.subdivided": torch.tensor(self.subdivided)})
-        if self.matrices is not None:
-            state.update(self.matrices.state_dict())
         if self._m_full is not None and self._m_sites is not None:
             state["m.full"] = self._m_full
             for s, m in zip(self.sites, self._m_sites):
@@ -335,8 +331,6 @@ class InfluenceTracker:
             self._r0 = state["readout.floor"] / self.exact_readout.floor
         self.refined, self.evaluations, self.subdivided = (int(state.get(f"readout.{k}", 0))
                                                            for k in ("refined", "evaluations", "subdivided"))
-        if self.matrices is not None:
-            self.matrices.load_state_dict(state)
         if "m.full" in state:
             m_full, m_sites = self.moments(state["m.full"])
             m_full.copy_(state["m.full"])
@@ -368,7 +362,7 @@ class InfluenceTracker:
 
     def use_readout(self, tokens: torch.Tensor, types: dict[str, torch.Tensor] | None = None,
                     levels: Sequence[int] = (2, 4, 8), rtol: float = 1e-3, floor: float = 1e-6,
-                    matrices: bool = False, pieces: Sequence[int] = (2, 4, 8, 16), cap: float = 1e-3) -> None:
+                    pieces: Sequence[int] = (2, 4, 8, 16), cap: float = 1e-3) -> None:
         """Read R and R_c on the fixed readout set ``tokens`` [N, pos] (N ≥ 2; ``types``: their type labels)
         instead of each step's batch, and integrate each step exactly (the exact account, docs/balance.md).
 
@@ -376,12 +370,13 @@ class InfluenceTracker:
         forwards (the end is the next step's start: one forward per step); each component's share is the path
         integral ∫₀¹ ∇R_H(θ_t − sΔ)·Δ_c ds by the ``levels[0]``-point Gauss–Legendre rule, and the components add up
         to the full. Its ``residual`` (full − change) is recorded; a step whose residual exceeds
-        min(``rtol`` · |change|, ``cap`` · R_H(θ_0)) + ``floor`` · R_H(θ_0) for some risk is re-integrated with the next level's points, and after the last level
-        with the composite rules: the step split into ``pieces[0]``, ``pieces[1]``, … equal parts (up to the last),
-        the last level's points on each, while each split after the first at least halves the worst risk's excess
-        over its tolerance (:meth:`Readout.settles`). A step that settles earlier is integrated exactly as without them.
-        ``matrices=True`` also accumulates every site's influence matrices (``ntpflow.engine.matrices``) at the
-        same points, for the optimizer's own rows (Adam, or SGD for an SGD run) on the whole readout set."""
+        min(``rtol`` · |change|, ``cap`` · R_H(θ_0)) + ``floor`` · R_H(θ_0) for some risk is re-integrated with the
+        next level's points, and after the last level with the composite rules: the step split into ``pieces[0]``,
+        ``pieces[1]``, … equal parts (up to the last), the last level's points on each, while each split after the
+        first at least halves the worst risk's excess over its tolerance (:meth:`Readout.settles`). A step that
+        settles earlier is integrated exactly as without them. A replay of one run takes the same rule through its
+        account (``ntpflow.engine.replay_account``, which also keeps the influence matrices); the run-axis replay
+        through this tracker (``ntpflow.engine.run_axis``)."""
         if len(tokens) < 2:
             raise ValueError("the readout set needs at least 2 sequences (R_c is a variance)")
         n_pos = max(s.pos for s in self.sites) + 1
@@ -389,11 +384,6 @@ class InfluenceTracker:
             raise ValueError(f"pieces must be increasing counts ≥ 2, not {tuple(pieces)}")
         self.readout = Readout(tokens[:, :n_pos], self.final_projections(tokens), types, tuple(levels), rtol, floor,
                                tuple(pieces), cap)
-        self.matrices = None
-        if matrices:
-            with torch.no_grad():
-                frozen = self.final(tokens[:, :n_pos], return_resid=True, myopic="none")[1]
-            self.matrices = InfluenceMatrices(self.sites, frozen, _projection_dtype(tokens.device))
         self._start = self._r0 = None
         self.refined = self.evaluations = self.subdivided = 0
 
@@ -531,7 +521,7 @@ class InfluenceTracker:
         nodes: [(weight ω_j or None for 1, Primals at θ_j, risk_coefficients there)], each point's forward (on the
         same tokens for every node); shared_dirs [m0, n_params] and scale from ``_shared_directions``; ``update``:
         advance the sites' Adam first moments (once per step; a re-integration of the same step reads them);
-        ``mats``: a dict filled with each site's Σ_j ω_j mean_b ṙ_b e_bᵀ [3, 2, d, d] (``_matrix_terms``), or None.
+        ``mats``: a dict that ``_matrix_terms`` fills with each site's matrix accumulators (the account's), or None.
         """
         primals, n_pos = nodes[0][1], max(s.pos for s in self.sites) + 1
         tokens, n_layers = primals.tokens, max(s.layer for s in self.sites)
@@ -586,18 +576,9 @@ class InfluenceTracker:
 
     def _matrix_terms(self, mats: dict, site: Site, resid: torch.Tensor, tau: torch.Tensor, weight, with_pre: bool,
                       sgd: bool, adam: bool) -> None:
-        """Add one quadrature point's ω_j mean_b ṙ_b e_bᵀ [3 (direct, pre_cached, full), 2, d, d] to ``mats[site]``:
-        ``resid`` [N, d] the site's residual at the point, ``tau`` [m, N, d] its tangents along the bucket's
-        directions (own directions per row kind, then the shared ones; the last is the step taken). Pre-cached is
-        exactly 0 where it is structurally absent."""
-        n_own = 2 if with_pre else 1
-        first = n_own * sgd if adam else 0  # the optimizer's own rows: Adam's, or SGD's in an SGD run
-        assert self.matrices is not None  # use_readout(matrices=True)
-        g = self.matrices.node_terms(resid, site, tau[[*range(first, first + n_own), len(tau) - 1]])
-        if not with_pre:
-            g = torch.cat([g[:1], torch.zeros_like(g[:1]), g[1:]])
-        g = g if weight is None else weight * g
-        mats[site] = g if site not in mats else mats[site] + g
+        """Add one quadrature point's share of the matrix accumulators to ``mats[site]`` (``_integrate``'s ``mats``):
+        the exact account's (``ntpflow.engine.exact``); the tracker keeps none."""
+        raise NotImplementedError("the tracker keeps no matrix accumulators (ntpflow.engine.exact.ExactAccount does)")
 
     def _exact_step(self, model: GPT, passes: SitePasses, lr: float, adam: "AdamStep | MomentumStep | None") -> list[dict]:
         """This step's rows in readout mode (``use_readout``): the risks R_H(θ_t), each component's path integral,
@@ -608,28 +589,23 @@ class InfluenceTracker:
             primals = Primals(model, ro.tokens, self.top_layer)
             self._start = self._readout_risks(primals, ro.final_proj, ro.types, w)[1]
             self._r0 = self._start.abs()
-            if self.matrices is not None:
-                self.matrices.start(primals)
         previous = math.inf
         for level, (n, pieces) in enumerate(ro.rules):
             scratch = itertools.count()  # scratch weights: the end, then n per piece (a piece's are done before the next)
             points = lambda step, s: Primals(self._point(model, step, s, next(scratch) % (n + 1)),  # noqa: E731
                                              ro.tokens, self.top_layer)
-            mats = None if self.matrices is None else {}
             values, end, full, layout = self.exact_integral(passes, lr, adam, points, n, ro.final_proj, w, ro.types,
-                                                            update=level == 0, mats=mats, pieces=pieces)
+                                                            update=level == 0, pieces=pieces)
             assert self._start is not None and self._r0 is not None
             excess = float(ro.excess(self._start - end, full, self._r0).max())  # one host sync
             if ro.settles(level, excess, previous):
                 break
             previous = excess
-        if mats is not None and self.matrices is not None:  # the rule the step settled at
-            self.matrices.add(mats, 1.0 if adam is not None else lr)
         return self.exact_rows(values, end, full, layout, lr, level)
 
     def exact_integral(self, passes: SitePasses, lr: float, adam: "AdamStep | MomentumStep | None", points, n: int,
                        final_proj: torch.Tensor, w: torch.Tensor, types: dict[str, torch.Tensor] | None,
-                       update: bool, mats: dict | None = None, pieces: int = 1):
+                       update: bool, pieces: int = 1):
         """The tensor work of one step of the exact account with the ``n``-point Gauss–Legendre rule on each of
         ``pieces`` equal parts of the step (one: the plain rule; pieces are integrated one after another, so memory
         is that of one n-point rule): (the
@@ -638,9 +614,8 @@ class InfluenceTracker:
 
         points(step, s): the readout set's ``Primals`` at θ − s·step (``step`` flat [n_params], as subtracted), each
         call on its own weights; final_proj: θ*'s projections on the readout set [N, n_probes]; w [n_probes,
-        d_model]; ``update``: advance the first moments (the first rule of a step; a refinement reads them); ``mats``:
-        a dict that collects the influence matrices' terms (``_integrate``). Free of host syncs without ``types``,
-        so it runs under ``torch.func.vmap`` over a run axis."""
+        d_model]; ``update``: advance the first moments (the first rule of a step; a refinement reads them). Free of
+        host syncs without ``types``, so it runs under ``torch.func.vmap`` over a run axis."""
         shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam, update)
         step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
         risks, end = self._readout_risks(points(step, 1.0), final_proj, types, w)
@@ -651,7 +626,7 @@ class InfluenceTracker:
             for s, weight in rule[j * n:(j + 1) * n]:
                 pr = points(step, s)
                 nodes.append((weight, pr, self.risk_coefficients(pr.resid, final_proj, types, w)))
-            part = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update and j == 0, mats=mats)
+            part = self._integrate(passes, nodes, w, shared_dirs, scale, sgd, adam, update and j == 0)
             pending = part if pending is None else [(*a[:2], a[2] + b[2]) for a, b in zip(pending, part)]
         assert pending is not None  # pieces ≥ 1
         index = {(id(p), t, m): j for j, (p, t, m, *_) in enumerate(risks)}

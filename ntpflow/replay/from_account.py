@@ -16,10 +16,9 @@ import torch
 
 from ntpflow.engine.exact import chunk_matrices, chunk_values
 from ntpflow.engine.influence import MISMATCHES, Probe
-from ntpflow.files import save_tensors
 from ntpflow.model.sites import Site
+from ntpflow.replay.matrices import save_matrices
 from ntpflow.runs.account import KeptAccount
-from ntpflow.runs.run import AttributionDir
 
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 
@@ -40,13 +39,16 @@ def account_rows(chunks: Iterable[tuple[int, dict[str, torch.Tensor]]], final: d
     rows, cums = [], defaultdict(float)
     for first, tensors in chunks:
         last = first + int(tensors["steps"]) - 1
+        dev = tensors["steps"].device
         for (site, ftype), ps in by_site.items():
-            w = torch.stack([p.w.detach().cpu() for p in ps]).to(torch.float64)
+            w = torch.stack([p.w.detach() for p in ps]).to(dev, torch.float64)
+            r_star = final[site].to(dev)
             if ftype == -1:
-                values = chunk_values(tensors, site, final[site].cpu(), w)
+                values = chunk_values(tensors, site, r_star, w)
             else:  # each probe its own subset (its feature's labels)
-                parts = [chunk_values(tensors, site, final[site].cpu(), w[j:j + 1],
-                                      (p.name, ftype, types[p.name][:, site.pos] == ftype)) for j, p in enumerate(ps)]
+                parts = [chunk_values(tensors, site, r_star, w[j:j + 1],
+                                      (p.name, ftype, types[p.name][:, site.pos].to(dev) == ftype))
+                         for j, p in enumerate(ps)]
                 values = {k: torch.cat([x[k] for x in parts], -1) for k in parts[0]}
             v = {k: x.tolist() for k, x in values.items()}
             for mi, mismatch in enumerate(MISMATCHES):
@@ -72,10 +74,8 @@ def account_rows(chunks: Iterable[tuple[int, dict[str, torch.Tensor]]], final: d
 
 
 def account_matrices(kept: KeptAccount) -> dict[str, torch.Tensor]:
-    """The influence matrices of the account's own rows in the replay's ``matrices.safetensors`` layout
-    (``ntpflow.replay.matrices``): ``M.{site}.{mismatch}.{component}`` (direct, pre_cached, shared, full, and decay
-    under AdamW), ``S0.{site}.{mismatch}`` and ``final_resid.{site}``."""
-    own, names = kept.meta["own"], kept.rows
+    """The influence matrices of a kept account's own rows in the replay's ``matrices.safetensors`` layout
+    (:func:`matrices_layout`)."""
     total: dict[Site, torch.Tensor] = {}
     start: dict[Site, torch.Tensor] = {}
     for first, tensors in kept.chunks():
@@ -84,28 +84,34 @@ def account_matrices(kept: KeptAccount) -> dict[str, torch.Tensor]:
             total[site] = m if site not in total else total[site] + m
             if first == 0:
                 start[site] = tensors[f"start.{site.layer}:{site.pos}"]
+    return matrices_layout(total, start, kept.final, kept.meta["own"], kept.rows)
+
+
+def matrices_layout(total: dict[Site, torch.Tensor], start: dict[Site, torch.Tensor], final: dict[Site, torch.Tensor],
+                    own: str, names: Sequence[tuple[str, str]]) -> dict[str, torch.Tensor]:
+    """An account's influence matrices in ``matrices.safetensors``'s layout (``ntpflow.replay.matrices``), from the
+    sums of its chunks' ``chunk_matrices`` ``total`` {site: [2, rows, d, d]}, the readout's residuals at θ_0
+    ``start`` and at θ* ``final`` {site: [N, d]} and its rows ``names``: ``M.{site}.{mismatch}.{component}`` of the
+    optimizer's own rows ``own`` (direct, pre_cached, shared, full, and decay under AdamW), ``S0.{site}.{mismatch}``
+    and ``final_resid.{site}``."""
     out = {}
-    for site in kept.sites:
-        key, rs = f"{site.layer}:{site.pos}", kept.final[site]
+    for site, m in total.items():
+        key, rs = f"{site.layer}:{site.pos}", final[site].to(torch.float64)
         out[f"final_resid.{key}"] = rs
         e = start[site] - rs
         ec = e - e.mean(0)
         for mi, mismatch in enumerate(MISMATCHES):
-            c = {comp: total[site][mi, names.index((kind, comp))] for kind, comp in names if kind == own}
+            c = {comp: m[mi, names.index((kind, comp))] for kind, comp in names if kind == own}
             c["shared"] = c["full"] - c["direct"] - c["pre_cached"] - c.get("decay", 0.0)
-            for comp, m in c.items():
-                out[f"M.{key}.{mismatch}.{comp}"] = m
+            for comp, mc in c.items():
+                out[f"M.{key}.{mismatch}.{comp}"] = mc
             out[f"S0.{key}.{mismatch}"] = (e.T @ e if mismatch == "paper" else ec.T @ ec) / len(e)
     return out
 
 
 def save_account_matrices(out: Path, kept: KeptAccount, meta: dict) -> Path:
-    """Write the account's matrices to ``out``'s ``matrices.safetensors`` (atomic, sidecar last) with ``meta``."""
-    path = AttributionDir(Path(out)).matrices
-    comps = list(COMPONENTS) + (["decay"] if (kept.meta["own"], "decay") in kept.rows else [])
-    save_tensors(path, account_matrices(kept), {**meta, "sites": [f"{s.layer}:{s.pos}" for s in kept.sites],
-                                                "components": comps, "sign": "positive = moved toward the final value"})
-    return path
+    """Write the kept account's matrices to ``out``'s ``matrices.safetensors`` (atomic, sidecar last) with ``meta``."""
+    return save_matrices(out, account_matrices(kept), meta)
 
 
 def rule_text(meta: dict) -> str:

@@ -9,7 +9,8 @@ tracked site ``{layer}:{pos}`` and mismatch (``paper``: S = mean_b e_b e_bᵀ; `
     final_resid.{site}               [N, d]  θ*'s residuals on the readout set
 
 For a direction w, wᵀ M_c w is the influence of component c on R(w) = wᵀ S w (positive = moved toward the final
-value) and wᵀ S0 w is R_H(θ_0); Σ_c M_c = M_full = S_0 up to the quadrature residual (``ntpflow.engine.matrices``).
+value) and wᵀ S0 w is R_H(θ_0); Σ_c M_c = M_full = S_0 up to the quadrature residual. They are the exact account's
+(``ntpflow.engine.exact.chunk_matrices``, summed over its chunks): the replay's or the one kept while training.
 """
 
 from dataclasses import dataclass
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from ntpflow.engine.influence import InfluenceTracker
 from ntpflow.files import load_tensors, read_json, save_tensors, sidecar
 from ntpflow.model.sites import Site
 from ntpflow.runs.run import AttributionDir
@@ -25,14 +25,14 @@ from ntpflow.runs.run import AttributionDir
 COMPONENTS = ("direct", "pre_cached", "shared", "full")
 
 
-def save_matrices(out: Path, tracker: InfluenceTracker, meta: dict) -> Path:
-    """Write the tracker's matrices to ``out``'s ``matrices.safetensors`` (atomic, sidecar last) with ``meta``."""
-    if tracker.matrices is None:
-        raise ValueError("the tracker keeps no influence matrices (use_readout(..., matrices=True))")
+def save_matrices(out: Path, tensors: dict[str, torch.Tensor], meta: dict) -> Path:
+    """Write the matrices ``tensors`` (the layout above, ``ntpflow.replay.from_account.matrices_layout``) to
+    ``out``'s ``matrices.safetensors`` (atomic, sidecar last) with ``meta``, its sites and components."""
     path = AttributionDir(Path(out)).matrices
-    sites = [f"{s.layer}:{s.pos}" for s in tracker.sites]
-    save_tensors(path, tracker.matrices.tensors(), {**meta, "sites": sites, "components": list(COMPONENTS),
-                                                    "sign": "positive = moved toward the final value"})
+    sites = list(dict.fromkeys(k.split(".")[1] for k in tensors if k.startswith("S0.")))
+    comps = [c for c in (*COMPONENTS, "decay") if f"M.{sites[0]}.paper.{c}" in tensors]
+    save_tensors(path, {k: v.cpu() for k, v in tensors.items()},
+                 {**meta, "sites": sites, "components": comps, "sign": "positive = moved toward the final value"})
     return path
 
 

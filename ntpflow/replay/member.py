@@ -13,7 +13,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from ntpflow.engine.exact import chunk_matrices
 from ntpflow.engine.influence import InfluenceTracker, Probe
+from ntpflow.engine.replay_account import ReplayAccount
 from ntpflow.files import (
     fault_point,
     read_json,
@@ -22,6 +24,7 @@ from ntpflow.files import (
 from ntpflow.model.sites import Site, feature_name
 from ntpflow.progress import progress_of
 from ntpflow.replay.directions import direction_records
+from ntpflow.replay.from_account import account_rows, matrices_layout
 from ntpflow.replay.matrices import save_matrices
 from ntpflow.replay.summary import exact_notes, write_summary
 from ntpflow.replay.tracked import make_probes
@@ -50,7 +53,7 @@ def replay_member(run: Run, out: Path, sites: list[Site], features, dev, device,
             threads_at(step)
             tokens, mask = m.track(step)
             if alone:
-                m.tracker.optimizer_step(m.model, m.opt)
+                m.take_step()
             else:
                 advance(step, tokens, mask)
             m.end_step(step)
@@ -59,9 +62,14 @@ def replay_member(run: Run, out: Path, sites: list[Site], features, dev, device,
 
 
 class MemberReplay:
-    """One run's tracked replay: its model and Adam (at step ``start`` after resuming), its tracker, output folder
-    and the rows of the block being written. Per step: ``track(step)`` before the update, ``end_step(step)`` after
-    it; ``finish()`` at the end. ``done``: the folder already holds a finished attribution (nothing else is set)."""
+    """One run's tracked replay: its model and optimizer (at step ``start`` after resuming), what tracks it, output
+    folder and the rows of the block being written. Per step: ``track(step)`` before the update (then ``take_step()``
+    for a run trained alone), ``end_step(step)`` after it; ``finish()`` at the end. ``done``: the folder already holds
+    a finished attribution (nothing else is set).
+
+    The exact reading of one member is its :class:`ReplayAccount` (``account``: the account kept while training,
+    judged by the probes' risks; rows and matrices from its one-step chunks); the batch readings and the run-axis
+    replay are an ``InfluenceTracker``'s (``tracker``)."""
 
     def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool,
                  midpoint: bool, run_axis: bool = False, readout: int | None = None, extra: Sequence[Probe] = (),
@@ -112,17 +120,25 @@ class MemberReplay:
         if train_set.feature_types is not None:
             self.types = {n: torch.as_tensor(train_set.feature_types[..., i], device=dev).long()
                           for n, i in self.type_index.items()}
-        self.tracker = InfluenceTracker(run.load_model("final", dev),
-                                        [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes], sgd_rows=sgd_rows,
-                                        midpoint=midpoint)
-        self.tracker.use_dataset(self.data["tokens"])  # θ* projections once per example, not a θ* forward per step
-        self.readout = readout
-        if readout is not None:
-            held = torch.as_tensor(self.eval_set.tokens[:readout], device=dev)
-            types = None if self.eval_set.feature_types is None else {
-                n: torch.as_tensor(self.eval_set.feature_types[:readout, :, task.feature_names.index(n)],
-                                   device=dev).long() for n in spec["features"]}
-            self.tracker.use_readout(held, types, matrices=matrices)
+        self.final_model = run.load_model("final", dev)
+        probes = [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes]
+        self.readout, self.sgd_rows, self.matrices = readout, sgd_rows, matrices
+        self.tracker: InfluenceTracker | None = None
+        self.held: torch.Tensor | None = None  # the exact account's readout set [N, pos] and its types, r*
+        if readout is None or run_axis:
+            self.tracker = InfluenceTracker(self.final_model, probes, sgd_rows=sgd_rows, midpoint=midpoint)
+            self.tracker.use_dataset(self.data["tokens"])  # θ* projections once per example, not a θ* forward a step
+        held = None if readout is None else torch.as_tensor(self.eval_set.tokens[:readout], device=dev)
+        self.held_types = None if readout is None or self.eval_set.feature_types is None else {
+            n: torch.as_tensor(self.eval_set.feature_types[:readout, :, task.feature_names.index(n)], device=dev).long()
+            for n in spec["features"]}
+        if self.tracker is not None and held is not None:
+            self.tracker.use_readout(held, self.held_types)
+        elif held is not None:
+            self.held, self.probes_on = held, probes
+            with torch.no_grad():
+                resid = self.final_model(held, return_resid=True, myopic="none")[1]
+            self.r_star = {p.site: resid[p.site.layer][:, p.site.pos] for p in probes}
         self.block = block or cfg.ckpt_every
         self.order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
         self.rewind(cfg.steps)
@@ -131,10 +147,35 @@ class MemberReplay:
         """Load the newest resume point at or before step ``upto`` (none: start over from the initial weights)."""
         self.model = self.run.load_model("init", self.dev).train()
         self.opt = make_optimizer(self.model, self.run.cfg)
-        self.tracker.load_state_dict({"step": torch.tensor(0)})
-        self.start, self.cums = _resume(self.out, self.model, self.opt, self.tracker, self.dev, upto)
+        self.account: ReplayAccount | None = None
+        if self.held is not None:
+            self.account = ReplayAccount(self.model, self.opt, self.probes_on, self.held, self.r_star,
+                                         sgd_rows=self.sgd_rows, types=self.held_types, on_chunk=self._chunk)
+            sites = self.account.sites
+            d = self.model.cfg.d_model
+            self.totals = {s: torch.zeros((2, len(self.account.names), d, d), dtype=torch.float64,
+                                          device=self.dev) for s in sites} if self.matrices else {}
+            self.start_resid: dict[Site, torch.Tensor] = {}
+        tracker = self.account if self.account is not None else self.tracker
+        assert tracker is not None
+        tracker.load_state_dict({"step": torch.tensor(0)})
+        self.start, self.cums, state = _resume(self.out, self.model, self.opt, tracker, self.dev, upto)
+        if self.account is not None and self.matrices and self.start:
+            for s in self.account.sites:
+                self.totals[s] = state[f"matrices.total.{s.layer}:{s.pos}"]
+                self.start_resid[s] = state[f"matrices.start.{s.layer}:{s.pos}"]
         self.rows: list[dict] = []
         self.block_start = self.start
+
+    def _chunk(self, first: int, tensors: dict[str, torch.Tensor]) -> None:
+        """The account's chunk of one step: its rows (and its matrices' share)."""
+        assert self.account is not None
+        self.record(account_rows([(first, tensors)], self.r_star, self.account.own, self.account.names,
+                                 self.probes_on, self.held_types))
+        for s in self.totals:
+            self.totals[s] += chunk_matrices(tensors, s, self.r_star[s])
+            if first == 0:
+                self.start_resid[s] = tensors[f"start.{s.layer}:{s.pos}"]
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``step``'s batch: tokens, loss_mask [batch, pos] and their rows in the training set [batch]."""
@@ -148,8 +189,20 @@ class MemberReplay:
         if self.annotate is not None:  # a token-only training set: the batch's types from its tokens
             ft = torch.as_tensor(self.annotate(tokens.cpu().numpy()).feature_types, device=self.dev).long()
             types = {n: ft[..., j] for n, j in self.type_index.items()}
-        self.record(self.tracker.track(self.model, self.opt, tokens, mask, types, example_ids=i))
+        if self.account is not None:  # the rows arrive through _chunk
+            self._passes = self.account.account_step(tokens, mask)
+        else:
+            assert self.tracker is not None
+            self.record(self.tracker.track(self.model, self.opt, tokens, mask, types, example_ids=i))
         return tokens, mask
+
+    def take_step(self) -> None:
+        """The training step of the batch just tracked, on the gradients of its tracking (the training's bits)."""
+        if self.account is not None:
+            self.account.optimizer_step(self._passes)
+        else:
+            assert self.tracker is not None
+            self.tracker.optimizer_step(self.model, self.opt)
 
     def record(self, rows: list[dict]) -> None:
         """Add a step's rows (from this member's tracker) to the block, with their running sums."""
@@ -168,18 +221,29 @@ class MemberReplay:
         if self.boundary(step):
             write_part(AttributionDir(self.out).part(self.block_start), self.rows)
             self.rows, self.block_start = [], step + 1
-            save_resume_point(self.out, self.model, self.opt, step + 1,
-                              {f"tracker.{k}": v for k, v in self.tracker.state_dict().items()})
+            tracker = self.account if self.account is not None else self.tracker
+            assert tracker is not None
+            extra = {f"tracker.{k}": v for k, v in tracker.state_dict().items()}
+            for s, total in self.totals.items() if self.account is not None else ():
+                extra[f"matrices.total.{s.layer}:{s.pos}"] = total
+                extra[f"matrices.start.{s.layer}:{s.pos}"] = self.start_resid[s]
+            save_resume_point(self.out, self.model, self.opt, step + 1, extra)
 
     def finish(self) -> None:
         """Check the final weights against the run's (bit for bit) and write influence.parquet and summary.json."""
         check_replay(self.run, self.model)
-        if self.tracker.matrices is not None:  # before influence.parquet, which marks the folder done
-            save_matrices(self.out, self.tracker, {"readout": self.readout, "steps": self.run.cfg.steps,
-                                                   "config_hash": self.run.cfg.hash(),
-                                                   "optimizer": self.run.cfg.own_rows})
-        write_summary(self.out, self.run, self.probes, self.tracker.final_model, self.eval_set, self.dev, self.readout,
-                None if self.readout is None else exact_notes(self.tracker))
+        notes = None
+        if self.account is not None:
+            if self.matrices:  # before influence.parquet, which marks the folder done
+                save_matrices(self.out, matrices_layout(self.totals, self.start_resid, self.r_star, self.account.own,
+                                                        self.account.names),
+                              {"readout": self.readout, "steps": self.run.cfg.steps,
+                               "config_hash": self.run.cfg.hash(), "optimizer": self.account.own})
+            notes = exact_notes(self.account, self.account.rule)
+        elif self.readout is not None:
+            assert self.tracker is not None
+            notes = exact_notes(self.tracker, self.tracker.exact_readout)
+        write_summary(self.out, self.run, self.probes, self.final_model, self.eval_set, self.dev, self.readout, notes)
 
 
 def _batch_types(run: Run, readout: int | None):
@@ -219,7 +283,7 @@ def _resume(out: Path, model, opt, tracker, dev, upto: int | None = None):
     if not start:
         for p in parts:
             p.unlink()
-        return 0, cums
+        return 0, cums, state
 
     tracker.load_state_dict({k[8:]: v for k, v in state.items() if k.startswith("tracker.")})
     for p in parts:
@@ -230,7 +294,7 @@ def _resume(out: Path, model, opt, tracker, dev, upto: int | None = None):
         for j in range(len(t["step"])):
             cums[tuple(t[k][j] for k in KEY)] = t["cumulative"][j]
     log.info("resuming attribution in %s from step %d", out, start)
-    return start, cums
+    return start, cums, state
 
 
 def write_part(path: Path, rows: list[dict]):

@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import torch
 
-from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, mismatch_value
+from ntpflow.engine.influence import MISMATCHES, Readout, mismatch_value
 from ntpflow.files import (
     stamp,
     write_json,
@@ -21,11 +21,11 @@ from ntpflow.runs.run import AttributionDir, Run
 log = logging.getLogger(__name__)
 
 
-def exact_notes(tracker: InfluenceTracker) -> dict:
-    """The exact account's counters and rule (summary.json) of a replay's tracker."""
-    ro = tracker.exact_readout
-    return {"refined_steps": tracker.refined, "subdivided_steps": tracker.subdivided,
-            "point_evaluations": tracker.evaluations,
+def exact_notes(counted, ro: Readout) -> dict:
+    """The exact account's counters and rule (summary.json) of a replay: ``counted`` its tracker or account
+    (``refined``, ``subdivided``, ``evaluations``), ``ro`` its readout rule."""
+    return {"refined_steps": counted.refined, "subdivided_steps": counted.subdivided,
+            "point_evaluations": counted.evaluations,
             "rule": f"Gauss-Legendre {'/'.join(map(str, ro.levels))} points, then the step split into "
                     f"{'/'.join(map(str, ro.pieces)) or 'no'} pieces of {ro.levels[-1]} points each, a step "
                     f"re-integrated while |residual| > min({ro.rtol:g} |change|, {ro.cap:g} R_H(θ_0)) + "
