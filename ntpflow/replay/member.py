@@ -160,6 +160,10 @@ class MemberReplay:
         assert tracker is not None
         tracker.load_state_dict({"step": torch.tensor(0)})
         self.start, self.cums, state = _resume(self.out, self.model, self.opt, tracker, self.dev, upto)
+        if self.account is not None and self.start and "tracker.replay.risk0" not in state:
+            log.info("%s: a resume point of an earlier ntpflow's exact replay (not its account): starting over",
+                     self.out)
+            return self.rewind(0)
         if self.account is not None and self.matrices and self.start:
             for s in self.account.sites:
                 self.totals[s] = state[f"matrices.total.{s.layer}:{s.pos}"]
