@@ -1,9 +1,11 @@
-"""Influence tracking over a run axis (ntpflow.engine.run_axis) against R separate trackers, in float64."""
+"""Influence tracking over a run axis (ntpflow.engine.run_axis) against R separate trackers (the exact reading: R
+separate accounts), in float64."""
 
 import pytest
 import torch
 
 from ntpflow.engine.influence import InfluenceTracker, Probe
+from ntpflow.engine.replay_account import ReplayAccount
 from ntpflow.engine.run_axis import RunAxisTracker
 from ntpflow.model.gpt import GPT
 from ntpflow.model.sites import Site
@@ -18,19 +20,24 @@ R, BATCH, N_DATA, STEPS = 3, 8, 48, 3
 SITES = [Site(0, 2), Site(1, 3), Site(1, 5), Site(2, 4)]
 
 
-def trackers(final_models, data, reading, gen):
+def trackers(final_models, data, reading, gen, models, opts):
     """One tracker per run, 2 random probes per site, each run's own directions and dataset; ``reading``: "start",
-    "midpoint", "exact" (each run's own readout set, its first 16 sequences) or "refined" (the exact account with a
-    tolerance of 0: every step re-integrated up to the last rule, the step split in two)."""
+    "midpoint", "exact" (each run's account, ``ReplayAccount``, on its own readout set, its first 16 sequences, on
+    ``models``/``opts``) or "refined" (the exact account with a tolerance of 0: every step re-integrated up to the
+    last rule, the step split in two)."""
     out = []
-    for final, d in zip(final_models, data):
+    for final, d, model, opt in zip(final_models, data, models, opts):
         probes = [Probe(s, f"f{j}", torch.randn(final.cfg.d_model, generator=gen, dtype=torch.float64))
                   for s in SITES for j in range(2)]
+        if reading in ("exact", "refined"):
+            with torch.no_grad():
+                resid = final(d[:16], return_resid=True, myopic="none")[1]
+            rule = {"rtol": 0.0, "floor": 0.0, "pieces": (2,)} if reading == "refined" else {}
+            out.append(ReplayAccount(model, opt, probes, d[:16], {s: resid[s.layer][:, s.pos] for s in SITES},
+                                     levels=(2, 3), **rule))
+            continue
         tr = InfluenceTracker(final, probes, midpoint=reading == "midpoint")
         tr.use_dataset(d)
-        if reading in ("exact", "refined"):
-            tr.use_readout(d[:16], levels=(2, 3), **({"rtol": 0.0, "floor": 0.0, "pieces": (2,)} if reading == "refined"
-                                                     else {}))
         out.append(tr)
     return out
 
@@ -41,7 +48,8 @@ def test_run_axis_rows_equal_separate_trackers_float64(regime, reading):
     """The R members' rows of one vmapped step, against each member's own ``InfluenceTracker.track`` on its own
     model and Adam (exported from the group's stack), over several Adam steps: the same rows, values equal to
     rounding (batched kernels round differently): within 1e3 · eps64 of the step's largest |value|. With the exact
-    account, the refinement counters too."""
+    account, each step's accumulators (within 1e3 · eps64 of each tensor's largest entry) and the refinement
+    counters."""
     compare_with_separate_trackers(TrainConfig(task="majority", d_model=16, n_head=2, batch_size=BATCH, regime=regime),
                                    reading)
 
@@ -65,8 +73,8 @@ def compare_with_separate_trackers(cfg: TrainConfig, reading: str) -> None:
     finals = [GPT(mcfg, seed=10 + s).double() for s in range(R)]
     gen = torch.Generator().manual_seed(1)
     data = torch.randint(2, mcfg.vocab_size, (R, N_DATA, mcfg.n_ctx), generator=gen)
-    alone = trackers(finals, data, reading, torch.Generator().manual_seed(2))
-    axis = RunAxisTracker(trackers(finals, data, reading, torch.Generator().manual_seed(2)))
+    alone = trackers(finals, data, reading, torch.Generator().manual_seed(2), models, opts)
+    axis = RunAxisTracker(trackers(finals, data, reading, torch.Generator().manual_seed(2), models, opts))
     stack, group_opt = stack_runs(models, opts, cfg)
     eps = torch.finfo(torch.float64).eps
     for _ in range(STEPS):
@@ -76,6 +84,15 @@ def compare_with_separate_trackers(cfg: TrainConfig, reading: str) -> None:
         batched = axis.track(stack, group_opt, range(R), tokens, mask, ids)
         for r in range(R):
             export_member(stack, r, group_opt, models[r], opts[r])
+            if isinstance(alone[r], ReplayAccount):  # the step's chunk (its accumulators) against the lone account's
+                alone[r].account_step(tokens[r], mask[r])
+                assert batched[r] == []
+                (_, want_chunk), (_, got_chunk) = alone[r].chunks[-1], axis.trackers[r].chunks[-1]
+                assert want_chunk.keys() == got_chunk.keys()
+                for k, want in want_chunk.items():
+                    torch.testing.assert_close(got_chunk[k], want, rtol=0,
+                                               atol=1e3 * eps * max(want.abs().max().item(), 1e-300))
+                continue
             rows = alone[r].track(models[r], opts[r], tokens[r], mask[r], example_ids=ids[r])
             assert [{**x, "value": 0} for x in batched[r]] == [{**x, "value": 0} for x in rows]
             want = torch.tensor([x["value"] for x in rows], dtype=torch.float64)
@@ -107,3 +124,5 @@ def test_run_axis_refuses_members_that_differ():
     exact.use_readout(torch.zeros(4, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="same sites"):
         RunAxisTracker([InfluenceTracker(final, [Probe(Site(1, 3), "a", w)]), exact])
+    with pytest.raises(ValueError, match="ReplayAccount"):
+        RunAxisTracker([exact, exact])

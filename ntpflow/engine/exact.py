@@ -269,22 +269,32 @@ class ExactAccount(InfluenceTracker):
         return self._m_full, self._m_sites
 
     def _account_step(self, passes, lr: float, adam, decay: torch.Tensor | None) -> None:
-        ro = self.rule
-        if self._resid is None:  # θ_0, or a resumed step: its plain forward (later starts are the previous end)
-            self._resid = self._site_resid(Primals(self.model, ro.tokens, self.top_layer))
-            if not self._norms:
-                self._norms = {s: self._sizes(r) for s, r in self._resid.items()}
-        if not self._chunk:
-            self._first = self.step
-            self._chunk = {f"start.{s.layer}:{s.pos}": r for s, r in self._resid.items()}
+        self._begin_step()
         previous = math.inf
-        for level, (n, pieces) in enumerate(ro.rules):
+        for level, (n, pieces) in enumerate(self.rule.rules):
             sink: dict[Site, dict[str, torch.Tensor]] = {}
             end = self._integral(passes, lr, adam, decay, n, pieces, level == 0, sink)
             excess = self._excess(sink, end)
-            if ro.settles(level, excess, previous):
+            if self.rule.settles(level, excess, previous):
                 break
             previous = excess
+        self._end_step(sink, end, level)
+
+    def _begin_step(self) -> None:
+        """Before a step: the readout's residuals at its start (θ_0's, or a resumed step's, by a plain forward unless
+        set already; later starts are the previous end), their sizes at θ_0, and a new chunk if none is running."""
+        if self._resid is None:
+            self._resid = self._site_resid(Primals(self.model, self.rule.tokens, self.top_layer))
+        if not self._norms:
+            self._norms = {s: self._sizes(r) for s, r in self._resid.items()}
+        if not self._chunk:
+            self._first = self.step
+            self._chunk = {f"start.{s.layer}:{s.pos}": r for s, r in self._resid.items()}
+
+    def _end_step(self, sink: dict[Site, dict[str, torch.Tensor]], end: dict[Site, torch.Tensor], level: int) -> None:
+        """After a step settled at rule ``level``: its integrals ``sink`` join the chunk, its end ``end`` {site: [N,
+        d]} becomes the next start, and a full chunk goes out."""
+        ro = self.rule
         for key, value in keyed(sink).items():
             self._chunk[key] = value if key not in self._chunk else self._chunk[key] + value
         self.evaluations += sum(n * k for n, k in ro.rules[:level + 1])
@@ -335,10 +345,12 @@ class ExactAccount(InfluenceTracker):
     def _site_resid(self, primals: Primals) -> dict[Site, torch.Tensor]:
         return {s: primals.resid[s.layer][:, s.pos].to(torch.float64) for s in self.sites}
 
-    def _integral(self, passes, lr: float, adam, decay, n: int, pieces: int, update: bool, sink: dict
-                  ) -> dict[Site, torch.Tensor]:
+    def _integral(self, passes, lr: float, adam, decay, n: int, pieces: int, update: bool, sink: dict,
+                  shifted: Callable[[torch.Tensor, float], Primals] | None = None) -> dict[Site, torch.Tensor]:
         """One step by the ``n``-point rule on each of ``pieces`` parts: fills ``sink`` {site: G, Gbar, T}; returns
-        the readout's residuals at the step's end {site: [N, d]}."""
+        the readout's residuals at the step's end {site: [N, d]}. ``shifted(step, s)``: the readout's ``Primals`` at
+        θ − s·step (default: on scratch copies of the model; the run axis passes a functional one, so that this runs
+        under ``torch.func.vmap``)."""
         shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam, update)
         if decay is not None:
             shared_dirs = torch.cat([shared_dirs, decay[None]])
@@ -348,6 +360,8 @@ class ExactAccount(InfluenceTracker):
         tokens = self.rule.tokens
 
         def points(s: float) -> Primals:
+            if shifted is not None:
+                return shifted(step, s)
             return Primals(self._point(self.model, step, s, next(scratch) % (n + 1)), tokens, self.top_layer)
 
         end = self._site_resid(points(1.0))

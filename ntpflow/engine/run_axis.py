@@ -12,23 +12,27 @@ projections of its dataset, resume state, rows); its first moments become views 
 ``[R, n_sites, 2, n_params]`` and ``[R, n_params]`` moments, so its ``state_dict`` is unchanged. The values agree with
 R separate trackers to rounding (batched kernels round differently from unbatched ones; ``tests/test_run_axis.py``
 bounds the difference in float64), and a replay through this path is deterministic, so it resumes to the same bits.
+
+The exact reading runs the members' accounts (``ntpflow.engine.replay_account.ReplayAccount``) the same way:
+``ExactAccount._integral`` under vmap, each member judging each rule by its own risks.
 """
 
 import math
 import warnings
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
 
 from ntpflow.engine.decomposition import SitePasses
+from ntpflow.engine.exact import ExactAccount
 from ntpflow.engine.forward_mode import Primals
 from ntpflow.engine.influence import (
     AdamStep,
     InfluenceTracker,
     MomentumStep,
-    Readout,
     _check_optimizer,
     adam_second_moment,
 )
@@ -54,11 +58,12 @@ class RunAxisTracker:
     ``rows = tracker.track(stack, group_opt, members, tokens, loss_mask, example_ids)`` before the group's step:
     ``members`` [R] are the tracked members' indices in the group's ``RunStack``, the batches tokens, loss_mask
     [R, batch, pos] and example_ids [R, batch] are theirs; returns each member's rows, as its own
-    ``InfluenceTracker.track`` would (to rounding). Only whole-batch risks (no feature types). With the exact
-    account (every member's ``use_readout``, each on its own readout set of one size) a step is integrated for all
-    members at once, and again at the next rule (more points, then the composite rules) while some member's residual
-    is above its tolerance; each member keeps the rule its own tracker would settle at. Any optimizer a group trains
-    with: Adam, SGD with or without momentum, on a schedule or not.
+    ``InfluenceTracker.track`` would (to rounding). Only whole-batch risks (no feature types). For the exact reading
+    the members are their accounts (``ReplayAccount``, each on its own readout set of one size; their rows go to their
+    own ``on_chunk``, and ``track`` returns empty lists): a step is integrated for all members at once, and again at
+    the next rule (more points, then the composite rules) while some member's risks miss their tolerance; each member
+    keeps the rule its own account would settle at. Any optimizer a group trains with: Adam, SGD with or without
+    momentum, on a schedule or not.
     """
 
     def __init__(self, trackers: Sequence[InfluenceTracker]):
@@ -66,12 +71,16 @@ class RunAxisTracker:
         first = self.trackers[0]
         key = [(p.site, p.name) for p in first.probes]
         for t in self.trackers[1:]:
-            if ([(p.site, p.name) for p in t.probes] != key or (t.midpoint, t.sgd_rows, t.bucket_width)
-                    != (first.midpoint, first.sgd_rows, first.bucket_width) or _readout_key(t) != _readout_key(first)):
+            if ([(p.site, p.name) for p in t.probes] != key or (type(t), t.sites, t.midpoint, t.sgd_rows, t.bucket_width)
+                    != (type(first), first.sites, first.midpoint, first.sgd_rows, first.bucket_width)
+                    or _readout_key(t) != _readout_key(first)):
                 raise ValueError("the members tracked over a run axis need the same sites, features and options")
-        if first.final_model is None:
+        if first.final_model is None and not isinstance(first, ExactAccount):
             raise ValueError("the members tracked over a run axis need their final models")
-        self._bound = _Bound(GPT(first.final_model.cfg).to("meta"))  # the architecture; weights come per call
+        if first.readout is not None:
+            raise ValueError("the exact reading over a run axis takes each member's account "
+                             "(ntpflow.engine.replay_account.ReplayAccount), not a tracker's use_readout")
+        self._bound = _Bound(GPT(first.cfg).to("meta"))  # the architecture; weights come per call
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None  # see _moments
         self._views: list = []
         self._directions = torch.stack([t.directions for t in self.trackers])  # [R, n_probes, d_model]
@@ -97,8 +106,8 @@ class RunAxisTracker:
             m_full, m_sites = self._moments(empty.new_zeros((len(idx), n_params)))
         lr, step_of = group["lr"], _step_of(kind, group, t)
         optim = (v_prev, step_of, m_full, m_sites)
-        if first.readout is not None:
-            return self._track_exact(params, stack, tokens, loss_mask, lr, optim)
+        if isinstance(first, ExactAccount):
+            return self._account(params, stack, tokens, loss_mask, lr, optim)
         final_proj = torch.stack([tr._cached_projections(i) for tr, i in zip(self.trackers, example_ids)])
         layout = []
 
@@ -121,49 +130,51 @@ class RunAxisTracker:
             tr.step += 1
         return out
 
-    def _track_exact(self, params: dict, stack: RunStack, tokens: torch.Tensor, loss_mask: torch.Tensor, lr: float,
-                     optim: tuple) -> list[list[dict]]:
-        """Each member's rows of an exactly integrated step (``InfluenceTracker.exact_integral`` under vmap)."""
-        first, trackers = self.trackers[0], self.trackers
+    def _account(self, params: dict, stack: RunStack, tokens: torch.Tensor, loss_mask: torch.Tensor, lr: float,
+                 optim: tuple) -> list[list[dict]]:
+        """Each member's account of this step (``ExactAccount._integral`` under vmap; members' rows come through
+        their own ``on_chunk``, so the lists returned are empty): each member judges each rule by its own
+        ``_excess`` and settles at the rule its lone account would."""
+        accounts = cast(list[ExactAccount], self.trackers)
+        first = accounts[0]
         v_prev, step_of, m_full, m_sites = optim
-        readout = _readout(first)  # the members' rule (the same for all, see __init__)
-        ro_tokens = torch.stack([_readout(tr).tokens for tr in trackers])  # [R, N, n_pos]
-        ro_proj = torch.stack([_readout(tr).final_proj for tr in trackers])  # [R, N, n_probes]
-        if first._start is None:  # θ_0 of every member: a plain forward on its readout set
-            def start(params, ro_tokens, ro_proj, w):
-                return self._call(params, stack, lambda m: first._readout_risks(
-                    Primals(m, ro_tokens, first.top_layer), ro_proj, None, w)[1])
+        ro_tokens = torch.stack([a.rule.tokens for a in accounts])  # [R, N, n_pos]
+        if first._resid is None:  # θ_0 (or a resumed step) of every member: a plain forward on its readout set
+            def start(params, ro_tokens):
+                return self._call(params, stack, lambda m: [
+                    r for r in first._site_resid(Primals(m, ro_tokens, first.top_layer)).values()])
 
-            for tr, r in zip(trackers, _vmapped(start)(params, ro_tokens, ro_proj, self._directions)):
-                tr._start, tr._r0 = r, r.abs()
-        result: list = [None] * len(trackers)  # per member: (values, end, full, level) of the rule it settled at
-        previous = [math.inf] * len(trackers)  # per member: its excess at the rule before (Readout.settles)
-        for level, (n, pieces) in enumerate(readout.rules):
-            layout = []
-
-            def one(params, tokens, loss_mask, ro_tokens, ro_proj, w, v_prev, m_full, m_sites):
+            for r, a in enumerate(accounts):
+                a._resid = dict(zip(first.sites, (x[r] for x in _vmapped(start)(params, ro_tokens))))
+        for a in accounts:
+            a._lr = lr
+            a._begin_step()
+        settled: list = [None] * len(accounts)  # per member: (sink, end, level) of the rule it settled at
+        previous = [math.inf] * len(accounts)
+        for level, (n, pieces) in enumerate(first.rule.rules):
+            def one(params, tokens, loss_mask, ro_tokens, v_prev, m_full, m_sites):
                 def on(model):
                     passes = SitePasses(model, tokens, first.sites, loss_mask, functional=True)
-                    points = lambda step, s: self._shifted(model, step, s, ro_tokens)  # noqa: E731
-                    *tensors, lay = first.exact_integral(passes, lr, step_of(v_prev, m_full, m_sites), points, n,
-                                                         ro_proj, w, None, update=level == 0, pieces=pieces)
-                    layout.append(lay)
-                    return tuple(tensors)
+                    sink: dict = {}
+                    end = first._integral(passes, lr, step_of(v_prev, m_full, m_sites), None, n, pieces, level == 0,
+                                          sink, lambda step, s: self._shifted(model, step, s, ro_tokens))
+                    return [sink[s] for s in first.sites], [end[s] for s in first.sites]
 
                 return self._call(params, stack, on)
 
-            values, end, full = _vmapped(one)(params, tokens, loss_mask, ro_tokens, ro_proj, self._directions,
-                                              v_prev, m_full, m_sites)
-            starts, r0 = (torch.stack([getattr(tr, k) for tr in trackers]) for k in ("_start", "_r0"))
-            change = starts - end
-            excess = readout.excess(change, full, r0).reshape(len(trackers), -1).amax(1).tolist()
-            for r, x in enumerate(excess):  # a member settles at its own rule, as its lone tracker would
-                if result[r] is None and readout.settles(level, x, previous[r]):
-                    result[r] = (values[r], end[r], full[r], level)
-                previous[r] = x
-            if all(x is not None for x in result):
+            sinks, ends = _vmapped(one)(params, tokens, loss_mask, ro_tokens, v_prev, m_full, m_sites)
+            for r, a in enumerate(accounts):
+                sink = {s: {k: v[r] for k, v in acc.items()} for s, acc in zip(first.sites, sinks)}
+                end = {s: e[r] for s, e in zip(first.sites, ends)}
+                excess = a._excess(sink, end)
+                if settled[r] is None and a.rule.settles(level, excess, previous[r]):
+                    settled[r] = (sink, end, level)
+                previous[r] = excess
+            if all(x is not None for x in settled):
                 break
-        return [tr.exact_rows(v, e, f, layout[0], lr, lv) for tr, (v, e, f, lv) in zip(trackers, result)]
+        for a, (sink, end, level) in zip(accounts, settled):
+            a._end_step(sink, end, level)
+        return [[] for _ in accounts]
 
     def _call(self, params: dict, stack: RunStack, fn):
         """``fn(model)`` on the architecture with one member's ``params`` swapped in (under vmap: a batched one)."""
@@ -219,16 +230,9 @@ def _step_of(kind: str, group: dict, t: int):
     return lambda v_prev, m_full, m_sites: None
 
 
-def _readout(tracker: InfluenceTracker) -> Readout:
-    """The tracker's readout set and rule (``InfluenceTracker.use_readout``), which the exact account needs."""
-    if tracker.readout is None:
-        raise RuntimeError("the exact account needs use_readout() first")
-    return tracker.readout
-
-
 def _readout_key(tracker: InfluenceTracker) -> tuple | None:
     """What members tracked together must share about their readout sets: size and rule (None: no readout)."""
-    ro = tracker.readout
+    ro = tracker.rule if isinstance(tracker, ExactAccount) else tracker.readout
     return None if ro is None else (len(ro.tokens), ro.levels, ro.pieces, ro.rtol, ro.floor, ro.cap, ro.stall)
 
 

@@ -29,7 +29,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from ntpflow.engine.influence import InfluenceTracker, Probe
+from ntpflow.engine.influence import Probe
 from ntpflow.engine.run_axis import RunAxisTracker
 from ntpflow.files import (
     DirLock,
@@ -204,7 +204,7 @@ def attribute_group(run_dirs: Sequence[str | Path], spec: AttributionSpec, *,
                     for _, m in todo:
                         if m.start > first:
                             m.rewind(first)
-                axis = RunAxisTracker([cast(InfluenceTracker, m.tracker) for _, m in todo])  # run_axis: each has one
+                axis = RunAxisTracker([m.tracking for _, m in todo])
             first, steps = min(m.start for _, m in todo), runs[0].cfg.steps
             threads_at = locks.enter_context(follow_threads(runs[0].dir, dev))  # the group trained as one
             for step in progress_of(range(first, steps), initial=first, total=steps, enabled=progress,

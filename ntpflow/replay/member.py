@@ -67,9 +67,9 @@ class MemberReplay:
     for a run trained alone), ``end_step(step)`` after it; ``finish()`` at the end. ``done``: the folder already holds
     a finished attribution (nothing else is set).
 
-    The exact reading of one member is its :class:`ReplayAccount` (``account``: the account kept while training,
-    judged by the probes' risks; rows and matrices from its one-step chunks); the batch readings and the run-axis
-    replay are an ``InfluenceTracker``'s (``tracker``)."""
+    The exact reading is its :class:`ReplayAccount` (``account``: the account kept while training, judged by the
+    probes' risks; rows and matrices from its one-step chunks), alone or over a group's run axis; the batch readings
+    are an ``InfluenceTracker``'s (``tracker``). ``tracking``: whichever of the two it has."""
 
     def __init__(self, run: Run, out: Path, sites: list[Site], features, dev, device, block, sgd_rows: bool,
                  midpoint: bool, run_axis: bool = False, readout: int | None = None, extra: Sequence[Probe] = (),
@@ -124,21 +124,18 @@ class MemberReplay:
         probes = [Probe(p.site, p.name, p.w.to(dev)) for p in self.probes]
         self.readout, self.sgd_rows, self.matrices = readout, sgd_rows, matrices
         self.tracker: InfluenceTracker | None = None
-        self.held: torch.Tensor | None = None  # the exact account's readout set [N, pos] and its types, r*
-        if readout is None or run_axis:
+        self.held: torch.Tensor | None = None  # the exact account's readout set [N, pos]
+        if readout is None:
             self.tracker = InfluenceTracker(self.final_model, probes, sgd_rows=sgd_rows, midpoint=midpoint)
             self.tracker.use_dataset(self.data["tokens"])  # θ* projections once per example, not a θ* forward a step
-        held = None if readout is None else torch.as_tensor(self.eval_set.tokens[:readout], device=dev)
-        self.held_types = None if readout is None or self.eval_set.feature_types is None else {
-            n: torch.as_tensor(self.eval_set.feature_types[:readout, :, task.feature_names.index(n)], device=dev).long()
-            for n in spec["features"]}
-        if self.tracker is not None and held is not None:
-            self.tracker.use_readout(held, self.held_types)
-        elif held is not None:
-            self.held, self.probes_on = held, probes
+        else:
+            self.held, self.probes_on = torch.as_tensor(self.eval_set.tokens[:readout], device=dev), probes
+            self.held_types = None if self.eval_set.feature_types is None else {
+                n: torch.as_tensor(self.eval_set.feature_types[:readout, :, task.feature_names.index(n)],
+                                   device=dev).long() for n in spec["features"]}
             with torch.no_grad():
-                resid = self.final_model(held, return_resid=True, myopic="none")[1]
-            self.r_star = {p.site: resid[p.site.layer][:, p.site.pos] for p in probes}
+                resid = self.final_model(self.held, return_resid=True, myopic="none")[1]
+            self.r_star = {p.site: resid[p.site.layer][:, p.site.pos] for p in probes}  # θ*'s [N, d]
         self.block = block or cfg.ckpt_every
         self.order = DataOrder(cfg.seed, cfg.n_train, cfg.batch_size)
         self.rewind(cfg.steps)
@@ -156,10 +153,8 @@ class MemberReplay:
             self.totals = {s: torch.zeros((2, len(self.account.names), d, d), dtype=torch.float64,
                                           device=self.dev) for s in sites} if self.matrices else {}
             self.start_resid: dict[Site, torch.Tensor] = {}
-        tracker = self.account if self.account is not None else self.tracker
-        assert tracker is not None
-        tracker.load_state_dict({"step": torch.tensor(0)})
-        self.start, self.cums, state = _resume(self.out, self.model, self.opt, tracker, self.dev, upto)
+        self.tracking.load_state_dict({"step": torch.tensor(0)})
+        self.start, self.cums, state = _resume(self.out, self.model, self.opt, self.tracking, self.dev, upto)
         if self.account is not None and self.start and "tracker.replay.risk0" not in state:
             log.info("%s: a resume point of an earlier ntpflow's exact replay (not its account): starting over",
                      self.out)
@@ -170,6 +165,13 @@ class MemberReplay:
                 self.start_resid[s] = state[f"matrices.start.{s.layer}:{s.pos}"]
         self.rows: list[dict] = []
         self.block_start = self.start
+
+    @property
+    def tracking(self) -> InfluenceTracker:
+        """What tracks the replay: its account (the exact reading), else its tracker."""
+        tracking = self.account if self.account is not None else self.tracker
+        assert tracking is not None
+        return tracking
 
     def _chunk(self, first: int, tensors: dict[str, torch.Tensor]) -> None:
         """The account's chunk of one step: its rows (and its matrices' share)."""
@@ -225,9 +227,7 @@ class MemberReplay:
         if self.boundary(step):
             write_part(AttributionDir(self.out).part(self.block_start), self.rows)
             self.rows, self.block_start = [], step + 1
-            tracker = self.account if self.account is not None else self.tracker
-            assert tracker is not None
-            extra = {f"tracker.{k}": v for k, v in tracker.state_dict().items()}
+            extra = {f"tracker.{k}": v for k, v in self.tracking.state_dict().items()}
             for s, total in self.totals.items() if self.account is not None else ():
                 extra[f"matrices.total.{s.layer}:{s.pos}"] = total
                 extra[f"matrices.start.{s.layer}:{s.pos}"] = self.start_resid[s]
@@ -244,9 +244,6 @@ class MemberReplay:
                               {"readout": self.readout, "steps": self.run.cfg.steps,
                                "config_hash": self.run.cfg.hash(), "optimizer": self.account.own})
             notes = exact_notes(self.account, self.account.rule)
-        elif self.readout is not None:
-            assert self.tracker is not None
-            notes = exact_notes(self.tracker, self.tracker.exact_readout)
         write_summary(self.out, self.run, self.probes, self.final_model, self.eval_set, self.dev, self.readout, notes)
 
 
