@@ -15,12 +15,16 @@ from ntpflow import GPT, Account, GPTConfig, Site, lm_loss
 from ntpflow.cli import main
 from ntpflow.engine.exact import ExactAccount, chunk_matrices, chunk_values
 from ntpflow.engine.influence import MISMATCHES, InfluenceTracker, Probe
+from ntpflow.engine.replay_account import ReplayAccount
 from ntpflow.files import SimulatedKill, load_tensors
+from ntpflow.replay.from_account import account_rows
 from ntpflow.runs.run import Run
+from ntpflow.runs.training import train_step
 
 T, V, D = 8, 7, 16
 SITES = [Site(1, 3), Site(2, 5), Site(0, 2)]
 EPS64 = torch.finfo(torch.float64).eps
+ROW_KEY = ("step", "layer", "pos", "feature", "feature_type", "mismatch", "component", "optimizer")
 TINY_SET = ["n_layer=1", "d_model=32", "n_head=2", "steps=12", "batch_size=32", "n_train=256", "n_eval=128",
             "eval_every=6", "ckpt_every=4", "log_every=2"]
 
@@ -34,10 +38,11 @@ def batch(seed, n):
     return torch.randint(0, V, (n, T), generator=g), torch.rand(n, T, generator=g) > 0.2
 
 
-def optimizer(name, model):
+def optimizer(name, model, large=False):
+    """Adam, SGD or SGD with momentum; ``large``: learning rates whose steps need the composite splits."""
     if name == "adam":
-        return torch.optim.Adam(model.parameters(), lr=1e-2)
-    return torch.optim.SGD(model.parameters(), lr=1e-1, momentum=0.9 if name == "momentum" else 0.0)
+        return torch.optim.Adam(model.parameters(), lr=5e-2 if large else 1e-2)
+    return torch.optim.SGD(model.parameters(), lr=0.3 if large else 0.1, momentum=0.9 if name == "momentum" else 0.0)
 
 
 @pytest.mark.parametrize("opt_name,kw", [("adam", {}), ("momentum", {}), ("sgd", {}), ("adam", {"myopic": "kv"}), ("adam", {"position_groups": "untied"})])
@@ -423,8 +428,6 @@ def test_loss_parts_sum_to_the_batch_loss():
 def test_type_subsets_equal_the_replays():
     """With type labels on the readout (Othello's squares are typed so), the account's per-type rows equal the
     replay's (``use_readout(types=...)``) to float64 rounding, every type present at each site's position."""
-    from ntpflow.replay.from_account import account_rows
-
     start, held = tiny(0), batch(99, 12)[0]
     g = torch.Generator().manual_seed(7)
     labels = {"a": torch.randint(0, 3, (12, T), generator=g), "b": torch.randint(0, 2, (12, T), generator=g)}
@@ -481,3 +484,54 @@ def test_jobs_take_the_gpus_in_turn():
     assert job_devices("cuda", 5, gpus=2) == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
     assert job_devices("cpu", 3) == ["cpu"] * 3
     assert job_devices("cuda:1", 2, gpus=1) == ["cuda:1"] * 2
+
+
+def trained(opt_name, steps):
+    """θ* of ``steps`` training steps from ``tiny(0)``."""
+    model = tiny(0)
+    opt = optimizer(opt_name, model, large=True)
+    for tokens, mask in steps:
+        train_step(model, opt, tokens, mask)
+    return model
+
+
+@pytest.mark.parametrize("opt_name", ["adam", "momentum", "sgd"])
+def test_replay_account_settles_as_the_tracker_and_gives_its_rows(opt_name):
+    """The replay's account (``ReplayAccount``, what ``attribute`` runs) judges each step by the probes' risks as the
+    tracker's exact reading does: large steps that reach the composite splits, type subsets; the same bits, the same
+    rule at every step (the counters), every row within 1e-9 of its probe's largest row at that step (the account
+    contracts ⟨w, ṙ⟩ with ⟨w, r⟩ and ⟨w, r*⟩ apart, the tracker with their difference)."""
+    steps = [batch(10 + t, 6) for t in range(6)]
+    held = batch(99, 12)[0]
+    g = torch.Generator().manual_seed(7)
+    labels = {"a": torch.randint(0, 3, (12, T), generator=g)}
+    final_model = trained(opt_name, steps)
+    probes = [Probe(s, name, torch.randn(D, generator=g, dtype=torch.float64)) for s in SITES for name in "ab"]
+    tracker = InfluenceTracker(copy.deepcopy(final_model), probes)
+    tracker.use_readout(held, types=labels)
+    model = tiny(0)
+    opt = optimizer(opt_name, model, large=True)
+    want = {}
+    for tokens, mask in steps:
+        for r in tracker.track(model, opt, tokens, mask):
+            want[tuple(r[k] for k in ROW_KEY)] = r["value"]
+        tracker.optimizer_step(model, opt)
+    with torch.no_grad():
+        resid = final_model(held, return_resid=True, myopic="none")[1]
+    final = {s: resid[s.layer][:, s.pos] for s in SITES}
+    model = tiny(0)
+    account = ReplayAccount(model, optimizer(opt_name, model, large=True), probes, held, final, types=labels)
+    for tokens, mask in steps:
+        account.train_step(tokens, mask)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), final_model.parameters()))
+    assert (account.refined, account.subdivided, account.evaluations) == (
+        tracker.refined, tracker.subdivided, tracker.evaluations)
+    assert tracker.subdivided > 0  # the test reaches the composite rules
+    got = account_rows(account.chunks, final, account.own, account.names, probes, labels)
+    assert len(got) == len(want)
+    scale: dict = {}  # the largest |row| of each probe at each step: the two paths round relative to it
+    for key, value in want.items():
+        scale[key[:4]] = max(scale.get(key[:4], 0.0), abs(value))
+    for r in got:
+        key = tuple(r[k] for k in ROW_KEY)
+        assert r["value"] == pytest.approx(want[key], rel=0, abs=1e-9 * scale[key[:4]]), key
