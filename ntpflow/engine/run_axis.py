@@ -141,11 +141,12 @@ class RunAxisTracker:
         ro_tokens = torch.stack([a.rule.tokens for a in accounts])  # [R, N, n_pos]
         if first._resid is None:  # θ_0 (or a resumed step) of every member: a plain forward on its readout set
             def start(params, ro_tokens):
-                return self._call(params, stack, lambda m: [
-                    r for r in first._site_resid(Primals(m, ro_tokens, first.top_layer)).values()])
+                return self._call(params, stack, lambda m: list(
+                    first._site_resid(Primals(m, ro_tokens, first.top_layer)).values()))
 
+            resid = _vmapped(start)(params, ro_tokens)  # per site [R, N, d]
             for r, a in enumerate(accounts):
-                a._resid = dict(zip(first.sites, (x[r] for x in _vmapped(start)(params, ro_tokens))))
+                a._resid = {s: x[r] for s, x in zip(first.sites, resid)}
         for a in accounts:
             a._lr = lr
             a._begin_step()

@@ -147,7 +147,7 @@ class MemberReplay:
         self.account: ReplayAccount | None = None
         if self.held is not None:
             self.account = ReplayAccount(self.model, self.opt, self.probes_on, self.held, self.r_star,
-                                         sgd_rows=self.sgd_rows, types=self.held_types, on_chunk=self._chunk)
+                                         sgd_rows=self.sgd_rows, types=self.held_types, on_chunk=self._on_chunk)
             sites = self.account.sites
             d = self.model.cfg.d_model
             self.totals = {s: torch.zeros((2, len(self.account.names), d, d), dtype=torch.float64,
@@ -173,7 +173,7 @@ class MemberReplay:
         assert tracking is not None
         return tracking
 
-    def _chunk(self, first: int, tensors: dict[str, torch.Tensor]) -> None:
+    def _on_chunk(self, first: int, tensors: dict[str, torch.Tensor]) -> None:
         """The account's chunk of one step: its rows (and its matrices' share)."""
         assert self.account is not None
         self.record(account_rows([(first, tensors)], self.r_star, self.account.own, self.account.names,
@@ -195,7 +195,7 @@ class MemberReplay:
         if self.annotate is not None:  # a token-only training set: the batch's types from its tokens
             ft = torch.as_tensor(self.annotate(tokens.cpu().numpy()).feature_types, device=self.dev).long()
             types = {n: ft[..., j] for n, j in self.type_index.items()}
-        if self.account is not None:  # the rows arrive through _chunk
+        if self.account is not None:  # the rows arrive through _on_chunk
             self._passes = self.account.account_step(tokens, mask)
         else:
             assert self.tracker is not None
