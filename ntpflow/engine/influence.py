@@ -374,9 +374,9 @@ class InfluenceTracker:
         next level's points, and after the last level with the composite rules: the step split into ``pieces[0]``,
         ``pieces[1]``, … equal parts (up to the last), the last level's points on each, while each split after the
         first at least halves the worst risk's excess over its tolerance (:meth:`Readout.settles`). A step that
-        settles earlier is integrated exactly as without them. A replay of one run takes the same rule through its
-        account (``ntpflow.engine.replay_account``, which also keeps the influence matrices); the run-axis replay
-        through this tracker (``ntpflow.engine.run_axis``)."""
+        settles earlier is integrated exactly as without them. ``attribute`` (alone or over a run axis) takes the
+        same rule through each run's account (``ntpflow.engine.replay_account``, which also keeps the influence
+        matrices); this reading stays for a loop of one's own and as the tests' independent path."""
         if len(tokens) < 2:
             raise ValueError("the readout set needs at least 2 sequences (R_c is a variance)")
         n_pos = max(s.pos for s in self.sites) + 1
@@ -615,7 +615,7 @@ class InfluenceTracker:
         points(step, s): the readout set's ``Primals`` at θ − s·step (``step`` flat [n_params], as subtracted), each
         call on its own weights; final_proj: θ*'s projections on the readout set [N, n_probes]; w [n_probes,
         d_model]; ``update``: advance the first moments (the first rule of a step; a refinement reads them). Free of
-        host syncs without ``types``, so it runs under ``torch.func.vmap`` over a run axis."""
+        host syncs without ``types``."""
         shared_dirs, scale, sgd = self._shared_directions(passes.full, lr, adam, update)
         step = shared_dirs[-1] if adam is not None else lr * passes.full  # the real step, as subtracted
         risks, end = self._readout_risks(points(step, 1.0), final_proj, types, w)
