@@ -249,7 +249,7 @@ class ExactAccount(InfluenceTracker):
         if self.clip is not None:
             norm = passes.full.norm()
             passes = _Clipped(passes, torch.clamp(self.clip / (norm + 1e-6), max=1.0))
-        self._lr = lr = group["lr"]
+        lr = group["lr"]
         step: AdamStep | MomentumStep | None = None
         if own in ("adam", "adamw"):
             m_full, m_sites = self._moments(passes.full)
@@ -269,7 +269,7 @@ class ExactAccount(InfluenceTracker):
         return self._m_full, self._m_sites
 
     def _account_step(self, passes, lr: float, adam, decay: torch.Tensor | None) -> None:
-        self._begin_step()
+        self._begin_step(lr)
         previous = math.inf
         for level, (n, pieces) in enumerate(self.rule.rules):
             sink: dict[Site, dict[str, torch.Tensor]] = {}
@@ -280,9 +280,11 @@ class ExactAccount(InfluenceTracker):
             previous = excess
         self._end_step(sink, end, level)
 
-    def _begin_step(self) -> None:
-        """Before a step: the readout's residuals at its start (θ_0's, or a resumed step's, by a plain forward unless
-        set already; later starts are the previous end), their sizes at θ_0, and a new chunk if none is running."""
+    def _begin_step(self, lr: float) -> None:
+        """Before a step of learning rate ``lr`` (the SGD rows' scale): the readout's residuals at its start (θ_0's, or
+        a resumed step's, by a plain forward unless set already; later starts are the previous end), their sizes at
+        θ_0, and a new chunk if none is running."""
+        self._lr = lr
         if self._resid is None:
             self._resid = self._site_resid(Primals(self.model, self.rule.tokens, self.top_layer))
         if not self._norms:

@@ -148,8 +148,7 @@ class RunAxisTracker:
             for r, a in enumerate(accounts):
                 a._resid = {s: x[r] for s, x in zip(first.sites, resid)}
         for a in accounts:
-            a._lr = lr
-            a._begin_step()
+            a._begin_step(lr)
         settled: list = [None] * len(accounts)  # per member: (sink, end, level) of the rule it settled at
         previous = [math.inf] * len(accounts)
         for level, (n, pieces) in enumerate(first.rule.rules):
